@@ -1,0 +1,16 @@
+"""Lifecycle manager: jobs of bounded and unbounded pipelines, the ledger, the
+checkpoint coordinator and recovery."""
+
+from lifecycle.coordinator import Coordinator
+from lifecycle.job import Job, JobFailedError, JobResult, PipelineState
+from lifecycle.ledger import Checkpoint, FileLedger
+
+__all__ = [
+    "Checkpoint",
+    "Coordinator",
+    "FileLedger",
+    "Job",
+    "JobFailedError",
+    "JobResult",
+    "PipelineState",
+]

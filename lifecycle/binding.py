@@ -1,0 +1,111 @@
+"""The PySpark binding: the pre-commit of a micro-batch (the barrier).
+
+Spark calls the batch handler (a ``foreachBatch`` function, which runs in the
+driver's Python process) once per micro-batch. For each sink it runs one Spark
+job: ``mapInArrow`` over the batch, where every task writes its partition from
+Arrow record batches and prepares it, returning one committable; ``collect()``
+brings the committables back, and the coordinator records them in the ledger
+before the handler returns, i.e. before Spark writes ``commits/<batch>``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+from pyspark import TaskContext
+from pyspark.sql import DataFrame
+
+from lifecycle.coordinator import Coordinator
+from sinks import _faults
+from sinks.base import Committable, JobScope, Sink, WriteContext
+
+log = logging.getLogger("lifecycle.binding")
+
+_OUT = pa.schema([pa.field("committable", pa.string())])
+BatchHandler = Callable[[DataFrame, int], None]
+
+
+class PrecommitTask:
+    """The executor-side function of ``mapInArrow``: write a partition, prepare it.
+
+    Picklable (it holds only the sink's configuration and ids)."""
+
+    def __init__(self, sink: Sink, scope: JobScope, run: int, batch_id: int, schema: pa.Schema):
+        self.sink, self.scope, self.run, self.batch_id, self.schema = (
+            sink,
+            scope,
+            run,
+            batch_id,
+            schema,
+        )
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        tc = TaskContext.get()
+        assert tc is not None, "PrecommitTask runs inside a Spark task"
+        ctx = WriteContext(
+            self.scope, self.run, self.batch_id, tc.partitionId(), tc.taskAttemptId()
+        )
+        number = tc.attemptNumber()
+        writer = self.sink.open_writer(ctx, self.schema)
+        try:
+            for i, batch in enumerate(batches):
+                writer.write(batch)
+                if i == 0:
+                    _faults.hit("executor.write", batch=self.batch_id, attempt=number)
+            committable = writer.prepare()
+            if committable is not None:
+                _faults.hit("executor.prepared", batch=self.batch_id, attempt=number)
+        finally:
+            writer.close()
+        out = [json.dumps(committable)] if committable is not None else []
+        yield pa.RecordBatch.from_arrays([pa.array(out, pa.string())], schema=_OUT)
+
+
+def precommit(
+    df: DataFrame, sink: Sink, scope: JobScope, run: int, batch_id: int, schema: pa.Schema
+) -> list[Committable]:
+    """Write ``df`` through ``sink`` on the executors; return the committables."""
+    cols = sink.partition_columns()
+    if cols:
+        df = df.repartition(*cols)
+    task = PrecommitTask(sink, scope, run, batch_id, schema)
+    rows = df.mapInArrow(task, "committable string").collect()
+    return [json.loads(r[0]) for r in rows]
+
+
+def batch_handler(
+    coordinator: Coordinator,
+    pipeline: str,
+    sinks: list[Sink],
+    schema: pa.Schema,
+    on_batch: Callable[[int], None] | None = None,
+) -> BatchHandler:
+    """The ``foreachBatch`` function of one pipeline."""
+
+    def handle(df: DataFrame, batch_id: int) -> None:
+        if on_batch is not None:
+            on_batch(batch_id)
+        committables: dict[str, list[Committable]] = {}
+        cached = len(sinks) > 1
+        if cached:
+            df = df.persist()  # every sink writes the same rows
+        try:
+            for sink in sinks:
+                scope = JobScope(coordinator.job, pipeline, sink.sink_id)
+                committables[sink.sink_id] = precommit(
+                    df, sink, scope, coordinator.run, batch_id, schema
+                )
+            _faults.hit("driver.before_record", batch=batch_id)
+            coordinator.register(pipeline, batch_id, committables)
+        except BaseException:
+            coordinator.abort_unregistered(pipeline, committables)
+            raise
+        finally:
+            if cached:
+                df.unpersist()
+        _faults.hit("driver.after_record", batch=batch_id)
+
+    return handle

@@ -1,0 +1,212 @@
+"""The checkpoint coordinator: registers committables, takes checkpoints,
+commits, and recovers. This module is where the recovery rules live.
+
+Commit path: ``register`` (from the batch handler, before Spark may write its
+commit-log entry) -> ``checkpoint`` (cut = highest Spark-completed pending
+batch per pipeline; the decision is written to the ledger) -> each sink's
+``commit`` (idempotent, retried) -> ``ledger.complete`` -> ``forget`` and a sweep
+of orphans at or below the cut.
+
+Recovery rules (``recover``, run at every start before any query starts):
+
+1. A decided checkpoint is finished first: its decision is final.
+2. Pending batches that Spark completed (``commits/N`` exists) commit, in a
+   checkpoint of kind ``recovery``: Spark will never replay them.
+3. Pending batches Spark did not complete are aborted and dropped: Spark
+   replays them with the same batch id and the same rows.
+4. Every prepared transaction of this job's sinks that no ledger entry owns is
+   aborted (failed or speculative task attempts, a crash between prepare and
+   registration, zombies of an earlier run).
+
+During a run, each checkpoint also sweeps orphans of batches at or below its
+cut, and of earlier runs, so late zombies do not linger until the next start.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from lifecycle.ledger import Checkpoint, FileLedger
+from lifecycle.spark_log import SparkCommitLog
+from sinks import _faults
+from sinks.base import Committable, JobScope, Sink
+from sinks.errors import ConfigError
+from sinks.naming import TxnName
+
+log = logging.getLogger("lifecycle.coordinator")
+
+
+@dataclass
+class PipelineSinks:
+    """What the coordinator knows of one pipeline."""
+
+    name: str
+    sinks: dict[str, Sink]
+    commit_log: SparkCommitLog
+
+
+def sink_label(pipeline: str, sink_id: str) -> str:
+    """How a sink is named in results, totals and the ledger."""
+    return f"{pipeline}/{sink_id}"
+
+
+class Coordinator:
+    """Lives in the driver; one per job run."""
+
+    def __init__(self, job: str, ledger: FileLedger, pipelines: Iterable[PipelineSinks]) -> None:
+        self.job = job
+        self.ledger = ledger
+        self.pipelines = {p.name: p for p in pipelines}
+        self.run = ledger.run
+        self._checkpointing = threading.Lock()  # one checkpoint at a time
+        self.checkpoints_taken: list[Checkpoint] = []
+
+    # -- registration (batch handler threads) -------------------------------------
+
+    def register(
+        self, pipeline: str, batch_id: int, committables: dict[str, list[Committable]]
+    ) -> None:
+        """Durably record every committable of (pipeline, batch) before the batch
+        handler returns, i.e. before Spark writes ``commits/<batch_id>``."""
+        stale = self.ledger.pending().get(pipeline, {}).get(batch_id)
+        if stale:
+            # Spark re-ran a batch we already registered: the earlier attempt's
+            # work is superseded (Spark never completed it).
+            log.warning(
+                "batch %d of %s re-run by Spark: aborting its earlier attempt", batch_id, pipeline
+            )
+            self._abort_batch(pipeline, stale)
+        self.ledger.record_batch(pipeline, batch_id, committables)
+
+    def abort_unregistered(self, pipeline: str, committables: dict[str, list[Committable]]) -> None:
+        """Abort work of a batch that failed before registration (best effort)."""
+        try:
+            self._abort_batch(pipeline, committables)
+        except Exception:
+            log.exception(
+                "could not abort the work of a failed batch of %s; the next "
+                "checkpoint or start sweeps it",
+                pipeline,
+            )
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def completed_cut(self) -> dict[str, int]:
+        """Per pipeline, the highest pending batch that Spark has completed."""
+        cut: dict[str, int] = {}
+        for p, batches in self.ledger.pending().items():
+            latest = self._pipeline(p).commit_log.latest()
+            done = [b for b in batches if b <= latest]
+            if done:
+                cut[p] = max(done)
+        return cut
+
+    def checkpoint(self, kind: str = "periodic", finished: Iterable[str] = ()) -> Checkpoint | None:
+        """Take a checkpoint of everything Spark has completed and commit it.
+
+        Returns None when there is nothing to commit and nothing newly finished
+        (a periodic checkpoint then records nothing)."""
+        finished = sorted(set(finished) - self.ledger.finished())
+        with self._checkpointing:
+            cut = self.completed_cut()
+            if not cut and not finished and kind in ("periodic", "recovery"):
+                return None
+            cp = self.ledger.decide(kind, cut, finished)
+            return self._commit(cp)
+
+    def _commit(self, cp: Checkpoint) -> Checkpoint:
+        """Commit a decided checkpoint. Safe to call again after a crash."""
+        pending = self.ledger.pending()
+        groups: dict[tuple[str, str], list[Committable]] = {}
+        for p, last in cp.cut.items():
+            for b, sinks in sorted(pending.get(p, {}).items()):
+                if b <= last:
+                    for sid, cs in sinks.items():
+                        groups.setdefault((p, sid), []).extend(cs)
+        _faults.hit("driver.before_commit")
+        rows: dict[str, int] = {}
+        for (p, sid), cs in groups.items():
+            self._sink(p, sid).commit(cs)
+            rows[sink_label(p, sid)] = sum(int(c.get("rows", 0)) for c in cs)
+        done = self.ledger.complete(cp, rows)
+        self.checkpoints_taken.append(done)
+        log.info("checkpoint %d (%s) committed: cut %s, rows %s", cp.id, cp.kind, cp.cut, rows)
+        for (p, sid), cs in groups.items():
+            self._sink(p, sid).forget(cs)
+        self._sweep(cp.cut)
+        return done
+
+    def _sweep(self, cut: dict[str, int]) -> None:
+        """Abort orphans of batches at or below ``cut`` and of earlier runs."""
+        owned = self.ledger.owned_txns()
+        run = self.run
+        for p, ps in self.pipelines.items():
+            last = cut.get(p, -1)
+
+            def is_orphan(n: TxnName, last: int = last) -> bool:
+                return str(n) not in owned and (n.run < run or n.batch_id <= last)
+
+            for sid, sink in ps.sinks.items():
+                sink.abort_lingering(JobScope(self.job, p, sid), is_orphan)
+
+    # -- recovery ---------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Apply the recovery rules (module docstring). Idempotent."""
+        decided = self.ledger.decided()
+        if decided is not None:
+            log.warning(
+                "finishing checkpoint %d (%s) decided before the last stop",
+                decided.id,
+                decided.kind,
+            )
+            with self._checkpointing:
+                self._commit(decided)
+        self.settle(kind="recovery")
+
+    def settle(self, kind: str) -> None:
+        """Commit what Spark completed, abort what it did not, sweep everything
+        unowned. Used at start (recovery) and when a run ends or fails."""
+        unknown = set(self.ledger.pending()) - set(self.pipelines)
+        if unknown:
+            raise ConfigError(
+                f"the ledger holds uncommitted work of pipeline(s) {sorted(unknown)} that "
+                "this job does not define; add them back so their work can be committed"
+            )
+        self.checkpoint(kind)
+        for p, batches in self.ledger.pending().items():
+            for b, sinks in sorted(batches.items()):
+                log.info("aborting batch %d of %s: Spark did not complete it and replays it", b, p)
+                self._abort_batch(p, sinks)
+                self.ledger.drop_batches(p, [b])
+        owned = self.ledger.owned_txns()
+        for p, ps in self.pipelines.items():
+            for sid, sink in ps.sinks.items():
+                sink.abort_lingering(JobScope(self.job, p, sid), lambda n: str(n) not in owned)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _pipeline(self, p: str) -> PipelineSinks:
+        try:
+            return self.pipelines[p]
+        except KeyError:
+            raise ConfigError(
+                f"pipeline {p!r} has uncommitted work but is not in this job"
+            ) from None
+
+    def _sink(self, p: str, sid: str) -> Sink:
+        sinks = self._pipeline(p).sinks
+        if sid not in sinks:
+            raise ConfigError(
+                f"pipeline {p!r} has uncommitted work for sink {sid!r}, which it no longer has "
+                f"(its sinks: {sorted(sinks)}); add the sink back (same sink_id) to commit it"
+            )
+        return sinks[sid]
+
+    def _abort_batch(self, p: str, sinks: dict[str, list[Committable]]) -> None:
+        for sid, cs in sinks.items():
+            if cs:
+                self._sink(p, sid).abort(cs)

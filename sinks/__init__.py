@@ -1,0 +1,28 @@
+"""Exactly-once sinks for PySpark: the two-phase protocol and its adapters.
+
+See :mod:`sinks.base` for the protocol every sink implements.
+"""
+
+from sinks.base import Committable, JobScope, Sink, SinkWriter, WriteContext
+from sinks.errors import (
+    CommitError,
+    ConfigError,
+    PreflightError,
+    TransactionLostError,
+    TwoPhaseError,
+)
+from sinks.postgres import PostgresSink
+
+__all__ = [
+    "CommitError",
+    "Committable",
+    "ConfigError",
+    "JobScope",
+    "PostgresSink",
+    "PreflightError",
+    "Sink",
+    "SinkWriter",
+    "TransactionLostError",
+    "TwoPhaseError",
+    "WriteContext",
+]

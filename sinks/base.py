@@ -1,0 +1,137 @@
+"""The two-phase sink protocol shared by every sink.
+
+A sink has two halves that run in different processes:
+
+* Executor side (``open_writer``): a :class:`SinkWriter` is opened for one
+  (job, pipeline, batch, partition, task attempt), fed Arrow record batches as
+  they arrive, and ``prepare()``-d at the end of the task. ``prepare`` makes the
+  written data durable but invisible (a prepared PostgreSQL transaction, a
+  flushed Kafka transaction, staged Parquet files) and returns a small
+  JSON-serialisable **committable** that travels back to the driver.
+* Driver side: ``preflight`` before any data moves, ``commit`` / ``abort`` of
+  committables once the coordinator has decided, ``abort_lingering`` to sweep
+  work that no ledger entry owns (failed or speculative task attempts, a crash
+  before registration), and ``forget`` once the ledger has recorded a commit.
+
+Sinks are pickled and shipped to executors, so they hold configuration only;
+connections are opened inside methods.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from sinks.naming import TxnName
+
+Committable = dict[str, Any]
+"""What ``prepare`` returns: small, JSON-serialisable, self-describing.
+
+Every committable carries at least ``"txn"`` (its transaction name, see
+:class:`sinks.naming.TxnName`) and ``"rows"`` (rows written)."""
+
+
+@dataclass(frozen=True)
+class JobScope:
+    """Identifies the job, pipeline and sink a sink instance writes for."""
+
+    job: str
+    pipeline: str
+    sink_id: str
+
+    def txn_prefix(self) -> str:
+        """The prefix shared by every transaction name of this scope."""
+        return TxnName.scope_prefix(self.job, self.pipeline, self.sink_id)
+
+
+@dataclass(frozen=True)
+class WriteContext:
+    """Where one executor task writes: scope, run, batch, partition, attempt."""
+
+    scope: JobScope
+    run: int
+    batch_id: int
+    partition: int
+    attempt: int
+
+    def txn_name(self) -> TxnName:
+        return TxnName(
+            job=self.scope.job,
+            pipeline=self.scope.pipeline,
+            sink_id=self.scope.sink_id,
+            run=self.run,
+            batch_id=self.batch_id,
+            partition=self.partition,
+            attempt=self.attempt,
+        )
+
+
+class SinkWriter(abc.ABC):
+    """Executor-side writer for one task attempt."""
+
+    @abc.abstractmethod
+    def write(self, batch: pa.RecordBatch) -> None:
+        """Write one record batch inside the task's transaction."""
+
+    @abc.abstractmethod
+    def prepare(self) -> Committable | None:
+        """Make the written data durable but invisible; return its committable.
+
+        Returns ``None`` when nothing was written (no transaction was opened)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release resources. Unprepared work is rolled back; prepared work is kept."""
+
+
+OrphanTest = Callable[[TxnName], bool]
+"""Decides, for a lingering transaction found by a sink, whether to abort it."""
+
+
+class Sink(abc.ABC):
+    """Driver-side half of a sink and factory of its executor-side writers."""
+
+    #: short kind name used in ids and messages ("postgres", "kafka", "delta")
+    kind: str = "sink"
+
+    @property
+    @abc.abstractmethod
+    def sink_id(self) -> str:
+        """Stable id of this sink within its pipeline (part of transaction names)."""
+
+    def partition_columns(self) -> list[str] | None:
+        """Columns the input must be hash-partitioned by before writing, if any."""
+        return None
+
+    @abc.abstractmethod
+    def preflight(self, schema: pa.Schema) -> None:
+        """Fail fast, with a message that says what to change, when this sink
+        cannot give exactly-once for input of ``schema``."""
+
+    @abc.abstractmethod
+    def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
+        """Open the executor-side writer of one task attempt."""
+
+    @abc.abstractmethod
+    def commit(self, committables: Sequence[Committable]) -> None:
+        """Commit prepared work. Idempotent: committing twice is harmless.
+
+        Retries transient failures; raises :class:`sinks.errors.TransactionLostError`
+        when prepared work is gone without having been committed."""
+
+    @abc.abstractmethod
+    def abort(self, committables: Sequence[Committable]) -> None:
+        """Abort prepared work. Idempotent: aborting what is gone is harmless."""
+
+    @abc.abstractmethod
+    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+        """Abort every prepared transaction of ``scope`` for which ``is_orphan``
+        is true; return the names aborted."""
+
+    def forget(self, committables: Sequence[Committable]) -> None:  # noqa: B027
+        """Drop bookkeeping kept only to make ``commit`` idempotent (called after
+        the ledger has durably recorded that these committables are committed)."""

@@ -1,0 +1,26 @@
+"""Errors raised by sinks and the lifecycle manager."""
+
+from __future__ import annotations
+
+
+class TwoPhaseError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ConfigError(TwoPhaseError):
+    """A bad configuration: the message names what is wrong and what to change."""
+
+
+class PreflightError(TwoPhaseError):
+    """The target cannot give exactly-once as configured; nothing was written."""
+
+
+class TransactionLostError(TwoPhaseError):
+    """Prepared work vanished without having been committed: data would be lost.
+
+    Never swallowed: the job fails and the ledger keeps the decision."""
+
+
+class CommitError(TwoPhaseError):
+    """A commit did not go through after all retries; the decision stays recorded
+    and the next start finishes it."""

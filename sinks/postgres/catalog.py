@@ -1,0 +1,121 @@
+"""Reading and preparing the target: catalog look-ups, preflight, table creation."""
+
+from __future__ import annotations
+
+import psycopg
+import pyarrow as pa
+from psycopg import sql
+
+from sinks.errors import PreflightError
+from sinks.postgres.types import PgColumn, ddl_type, incompatibility
+
+MARKER_DDL = """
+CREATE TABLE IF NOT EXISTS {marker} (
+    gid text PRIMARY KEY,
+    job text NOT NULL,
+    prepared_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+
+def table_columns(conn: psycopg.Connection, schema: str, table: str) -> list[PgColumn] | None:
+    """The table's columns in order, or None when it does not exist."""
+    rows = conn.execute(
+        """
+        SELECT a.attname, t.typname, format_type(a.atttypid, a.atttypmod),
+               a.attnotnull, a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> ''
+          FROM pg_class c
+          JOIN pg_namespace n ON n.oid = c.relnamespace
+          JOIN pg_attribute a ON a.attrelid = c.oid
+          JOIN pg_type t ON t.oid = a.atttypid
+         WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')
+           AND a.attnum > 0 AND NOT a.attisdropped
+         ORDER BY a.attnum
+        """,
+        (schema, table),
+    ).fetchall()
+    if not rows:
+        exists = conn.execute(
+            "SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname = %s AND c.relname = %s",
+            (schema, table),
+        ).fetchone()
+        if exists:
+            raise PreflightError(f"{schema}.{table} exists but is not a table")
+        return None
+    return [PgColumn(r[0], r[1], r[2], bool(r[3]), bool(r[4])) for r in rows]
+
+
+def unique_keys(conn: psycopg.Connection, schema: str, table: str) -> list[set[str]]:
+    """Column sets of the table's unique indexes (usable by ON CONFLICT)."""
+    rows = conn.execute(
+        """
+        SELECT array_agg(a.attname::text)
+          FROM pg_index i
+          JOIN pg_class c ON c.oid = i.indrelid
+          JOIN pg_namespace n ON n.oid = c.relnamespace
+          JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = ANY(i.indkey)
+         WHERE n.nspname = %s AND c.relname = %s AND i.indisunique AND i.indpred IS NULL
+           AND i.indexprs IS NULL
+         GROUP BY i.indexrelid
+        """,
+        (schema, table),
+    ).fetchall()
+    return [set(r[0]) for r in rows]
+
+
+def create_table(
+    conn: psycopg.Connection, ident: sql.Composable, schema: pa.Schema, key: list[str]
+) -> None:
+    cols = [
+        sql.SQL("{} {}{}").format(
+            sql.Identifier(f.name),
+            sql.SQL(ddl_type(f.type)),
+            sql.SQL(" NOT NULL" if f.name in key else ""),
+        )
+        for f in schema
+    ]
+    if key:
+        keys = sql.SQL(", ").join(map(sql.Identifier, key))
+        cols.append(sql.SQL("PRIMARY KEY ({})").format(keys))
+    conn.execute(
+        sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(ident, sql.SQL(", ").join(cols))
+    )
+
+
+def check_columns(
+    where: str, columns: list[PgColumn], schema: pa.Schema, key: list[str]
+) -> list[PgColumn]:
+    """Match DataFrame fields to table columns; return the target column of each
+    field in DataFrame order. Every problem found is reported at once."""
+    by_name = {c.name: c for c in columns}
+    problems: list[str] = []
+    targets: list[PgColumn] = []
+    for f in schema:
+        col = by_name.get(f.name)
+        if col is None:
+            hint = next((c.name for c in columns if c.name.lower() == f.name.lower()), None)
+            problems.append(
+                f"column {f.name!r} is missing from {where}"
+                + (f" (the table has {hint!r}: names are case-sensitive)" if hint else "")
+            )
+            continue
+        why = incompatibility(f.type, col)
+        if why:
+            problems.append(f"column {f.name!r}: {why}")
+        targets.append(col)
+    fed = set(schema.names)
+    for c in columns:
+        if c.name not in fed and c.not_null and not c.has_default:
+            problems.append(
+                f"column {c.name!r} of {where} is NOT NULL without a default, "
+                "and the DataFrame has no such column"
+            )
+    for k in key:
+        if k not in fed:
+            problems.append(f"key column {k!r} is not a column of the DataFrame")
+    if problems:
+        raise PreflightError(
+            f"the DataFrame cannot be written to {where}:\n  - " + "\n  - ".join(problems)
+        )
+    return targets

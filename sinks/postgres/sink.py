@@ -1,0 +1,326 @@
+"""PostgreSQL exactly-once sink: prepared transactions, committed by the driver.
+
+The commit path (driver): :meth:`PostgresSink.commit` issues ``COMMIT PREPARED``
+for every committable. It is idempotent: a gid that is no longer prepared was
+either committed before (its marker row, written inside the prepared
+transaction, is visible) or lost (no marker): the latter raises
+:class:`TransactionLostError`, never silence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import re
+from collections.abc import Sequence
+
+import psycopg
+import pyarrow as pa
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from sinks import _faults
+from sinks._retry import retry_transient
+from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
+from sinks.errors import ConfigError, PreflightError, TransactionLostError
+from sinks.naming import TxnName, check_id
+from sinks.postgres import catalog
+from sinks.postgres.types import wire_type
+from sinks.postgres.writer import PostgresWriter
+
+log = logging.getLogger("sinks.postgres")
+
+_TRANSIENT = (psycopg.OperationalError,)
+
+
+class PostgresSink(Sink):
+    """Writes a pipeline's output into a PostgreSQL table exactly once.
+
+    Args:
+        dsn: libpq connection string or URI, e.g. ``postgresql://app@db:5432/shop``.
+        table: target table, ``"schema.table"`` or ``"table"`` (see ``schema``).
+            Names are quoted identifiers, never SQL.
+        key: upsert by these columns (``INSERT ... ON CONFLICT``) instead of
+            appending; the table needs a unique index on exactly these columns.
+            The input is hash-partitioned by the key so that one key is written
+            by one task per batch (two prepared transactions holding the same
+            key would wait on each other until the commit).
+        schema: schema of ``table`` when ``table`` has no dot (default ``public``).
+        create_table: create the table from the DataFrame schema when missing
+            (with a primary key on ``key``).
+        sink_id: stable id of this sink in its pipeline (part of every gid);
+            default derived from the database and table.
+        marker_table: ``schema.table`` of the commit markers; created on preflight.
+        commit_timeout: seconds a commit or abort keeps retrying transient errors
+            (server restarting, connection refused) before the job fails; the
+            decision stays in the ledger and the next start finishes it.
+        connect_timeout: seconds to wait for a connection.
+    """
+
+    kind = "postgres"
+
+    def __init__(
+        self,
+        dsn: str,
+        table: str,
+        *,
+        key: Sequence[str] | None = None,
+        schema: str | None = None,
+        create_table: bool = False,
+        sink_id: str | None = None,
+        marker_table: str = "twophase.committed_txns",
+        commit_timeout: float = 300.0,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        if not table:
+            raise ConfigError("PostgresSink needs a table name")
+        if schema is None:
+            schema, _, table = table.rpartition(".") if "." in table else ("public", "", table)
+        self.dsn = dsn
+        self.schema = schema
+        self.table = table
+        self.key = list(key or [])
+        self.create_table = create_table
+        self.marker_schema, _, self.marker_name = marker_table.rpartition(".")
+        if not self.marker_schema:
+            raise ConfigError(f"marker_table {marker_table!r} must be 'schema.table'")
+        self.commit_timeout = commit_timeout
+        self.connect_timeout = connect_timeout
+        self._sink_id = check_id("sink_id", sink_id or self._default_id())
+        self._wire: pa.Schema | None = None
+
+    # -- identity ---------------------------------------------------------------
+
+    def _default_id(self) -> str:
+        db = conninfo_to_dict(self.dsn).get("dbname", "")
+        digest = hashlib.sha1(f"{db}\0{self.schema}\0{self.table}".encode()).hexdigest()[:6]
+        readable = re.sub(r"[^A-Za-z0-9_-]", "_", self.table)[:24]
+        return f"pg-{readable}-{digest}"
+
+    @property
+    def sink_id(self) -> str:
+        return self._sink_id
+
+    @property
+    def table_ident(self) -> sql.Composable:
+        return sql.Identifier(self.schema, self.table)
+
+    @property
+    def marker_ident(self) -> sql.Composable:
+        return sql.Identifier(self.marker_schema, self.marker_name)
+
+    def describe(self) -> str:
+        info = conninfo_to_dict(self.dsn)
+        where = f"{info.get('host', 'localhost')}:{info.get('port', 5432)}/{info.get('dbname', '')}"
+        return f"PostgreSQL table {self.schema}.{self.table} at {where}"
+
+    def __repr__(self) -> str:
+        return f"PostgresSink({self.describe()}, key={self.key})"
+
+    def partition_columns(self) -> list[str] | None:
+        return self.key or None
+
+    # -- connections --------------------------------------------------------------
+
+    def connect(self, application_name: str = "twophase") -> psycopg.Connection:
+        return psycopg.connect(
+            self.dsn,
+            autocommit=True,
+            connect_timeout=max(1, int(self.connect_timeout)),
+            application_name=application_name,
+        )
+
+    # -- preflight ----------------------------------------------------------------
+
+    def preflight(self, schema: pa.Schema) -> None:
+        where = f"{self.schema}.{self.table}"
+        try:
+            conn = self.connect(application_name="twophase-preflight")
+        except psycopg.OperationalError as e:
+            raise PreflightError(f"cannot connect to {self.describe()}: {e}".strip()) from e
+        with conn:
+            mpt = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+            if mpt == 0:
+                raise PreflightError(
+                    f"{self.describe()}: max_prepared_transactions is 0, so PostgreSQL "
+                    "cannot prepare transactions and exactly-once is impossible. Set "
+                    "max_prepared_transactions in postgresql.conf to at least the number of "
+                    "Spark tasks that write at once times the batches awaiting commit "
+                    "(e.g. 100), and restart the server."
+                )
+            self._ensure_markers(conn)
+            columns = catalog.table_columns(conn, self.schema, self.table)
+            if columns is None:
+                if not self.create_table:
+                    raise PreflightError(
+                        f"table {where} does not exist ({self.describe()}); create it, "
+                        "or pass create_table=True to PostgresSink"
+                    )
+                catalog.create_table(conn, self.table_ident, schema, self.key)
+                columns = catalog.table_columns(conn, self.schema, self.table)
+                assert columns is not None
+            targets = catalog.check_columns(where, columns, schema, self.key)
+            if self.key and set(self.key) not in catalog.unique_keys(conn, self.schema, self.table):
+                raise PreflightError(
+                    f"upsert by key {self.key} needs a unique index or primary key on exactly "
+                    f"those columns of {where} (INSERT ... ON CONFLICT uses it); create one, "
+                    "e.g. ALTER TABLE ... ADD PRIMARY KEY (...)"
+                )
+        self._wire = pa.schema(
+            [pa.field(f.name, wire_type(f.type, c)) for f, c in zip(schema, targets, strict=True)]
+        )
+
+    def _ensure_markers(self, conn: psycopg.Connection) -> None:
+        for stmt in (
+            sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.marker_schema)),
+            sql.SQL(catalog.MARKER_DDL).format(marker=self.marker_ident),
+        ):
+            try:
+                conn.execute(stmt)
+            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject):
+                pass  # created concurrently by another job: that is fine
+            except psycopg.errors.InsufficientPrivilege as e:
+                raise PreflightError(
+                    f"{self.describe()}: cannot create the commit-marker table "
+                    f"{self.marker_schema}.{self.marker_name} ({e}); create it as an admin "
+                    "or grant CREATE, or pass marker_table= naming a schema you may write"
+                ) from e
+
+    # -- executor side --------------------------------------------------------------
+
+    def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
+        if self._wire is None:
+            raise RuntimeError("PostgresSink.preflight() must run before writers open")
+        return PostgresWriter(self, ctx, self._wire)
+
+    def upsert_statement(self, stage: sql.Composable, names: list[str]) -> sql.Composable:
+        cols = sql.SQL(", ").join(map(sql.Identifier, names))
+        keys = sql.SQL(", ").join(map(sql.Identifier, self.key))
+        others = [n for n in names if n not in self.key]
+        action = (
+            sql.SQL("DO UPDATE SET {}").format(
+                sql.SQL(", ").join(
+                    sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in others
+                )
+            )
+            if others
+            else sql.SQL("DO NOTHING")
+        )
+        # The last row of a key in the partition wins (ctid follows COPY order).
+        return sql.SQL(
+            "INSERT INTO {t} ({cols}) SELECT DISTINCT ON ({keys}) {cols} FROM {s} "
+            "ORDER BY {keys}, ctid DESC ON CONFLICT ({keys}) {action}"
+        ).format(t=self.table_ident, cols=cols, keys=keys, s=stage, action=action)
+
+    # -- driver side: commit, abort, sweep --------------------------------------------
+
+    def _prepared(self, conn: psycopg.Connection, gids: list[str]) -> set[str]:
+        rows = conn.execute(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+            " AND gid = ANY(%s)",
+            (gids,),
+        ).fetchall()
+        return {r[0] for r in rows}
+
+    def commit(self, committables: Sequence[Committable]) -> None:
+        gids = [c["txn"] for c in committables]
+        if gids:
+            retry_transient(
+                lambda: self._commit_once(gids),
+                what=f"commit of {len(gids)} transaction(s) to {self.describe()}",
+                transient=_TRANSIENT,
+                deadline=self.commit_timeout,
+            )
+
+    def _commit_once(self, gids: list[str]) -> None:
+        with self.connect(application_name="twophase-commit") as conn:
+            prepared = self._prepared(conn, gids)
+            missing = [g for g in gids if g not in prepared]
+            if missing:
+                self._check_committed(conn, missing)
+            done = 0
+            for gid in gids:
+                if gid not in prepared:
+                    continue
+                try:
+                    conn.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
+                except psycopg.errors.UndefinedObject:
+                    self._check_committed(conn, [gid])  # committed concurrently, or lost
+                done += 1
+                if done == 1 and len(prepared) > 1:
+                    _faults.hit("driver.mid_commit")
+
+    def _check_committed(self, conn: psycopg.Connection, gids: list[str]) -> None:
+        rows = conn.execute(
+            sql.SQL("SELECT gid FROM {} WHERE gid = ANY(%s)").format(self.marker_ident), (gids,)
+        ).fetchall()
+        lost = sorted(set(gids) - {r[0] for r in rows})
+        if lost:
+            raise TransactionLostError(
+                f"{self.describe()}: {len(lost)} prepared transaction(s) are gone without "
+                f"having been committed (rolled back by someone else?): {', '.join(lost[:5])}"
+                + (" ..." if len(lost) > 5 else "")
+                + ". Their rows are not in the table; the job stops rather than lose them "
+                "silently. Re-run the affected batches from source to restore them."
+            )
+
+    def abort(self, committables: Sequence[Committable]) -> None:
+        gids = [c["txn"] for c in committables]
+        if gids:
+            retry_transient(
+                lambda: self._rollback(gids),
+                what=f"abort of {len(gids)} transaction(s) in {self.describe()}",
+                transient=_TRANSIENT,
+                deadline=self.commit_timeout,
+            )
+
+    def _rollback(self, gids: list[str]) -> None:
+        with self.connect(application_name="twophase-abort") as conn:
+            for gid in sorted(self._prepared(conn, gids)):
+                with contextlib.suppress(psycopg.errors.UndefinedObject):  # already gone
+                    conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+
+    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+        def sweep() -> list[str]:
+            with self.connect(application_name="twophase-recover") as conn:
+                rows = conn.execute(
+                    "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+                    " AND starts_with(gid, %s)",
+                    (scope.txn_prefix(),),
+                ).fetchall()
+            orphans = []
+            for (gid,) in rows:
+                name = TxnName.parse(gid)
+                if name is not None and is_orphan(name):
+                    orphans.append(gid)
+            if orphans:
+                self._rollback(orphans)
+            return orphans
+
+        aborted = retry_transient(
+            sweep,
+            what=f"sweep of lingering transactions in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+        if aborted:
+            log.info("rolled back %d lingering prepared transaction(s): %s", len(aborted), aborted)
+        return aborted
+
+    def forget(self, committables: Sequence[Committable]) -> None:
+        gids = [c["txn"] for c in committables]
+        if not gids:
+            return
+        try:
+            with self.connect(application_name="twophase-cleanup") as conn:
+                conn.execute(
+                    sql.SQL("DELETE FROM {} WHERE gid = ANY(%s)").format(self.marker_ident),
+                    (gids,),
+                )
+        except psycopg.OperationalError as e:  # harmless: markers are only bookkeeping
+            log.warning(
+                "could not delete %d commit markers (%s); they are harmless bookkeeping rows",
+                len(gids),
+                e,
+            )

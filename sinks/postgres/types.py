@@ -1,0 +1,128 @@
+"""Arrow <-> PostgreSQL type mapping for binary COPY.
+
+Binary COPY carries no type information: the bytes of each field must be in
+the exact binary format of the target column's type. So every Arrow column is
+cast to a *wire type* chosen from the target column's PostgreSQL type before
+``pgpq`` encodes it. The cast is checked (an int64 that does not fit an int4
+column is an error, never a silent wrap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+# PostgreSQL type (pg_type.typname) -> Arrow type whose pgpq binary encoding
+# that column accepts. numeric is handled separately (precision follows the data).
+_WIRE: dict[str, pa.DataType] = {
+    "bool": pa.bool_(),
+    "int2": pa.int16(),
+    "int4": pa.int32(),
+    "int8": pa.int64(),
+    "float4": pa.float32(),
+    "float8": pa.float64(),
+    "text": pa.string(),
+    "varchar": pa.string(),
+    "bpchar": pa.string(),
+    "bytea": pa.binary(),
+    "date": pa.date32(),
+    "timestamp": pa.timestamp("us"),
+    "timestamptz": pa.timestamp("us", tz="UTC"),
+}
+
+SUPPORTED_PG_TYPES = sorted([*_WIRE, "numeric"])
+
+_INTS = ("int2", "int4", "int8")
+_FLOATS = ("float4", "float8")
+_TEXT = ("text", "varchar", "bpchar")
+
+
+def _source_kind(t: pa.DataType) -> str | None:
+    if pa.types.is_boolean(t):
+        return "bool"
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_floating(t):
+        return "float"
+    if pa.types.is_decimal(t):
+        return "decimal"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "binary"
+    if pa.types.is_date(t):
+        return "date"
+    if pa.types.is_timestamp(t):
+        return "timestamp"
+    return None
+
+
+# source kind -> PostgreSQL column types it may be written to
+_COMPATIBLE: dict[str, tuple[str, ...]] = {
+    "bool": ("bool",),
+    "int": (*_INTS, *_FLOATS, "numeric"),
+    "float": _FLOATS,
+    "decimal": ("numeric", *_FLOATS),
+    "string": _TEXT,
+    "binary": ("bytea",),
+    "date": ("date", "timestamp", "timestamptz"),
+    "timestamp": ("timestamp", "timestamptz"),
+}
+
+# Arrow kind -> column type used when the sink creates the table itself
+_DDL: dict[str, str] = {
+    "bool": "boolean",
+    "float": "double precision",
+    "string": "text",
+    "binary": "bytea",
+    "date": "date",
+    "timestamp": "timestamptz",
+}
+
+
+@dataclass(frozen=True)
+class PgColumn:
+    """A column of the target table as the catalog describes it."""
+
+    name: str
+    typname: str  # pg_type.typname, e.g. "int8"
+    formatted: str  # format_type(), e.g. "character varying(20)"
+    not_null: bool
+    has_default: bool
+
+
+def incompatibility(source: pa.DataType, column: PgColumn) -> str | None:
+    """Why a ``source`` Arrow column cannot be written to ``column``; None if it can."""
+    kind = _source_kind(source)
+    if kind is None:
+        return f"the DataFrame type {source} is not supported by this sink"
+    if column.typname not in SUPPORTED_PG_TYPES:
+        return (
+            f"the column type {column.formatted} is not supported by this sink "
+            f"(supported: {', '.join(SUPPORTED_PG_TYPES)})"
+        )
+    if column.typname not in _COMPATIBLE[kind]:
+        return f"the DataFrame has {source}, which cannot be written to {column.formatted}"
+    return None
+
+
+def wire_type(source: pa.DataType, column: PgColumn) -> pa.DataType:
+    """The Arrow type ``source`` is cast to before binary encoding for ``column``."""
+    if column.typname == "numeric":
+        if pa.types.is_decimal(source):
+            return source
+        return pa.decimal128(38, 0)  # integers
+    return _WIRE[column.typname]
+
+
+def ddl_type(source: pa.DataType) -> str:
+    """The PostgreSQL column type used when creating a table for ``source``."""
+    kind = _source_kind(source)
+    if kind == "int":
+        return {8: "smallint", 16: "smallint", 32: "integer"}.get(source.bit_width, "bigint")
+    if kind == "decimal":
+        return f"numeric({source.precision},{source.scale})"
+    if kind is None:
+        raise ValueError(f"no PostgreSQL type for {source}")
+    return _DDL[kind]

@@ -1,0 +1,112 @@
+"""Executor side of the PostgreSQL sink: binary COPY inside a prepared transaction."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+import pgpq
+import psycopg
+import pyarrow as pa
+from psycopg import sql
+
+from sinks.base import Committable, SinkWriter, WriteContext
+
+if TYPE_CHECKING:
+    from sinks.postgres.sink import PostgresSink
+
+
+class PostgresWriter(SinkWriter):
+    """Writes one task's partition: ``BEGIN``; binary ``COPY`` (append) or COPY
+    into a staging table then ``INSERT ... ON CONFLICT`` (upsert); a marker row;
+    ``PREPARE TRANSACTION '<gid>'``.
+
+    Nothing is opened until the first non-empty batch arrives, so an empty
+    partition costs no connection and leaves no transaction. Record batches are
+    encoded and streamed as they come: memory stays flat for any partition size.
+    """
+
+    def __init__(self, sink: PostgresSink, ctx: WriteContext, wire: pa.Schema) -> None:
+        self._sink = sink
+        self._gid = str(ctx.txn_name())
+        self._job = ctx.scope.job
+        self._wire = wire
+        self._conn: psycopg.Connection | None = None
+        self._copy_cm: Any = None
+        self._copy: Any = None
+        self._encoder: pgpq.ArrowToPostgresBinaryEncoder | None = None
+        self._rows = 0
+        self._prepared = False
+        self._stage: sql.Composable | None = None
+
+    def _columns(self) -> sql.Composable:
+        return sql.SQL(", ").join(sql.Identifier(n) for n in self._wire.names)
+
+    def _begin(self) -> None:
+        sink = self._sink
+        self._conn = conn = sink.connect(application_name="twophase-writer")
+        conn.execute("BEGIN")
+        target = sink.table_ident
+        if sink.key:
+            # A regular (unlogged) table: PREPARE TRANSACTION refuses temp objects.
+            # Created and dropped in this transaction, so no one else ever sees it.
+            digest = hashlib.sha1(self._gid.encode()).hexdigest()[:20]
+            self._stage = sql.Identifier(sink.marker_schema, f"stage_{digest}")
+            conn.execute(sql.SQL("CREATE UNLOGGED TABLE {} (LIKE {})").format(self._stage, target))
+            target = self._stage
+        self._encoder = pgpq.ArrowToPostgresBinaryEncoder(self._wire)
+        self._copy_cm = conn.cursor().copy(
+            sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(target, self._columns())
+        )
+        self._copy = self._copy_cm.__enter__()
+        self._copy.write(self._encoder.write_header())
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows == 0:
+            return
+        if self._conn is None:
+            self._begin()
+        assert self._encoder is not None
+        wire = pa.RecordBatch.from_arrays(
+            [
+                col.cast(t, safe=True)
+                for col, t in zip(batch.columns, self._wire.types, strict=True)
+            ],
+            schema=self._wire,
+        )
+        self._copy.write(self._encoder.write_batch(wire))
+        self._rows += batch.num_rows
+
+    def prepare(self) -> Committable | None:
+        if self._conn is None:
+            return None
+        assert self._encoder is not None
+        conn, sink = self._conn, self._sink
+        self._copy.write(self._encoder.finish())
+        cm, self._copy_cm = self._copy_cm, None
+        cm.__exit__(None, None, None)
+        if self._stage is not None:
+            conn.execute(sink.upsert_statement(self._stage, self._wire.names))
+            conn.execute(sql.SQL("DROP TABLE {}").format(self._stage))
+        conn.execute(
+            sql.SQL("INSERT INTO {} (gid, job) VALUES (%s, %s)").format(sink.marker_ident),
+            (self._gid, self._job),
+        )
+        conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(self._gid)))
+        self._prepared = True
+        return {"txn": self._gid, "rows": self._rows}
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            if self._copy_cm is not None:
+                # leaving the COPY block with an error ends the COPY on the server
+                self._copy_cm.__exit__(RuntimeError, RuntimeError("task failed"), None)
+        except Exception:
+            pass
+        finally:
+            # An unprepared transaction dies with its connection (rolled back);
+            # a prepared one lives on in the server until COMMIT/ROLLBACK PREPARED.
+            conn.close()
