@@ -34,22 +34,21 @@ class PrecommitTask:
     Picklable (it holds only the sink's configuration and ids)."""
 
     def __init__(self, sink: Sink, scope: JobScope, run: int, batch_id: int, schema: pa.Schema):
-        self.sink, self.scope, self.run, self.batch_id, self.schema = (
-            sink,
-            scope,
-            run,
-            batch_id,
-            schema,
-        )
+        self.sink = sink
+        self.scope = scope
+        self.run = run
+        self.batch_id = batch_id
+        self.schema = schema
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         tc = TaskContext.get()
         assert tc is not None, "PrecommitTask runs inside a Spark task"
-        ctx = WriteContext(
-            self.scope, self.run, self.batch_id, tc.partitionId(), tc.taskAttemptId()
-        )
         number = tc.attemptNumber()
+        ctx = WriteContext(
+            self.scope, self.run, self.batch_id, tc.partitionId(), tc.taskAttemptId(), number
+        )
         writer = self.sink.open_writer(ctx, self.schema)
+        failed = True
         try:
             for i, batch in enumerate(batches):
                 writer.write(batch)
@@ -58,8 +57,9 @@ class PrecommitTask:
             committable = writer.prepare()
             if committable is not None:
                 _faults.hit("executor.prepared", batch=self.batch_id, attempt=number)
+            failed = False
         finally:
-            writer.close()
+            writer.close(failed=failed)
         out = [json.dumps(committable)] if committable is not None else []
         yield pa.RecordBatch.from_arrays([pa.array(out, pa.string())], schema=_OUT)
 

@@ -126,7 +126,7 @@ class Coordinator:
                 if b <= last:
                     for sid, cs in sinks.items():
                         groups.setdefault((p, sid), []).extend(cs)
-        _faults.hit("driver.before_commit")
+        _faults.hit("driver.before_commit", batch=max(cp.cut.values(), default=None))
         rows: dict[str, int] = {}
         for (p, sid), cs in groups.items():
             self._sink(p, sid).commit(cs)

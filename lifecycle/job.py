@@ -27,7 +27,7 @@ from lifecycle.coordinator import Coordinator, PipelineSinks, sink_label
 from lifecycle.ledger import FileLedger
 from lifecycle.spark_log import SparkCommitLog
 from sinks.base import Sink
-from sinks.errors import ConfigError, TwoPhaseError
+from sinks.errors import ConfigError, PreflightError, TwoPhaseError
 from sinks.naming import check_id
 
 log = logging.getLogger("lifecycle.job")
@@ -203,53 +203,61 @@ class Job:
         when a sink cannot give exactly-once."""
         if not self._pipelines:
             raise ConfigError(f"job {self.name!r} has no pipelines")
+        if self.spark.conf.get("spark.speculation", "false").lower() == "true":
+            raise ConfigError(
+                "spark.speculation is on: a task retry could not tell a failed attempt from "
+                "a speculative one still running, so exactly-once sinks refuse it; set "
+                "spark.speculation=false for this job"
+            )
         self.state_dir.mkdir(parents=True, exist_ok=True)
         ledger = FileLedger(self.state_dir / "ledger", self.name)
         self._running = True
         self._stop_requested = False
-        listener = _Wakeup(self._wake)
         try:
-            ledger.begin_run()
-            coord = Coordinator(
-                self.name,
-                ledger,
-                [
-                    PipelineSinks(
-                        p.name,
-                        {s.sink_id: s for s in p.sinks},
-                        SparkCommitLog(self._spark_location(p.name)),
-                    )
-                    for p in self._pipelines.values()
-                ],
-            )
-            self._check_spark_state(ledger)
-            for p in self._pipelines.values():
-                for s in p.sinks:
-                    s.preflight(p.schema)
-            coord.recover()
-            for name in ledger.finished() & set(self._pipelines):
-                log.info("pipeline %s finished in an earlier run: not run again", name)
-                self._pipelines[name].state = PipelineState.FINISHED
-            self.spark.streams.addListener(listener)
-            try:
-                for p in self._pipelines.values():
-                    if p.state is PipelineState.RUNNING:
-                        p.query = self._start(p, coord)
-                stopped = self._loop(coord)
-            except JobFailedError:
-                raise
-            except TwoPhaseError as e:
-                self._stop_queries()
-                raise JobFailedError(f"job {self.name!r} failed: {e}") from e
-            except BaseException:
-                self._stop_queries()
-                raise
-            finally:
-                self.spark.streams.removeListener(listener)
-            return self._result(coord, stopped)
+            return self._run(ledger)
+        except (JobFailedError, ConfigError, PreflightError):
+            raise
+        except TwoPhaseError as e:
+            raise JobFailedError(f"job {self.name!r} failed: {e}") from e
         finally:
             self._running = False
             ledger.close()
+
+    def _run(self, ledger: FileLedger) -> JobResult:
+        ledger.begin_run()
+        coord = Coordinator(
+            self.name,
+            ledger,
+            [
+                PipelineSinks(
+                    p.name,
+                    {s.sink_id: s for s in p.sinks},
+                    SparkCommitLog(self._spark_location(p.name)),
+                )
+                for p in self._pipelines.values()
+            ],
+        )
+        self._check_spark_state(ledger)
+        for p in self._pipelines.values():
+            for s in p.sinks:
+                s.preflight(p.schema)
+        coord.recover()
+        for name in ledger.finished() & set(self._pipelines):
+            log.info("pipeline %s finished in an earlier run: not run again", name)
+            self._pipelines[name].state = PipelineState.FINISHED
+        listener = _Wakeup(self._wake)
+        self.spark.streams.addListener(listener)
+        try:
+            for p in self._pipelines.values():
+                if p.state is PipelineState.RUNNING:
+                    p.query = self._start(p, coord)
+            stopped = self._loop(coord)
+        except BaseException:
+            self._stop_queries()
+            raise
+        finally:
+            self.spark.streams.removeListener(listener)
+        return self._result(coord, stopped)
 
     def _check_spark_state(self, ledger: FileLedger) -> None:
         """Refuse to start a pipeline whose Spark checkpoint vanished after it
@@ -300,7 +308,8 @@ class Job:
                 p for p in self._pipelines.values() if p.state is PipelineState.FINISHED_LOGIC
             ]
             if all(p.state is not PipelineState.RUNNING for p in self._pipelines.values()):
-                coord.checkpoint("final", finished=[p.name for p in done_logic])
+                if done_logic:  # else: every pipeline had finished in an earlier run
+                    coord.checkpoint("final", finished=[p.name for p in done_logic])
                 for p in done_logic:
                     p.state = PipelineState.FINISHED
                 return False

@@ -57,6 +57,9 @@ class WriteContext:
     batch_id: int
     partition: int
     attempt: int
+    """Spark's task attempt id: unique within a Spark application"""
+    attempt_number: int = 0
+    """0 for the first attempt of a partition, >0 for retries"""
 
     def txn_name(self) -> TxnName:
         return TxnName(
@@ -84,8 +87,10 @@ class SinkWriter(abc.ABC):
         Returns ``None`` when nothing was written (no transaction was opened)."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Release resources. Unprepared work is rolled back; prepared work is kept."""
+    def close(self, failed: bool = False) -> None:
+        """Release resources. Unprepared work is rolled back. Prepared work is kept,
+        unless ``failed``: the task failed after ``prepare`` (its output will never
+        be used), so its prepared work is aborted now rather than by a later sweep."""
 
 
 OrphanTest = Callable[[TxnName], bool]

@@ -54,6 +54,10 @@ class TxnName:
             f"r{self.run}.b{self.batch_id}.p{self.partition}.a{self.attempt}"
         )
 
+    def partition_prefix(self) -> str:
+        """The prefix shared by every attempt of this (run, batch, partition)."""
+        return str(self)[: -len(str(self.attempt))]
+
     @staticmethod
     def scope_prefix(job: str, pipeline: str, sink_id: str) -> str:
         return f"tp1.{job}.{pipeline}.{sink_id}."

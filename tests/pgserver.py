@@ -102,7 +102,14 @@ class PostgresServer:
     port picked at the first ``start()`` and kept for later starts.
     """
 
-    def __init__(self, datadir: str | Path | None = None, port: int | None = None) -> None:
+    def __init__(
+        self,
+        datadir: str | Path | None = None,
+        port: int | None = None,
+        settings: dict[str, str] | None = None,
+    ) -> None:
+        """``settings`` override or extend ``SERVER_SETTINGS``."""
+        self.settings = {**SERVER_SETTINGS, **(settings or {})}
         self.bindir: Path = find_pg_bindir()
         self.port: int | None = port
         self._as_root = os.geteuid() == 0
@@ -202,7 +209,7 @@ class PostgresServer:
         if self.port is None:
             self.port = free_port()
         opts = [f"-p {self.port}", f"-k {shlex.quote(str(self.sockdir))}"]
-        opts += [f"-c {k}={v}" for k, v in SERVER_SETTINGS.items()]
+        opts += [f"-c {k}={v}" for k, v in self.settings.items()]
         self._run(
             "pg_ctl",
             "-D",

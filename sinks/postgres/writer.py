@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,9 @@ class PostgresWriter(SinkWriter):
 
     def __init__(self, sink: PostgresSink, ctx: WriteContext, wire: pa.Schema) -> None:
         self._sink = sink
-        self._gid = str(ctx.txn_name())
+        self._name = ctx.txn_name()
+        self._gid = str(self._name)
+        self._retry = ctx.attempt_number > 0
         self._job = ctx.scope.job
         self._wire = wire
         self._conn: psycopg.Connection | None = None
@@ -45,6 +48,8 @@ class PostgresWriter(SinkWriter):
     def _begin(self) -> None:
         sink = self._sink
         self._conn = conn = sink.connect(application_name="twophase-writer")
+        if self._retry:
+            self._abort_earlier_attempts(conn)
         conn.execute("BEGIN")
         target = sink.table_ident
         if sink.key:
@@ -60,6 +65,19 @@ class PostgresWriter(SinkWriter):
         )
         self._copy = self._copy_cm.__enter__()
         self._copy.write(self._encoder.write_header())
+
+    def _abort_earlier_attempts(self, conn: psycopg.Connection) -> None:
+        """A retry runs only after Spark gave up on the earlier attempts of this
+        partition (speculation is refused by the Job), so their prepared work will
+        never be used. Roll it back now: it may hold keys this attempt writes."""
+        rows = conn.execute(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+            " AND starts_with(gid, %s) AND gid <> %s",
+            (self._name.partition_prefix(), self._gid),
+        ).fetchall()
+        for (gid,) in rows:
+            with contextlib.suppress(psycopg.errors.UndefinedObject):
+                conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
 
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
@@ -96,11 +114,13 @@ class PostgresWriter(SinkWriter):
         self._prepared = True
         return {"txn": self._gid, "rows": self._rows}
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         conn, self._conn = self._conn, None
         if conn is None:
             return
         try:
+            if failed and self._prepared:
+                conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(self._gid)))
             if self._copy_cm is not None:
                 # leaving the COPY block with an error ends the COPY on the server
                 self._copy_cm.__exit__(RuntimeError, RuntimeError("task failed"), None)

@@ -1,0 +1,153 @@
+"""Crash tests: SIGKILL the driver process at every phase of the commit
+protocol, restart it with the same state_dir, and check exactly-once.
+
+Each test runs ``tests/jobs/pg_job.py`` as a real driver process (its own JVM
+and Python workers). The fault is injected through ``TWOPHASE_FAULT`` (see
+``sinks/_faults.py``): the process under test kills itself (or, from an
+executor, kills the driver) at the named point. The first run must die by
+SIGKILL (proving the point was reached); the second run, with no fault, must
+exit 0 and leave every input row in the table exactly once and no prepared
+transaction of the job behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from lifecycle.ledger import read_ledger
+from tests.conftest import write_input
+from tests.pgcheck import assert_exactly_once, job_prepared
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "tests" / "jobs" / "pg_job.py"
+pytestmark = pytest.mark.crash
+
+
+def run_job(
+    dsn: str,
+    state: Path,
+    inp: Path,
+    *,
+    fault: str | None = None,
+    interval: float = 0.0,
+    files_per_batch: int = 1,
+    key: str | None = None,
+    timeout: float = 240,
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop("TWOPHASE_FAULT", None)
+    if fault:
+        env["TWOPHASE_FAULT"] = fault
+    cmd = [
+        sys.executable,
+        str(JOB),
+        "--dsn",
+        dsn,
+        "--state",
+        str(state),
+        "--input",
+        str(inp),
+        "--interval",
+        str(interval),
+        "--files-per-batch",
+        str(files_per_batch),
+    ]
+    if key:
+        cmd += ["--key", key]
+    log = state.parent / f"job-{'fault' if fault else 'clean'}.log"
+    with open(log, "a") as out:
+        proc = subprocess.run(
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    proc.stdout = log.read_text()
+    return proc
+
+
+def _create(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8)")
+
+
+def _crash_and_recover(dsn: str, tmp: Path, fault: str, **kw: object) -> None:
+    n = write_input(tmp / "in", files=6, rows_per_file=150)
+    _create(dsn)
+    state = tmp / "state"
+    first = run_job(dsn, state, tmp / "in", fault=fault, **kw)  # type: ignore[arg-type]
+    assert first.returncode == -signal.SIGKILL, (
+        f"the fault {fault} did not kill the driver (exit {first.returncode}):\n"
+        + first.stdout[-3000:]
+    )
+    second = run_job(dsn, state, tmp / "in", **kw)  # type: ignore[arg-type]
+    assert second.returncode == 0, second.stdout[-5000:]
+    assert_exactly_once(dsn, "orders", n)
+    assert job_prepared(dsn, "crash") == []
+    doc = read_ledger(state)
+    assert doc is not None and doc["pending"] == {} and doc["decided"] is None
+    assert doc["finished"] == ["load"]
+
+
+CRASH_POINTS = {
+    "while executors write": "executor.write@2=kill-driver",
+    "after prepare, before the ledger record": "driver.before_record@2=kill",
+    "after the ledger record, before Spark's commit log": "driver.after_record@2=kill",
+    "after Spark's commit log, before our commit": "driver.before_commit@2=kill",
+}
+
+
+@pytest.mark.parametrize("point", list(CRASH_POINTS), ids=list(CRASH_POINTS))
+def test_crash_at_each_phase(pg_dsn: str, tmp_path: Path, point: str) -> None:
+    _crash_and_recover(pg_dsn, tmp_path, CRASH_POINTS[point])
+
+
+def test_crash_in_the_middle_of_committing(pg_dsn: str, tmp_path: Path) -> None:
+    """Several transactions per checkpoint (2 files per batch, grouped batches):
+    the driver dies after the first COMMIT PREPARED of a checkpoint."""
+    _crash_and_recover(pg_dsn, tmp_path, "driver.mid_commit=kill", interval=3.0, files_per_batch=2)
+
+
+@pytest.mark.parametrize("fault", ["driver.after_record@3=kill", "driver.before_commit=kill"])
+def test_crash_with_grouped_checkpoints(pg_dsn: str, tmp_path: Path, fault: str) -> None:
+    _crash_and_recover(pg_dsn, tmp_path, fault, interval=2.0)
+
+
+@pytest.mark.parametrize(
+    ("action", "evidence"),
+    [("raise", "injected fault at executor.prepared"), ("kill", "exited unexpectedly")],
+)
+def test_task_fails_after_prepare_and_is_retried(
+    pg_dsn: str, tmp_path: Path, action: str, evidence: str
+) -> None:
+    """Every first task attempt fails after PREPARE TRANSACTION (an exception, or
+    its Python worker is SIGKILLed); Spark retries it. The retry writes the same
+    keys (the table has a primary key), so the failed attempt's prepared
+    transaction must be rolled back, not left to block the retry or to commit."""
+    n = write_input(tmp_path / "in", files=4, rows_per_file=100)
+    _create(pg_dsn)
+    proc = run_job(
+        pg_dsn,
+        tmp_path / "state",
+        tmp_path / "in",
+        fault=f"executor.prepared#0={action}",
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    assert evidence in proc.stdout  # the failure happened
+    assert_exactly_once(pg_dsn, "orders", n)
+    assert job_prepared(pg_dsn, "crash") == []
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert sum(result["rows"].values()) == n

@@ -1,0 +1,99 @@
+"""The PostgreSQL server misbehaves between pre-commit and commit."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from pyspark.sql.pandas.types import to_arrow_schema
+
+from lifecycle import Job, JobFailedError
+from lifecycle.ledger import read_ledger
+from sinks import PostgresSink, PreflightError, TransactionLostError, _faults
+from tests.conftest import write_input
+from tests.pgcheck import assert_exactly_once, job_prepared
+from tests.pgserver import PostgresServer
+from tests.sparkutil import INPUT_SCHEMA
+
+
+def _job(spark, dsn: str, tmp: Path, name: str) -> Job:  # type: ignore[no-untyped-def]
+    df = spark.readStream.schema(INPUT_SCHEMA).json(str(tmp / "in"))  # one batch
+    job = Job(spark, name, tmp / "state", checkpoint_interval=0)
+    job.add_pipeline("load", df, [PostgresSink(dsn, "orders", commit_timeout=60)], bounded=True)
+    return job
+
+
+def _create(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8)")
+
+
+def test_commit_waits_for_a_restarting_server(spark, pg_server, pg_dsn, tmp_path, caplog):  # type: ignore[no-untyped-def]
+    if pg_server is None:
+        pytest.skip("needs the test-managed PostgreSQL server (TWOPHASE_PG_DSN is set)")
+    n = write_input(tmp_path / "in", files=3, rows_per_file=200)
+    _create(pg_dsn)
+    events: dict[str, float] = {}
+
+    def restart_later() -> None:
+        time.sleep(4)
+        pg_server.start()
+        events["started"] = time.monotonic()
+
+    def stop_server() -> None:
+        events["prepared"] = len(job_prepared(pg_dsn, "restart"))
+        pg_server.stop("fast")
+        events["stopped"] = time.monotonic()
+        threading.Thread(target=restart_later, daemon=True).start()
+
+    _faults.register("driver.before_commit", stop_server)
+    caplog.set_level(logging.WARNING, logger="sinks.retry")
+    try:
+        _job(spark, pg_dsn, tmp_path, "restart").run()
+    finally:
+        _faults.clear()
+        if not pg_server.is_running():
+            pg_server.start()
+    assert events["prepared"] >= 1  # pre-committed, server then stopped
+    assert "started" in events  # the commit could only succeed after the restart
+    assert any("retrying" in r.getMessage() for r in caplog.records)
+    assert_exactly_once(pg_dsn, "orders", n)
+    assert job_prepared(pg_dsn, "restart") == []
+
+
+def test_a_lost_transaction_is_an_error_never_silence(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    """Someone rolls the prepared transactions back before the commit."""
+    write_input(tmp_path / "in", files=2, rows_per_file=50)
+    _create(pg_dsn)
+
+    def sabotage() -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            for gid in job_prepared(pg_dsn, "lost"):
+                c.execute(f"ROLLBACK PREPARED '{gid}'")
+
+    _faults.register("driver.before_commit", sabotage)
+    try:
+        with pytest.raises(JobFailedError, match="gone without having been committed") as e:
+            _job(spark, pg_dsn, tmp_path, "lost").run()
+    finally:
+        _faults.clear()
+    assert isinstance(e.value.__cause__, TransactionLostError)
+    doc = read_ledger(tmp_path / "state")
+    assert doc is not None and doc["decided"] is not None  # the decision is kept
+    with pytest.raises(JobFailedError, match="gone without having been committed"):
+        _job(spark, pg_dsn, tmp_path, "lost").run()  # and a restart does not hide it
+
+
+def test_preflight_refuses_a_server_without_prepared_transactions(spark, tmp_path):  # type: ignore[no-untyped-def]
+    server = PostgresServer(settings={"max_prepared_transactions": "0"})
+    server.start()
+    try:
+        schema = to_arrow_schema(INPUT_SCHEMA)
+        with pytest.raises(PreflightError, match="max_prepared_transactions is 0"):
+            PostgresSink(server.dsn(), "orders", create_table=True).preflight(schema)
+    finally:
+        server.cleanup()
