@@ -1,0 +1,183 @@
+"""The coordinator's recovery rules, against a ledger and Spark commit logs on disk.
+
+The sink here is a recording implementation of our own protocol (it keeps a
+set of "prepared" names in memory), so every decision can be observed
+directly; the PostgreSQL sink runs the same rules in the crash tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from lifecycle.coordinator import Coordinator, PipelineSinks
+from lifecycle.ledger import FileLedger
+from lifecycle.spark_log import SparkCommitLog
+from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
+from sinks.errors import ConfigError
+from sinks.naming import TxnName
+
+
+class RecordingSink(Sink):
+    kind = "recording"
+
+    def __init__(self) -> None:
+        self.prepared: set[str] = set()
+        self.committed: list[str] = []
+        self.aborted: list[str] = []
+
+    @property
+    def sink_id(self) -> str:
+        return "s"
+
+    def preflight(self, schema: pa.Schema) -> None:
+        pass
+
+    def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
+        raise NotImplementedError
+
+    def commit(self, committables: Sequence[Committable]) -> None:
+        for c in committables:
+            if c["txn"] in self.prepared:
+                self.prepared.discard(c["txn"])
+                self.committed.append(c["txn"])
+            else:
+                assert c["txn"] in self.committed, f"{c['txn']} lost"
+
+    def abort(self, committables: Sequence[Committable]) -> None:
+        for c in committables:
+            if c["txn"] in self.prepared:
+                self.prepared.discard(c["txn"])
+                self.aborted.append(c["txn"])
+
+    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+        gone = []
+        for name in sorted(self.prepared):
+            n = TxnName.parse(name)
+            if n and name.startswith(scope.txn_prefix()) and is_orphan(n):
+                gone.append(name)
+        self.abort([{"txn": g} for g in gone])
+        return gone
+
+
+def txn(batch: int, part: int = 0, run: int = 1, attempt: int = 0) -> str:
+    return str(TxnName("j", "p", "s", run, batch, part, attempt))
+
+
+def spark_completed(loc: Path, upto: int) -> None:
+    (loc / "commits").mkdir(parents=True, exist_ok=True)
+    (loc / "metadata").write_text("{}")
+    for b in range(upto + 1):
+        (loc / "commits" / str(b)).write_text("v1\n{}")
+
+
+@dataclass
+class World:
+    """One pipeline ``p`` with one recording sink, a ledger and a Spark checkpoint."""
+
+    sink: RecordingSink
+    ledger: FileLedger
+    loc: Path
+
+    def coordinator(self) -> Coordinator:
+        return Coordinator(
+            "j", self.ledger, [PipelineSinks("p", {"s": self.sink}, SparkCommitLog(self.loc))]
+        )
+
+    def register(self, batch: int, parts: int = 2) -> list[str]:
+        names = [txn(batch, i) for i in range(parts)]
+        self.sink.prepared.update(names)
+        self.ledger.record_batch("p", batch, {"s": [{"txn": n, "rows": 1} for n in names]})
+        return names
+
+    def spark_completed(self, upto: int) -> None:
+        spark_completed(self.loc, upto)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    ledger = FileLedger(tmp_path / "ledger", "j")
+    ledger.begin_run()
+    return World(RecordingSink(), ledger, tmp_path / "spark")
+
+
+def test_spark_completed_batches_commit_and_the_rest_abort(world: World) -> None:
+    sink = world.sink
+    ledger = world.ledger
+    b0, b1, b2 = world.register(0), world.register(1), world.register(2)
+    world.spark_completed(1)  # Spark wrote commits/0 and commits/1, not commits/2
+    world.coordinator().recover()
+    assert sorted(sink.committed) == sorted(b0 + b1)
+    assert sorted(sink.aborted) == sorted(b2)
+    assert ledger.pending() == {} and ledger.decided() is None
+    assert [cp.kind for cp in ledger.history()] == ["recovery"]
+    assert ledger.history()[0].cut == {"p": 1}
+
+
+def test_a_decided_checkpoint_is_finished_first(world: World) -> None:
+    sink = world.sink
+    ledger = world.ledger
+    b0 = world.register(0)
+    world.spark_completed(0)
+    cp = ledger.decide("periodic", {"p": 0}, [])
+    sink.commit([{"txn": b0[0]}])  # crash in the middle of committing
+    world.coordinator().recover()
+    assert sorted(sink.committed) == sorted(b0)
+    assert [c.id for c in ledger.history()] == [cp.id]
+    assert ledger.history()[0].kind == "periodic"
+
+
+def test_unowned_prepared_work_is_swept(world: World) -> None:
+    sink = world.sink
+    owned = world.register(0)
+    # a failed attempt of batch 0, a crash before registration of batch 1,
+    # a zombie of an earlier run
+    orphans = [txn(0, 0, attempt=9), txn(1, 0), txn(0, 0, run=0)]
+    sink.prepared.update(orphans)
+    world.spark_completed(0)
+    world.coordinator().recover()
+    assert sorted(sink.committed) == sorted(owned)
+    assert sorted(sink.aborted) == sorted(orphans)
+    assert sink.prepared == set()
+
+
+def test_checkpoint_sweeps_only_at_or_below_its_cut(world: World) -> None:
+    sink = world.sink
+    world.register(0)
+    in_flight = txn(1, 0)  # batch 1 is being written: not an orphan yet
+    failed = txn(0, 1, attempt=7)
+    sink.prepared.update([in_flight, failed])
+    world.spark_completed(0)
+    cp = world.coordinator().checkpoint()
+    assert cp is not None and cp.cut == {"p": 0}
+    assert failed in sink.aborted and in_flight in sink.prepared
+
+
+def test_nothing_to_commit_records_no_periodic_checkpoint(world: World) -> None:
+    ledger = world.ledger
+    world.register(0)
+    assert world.coordinator().checkpoint() is None  # Spark has not completed batch 0
+    assert ledger.history() == []
+
+
+def test_work_of_an_unknown_pipeline_stops_recovery(world: World) -> None:
+    ledger = world.ledger
+    ledger.record_batch("gone", 0, {"s": [{"txn": "x", "rows": 1}]})
+    with pytest.raises(ConfigError, match="gone"):
+        world.coordinator().recover()
+
+
+def test_reregistered_batch_aborts_the_earlier_attempt(world: World) -> None:
+    sink = world.sink
+    ledger = world.ledger
+    first = world.register(0)
+    coord = world.coordinator()
+    again = [txn(0, 0, attempt=5)]
+    sink.prepared.update(again)
+    coord.register("p", 0, {"s": [{"txn": again[0], "rows": 1}]})
+    assert sorted(sink.aborted) == sorted(first)
+    assert ledger.owned_txns() == set(again)
