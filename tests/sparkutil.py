@@ -25,6 +25,7 @@ def make_spark(app: str, master: str = "local[2,2]") -> SparkSession:
         SparkSession.builder.master(master)
         .appName(app)
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.default.parallelism", "2")
         .config("spark.sql.streaming.schemaInference", "false")

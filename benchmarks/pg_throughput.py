@@ -1,0 +1,197 @@
+"""Throughput of the exactly-once PostgreSQL sink against plain autocommit COPY.
+
+Both variants run the same Spark job in the same SparkSession on the same
+input (Parquet files read as a bounded stream, available-now trigger):
+
+* baseline: ``foreachBatch`` + ``mapInArrow``, each task streaming its
+  partition through binary COPY (pgpq) in an autocommit transaction:
+  at-least-once, no prepare, no ledger;
+* exactly-once: a :class:`lifecycle.Job` with a :class:`sinks.PostgresSink`
+  (COPY + PREPARE TRANSACTION on executors, ledger, COMMIT PREPARED).
+
+Runs alternate (baseline, exactly-once, baseline, ...) and the median of each
+is reported, with the ratio exactly-once / baseline throughput.
+
+    python benchmarks/pg_throughput.py [--rows N] [--files F] [--repeat R] [--dsn DSN]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pgpq  # noqa: E402
+import psycopg  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from pyspark.sql import DataFrame, SparkSession  # noqa: E402
+
+from lifecycle import Job  # noqa: E402
+from sinks import PostgresSink  # noqa: E402
+
+DDL = "CREATE TABLE {t} (id bigint, name text, amount float8, qty integer)"
+
+
+def make_input(directory: Path, rows: int, files: int) -> pa.Schema:
+    directory.mkdir(parents=True)
+    per = rows // files
+    for f in range(files):
+        start = f * per
+        n = per if f < files - 1 else rows - start
+        ids = pa.array(range(start, start + n), pa.int64())
+        table = pa.table(
+            {
+                "id": ids,
+                "name": pa.array([f"customer-{i % 1000}" for i in range(start, start + n)]),
+                "amount": pa.array([i * 0.25 for i in range(start, start + n)], pa.float64()),
+                "qty": pa.array([i % 50 for i in range(start, start + n)], pa.int32()),
+            }
+        )
+        pq.write_table(table, directory / f"part-{f:04d}.parquet")
+    return table.schema
+
+
+def _copy_task(dsn: str, table: str):  # type: ignore[no-untyped-def]
+    def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        encoder = None
+        n = 0
+        with (
+            psycopg.connect(dsn, autocommit=True) as conn,
+            conn.cursor().copy(
+                f"COPY {table} (id, name, amount, qty) FROM STDIN (FORMAT BINARY)"
+            ) as copy,
+        ):
+            for b in batches:
+                if encoder is None:
+                    encoder = pgpq.ArrowToPostgresBinaryEncoder(b.schema)
+                    copy.write(encoder.write_header())
+                copy.write(encoder.write_batch(b))
+                n += b.num_rows
+            if encoder is not None:
+                copy.write(encoder.finish())
+        yield pa.RecordBatch.from_pydict({"n": [n]})
+
+    return task
+
+
+def run_baseline(spark: SparkSession, src: DataFrame, dsn: str, table: str, ckpt: Path) -> float:
+    task = _copy_task(dsn, table)
+
+    def each(df: DataFrame, _batch: int) -> None:
+        df.mapInArrow(task, "n long").collect()
+
+    t0 = time.perf_counter()
+    q = (
+        src.writeStream.foreachBatch(each)
+        .option("checkpointLocation", str(ckpt))
+        .trigger(availableNow=True)
+        .start()
+    )
+    q.awaitTermination()
+    return time.perf_counter() - t0
+
+
+def run_exactly_once(
+    spark: SparkSession, src: DataFrame, dsn: str, table: str, state: Path, interval: float
+) -> float:
+    job = Job(spark, "bench", state, checkpoint_interval=interval)
+    job.add_pipeline("load", src, [PostgresSink(dsn, table)], bounded=True)
+    t0 = time.perf_counter()
+    job.run()
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=2_000_000)
+    ap.add_argument("--files", type=int, default=20)
+    ap.add_argument("--files-per-batch", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--interval", type=float, default=0.0, help="checkpoint_interval")
+    ap.add_argument("--dsn", help="PostgreSQL DSN (default: start a private server)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    work = Path(tempfile.mkdtemp(prefix="twophase-bench-"))
+    server = None
+    dsn = args.dsn
+    if dsn is None:
+        from tests.pgserver import PostgresServer
+
+        server = PostgresServer()
+        server.start()
+        dsn = server.dsn()
+    try:
+        make_input(work / "in", args.rows, args.files)
+        spark = (
+            SparkSession.builder.master("local[2]")
+            .appName("twophase-bench")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .getOrCreate()
+        )
+        spark.sparkContext.setLogLevel("ERROR")
+        schema = spark.read.parquet(str(work / "in")).schema
+
+        def source() -> DataFrame:
+            return (
+                spark.readStream.schema(schema)
+                .option("maxFilesPerTrigger", args.files_per_batch)
+                .parquet(str(work / "in"))
+            )
+
+        times: dict[str, list[float]] = {"baseline": [], "exactly-once": []}
+        with psycopg.connect(dsn, autocommit=True) as c:
+            for r in range(-1, args.repeat):  # run -1 warms up the JVM, not counted
+                for variant in times:
+                    table = f"bench_{variant.replace('-', '_')}_{r + 1}"
+                    c.execute(DDL.format(t=table))
+                    where = work / f"{variant}-{r + 1}"
+                    if variant == "baseline":
+                        secs = run_baseline(spark, source(), dsn, table, where)
+                    else:
+                        secs = run_exactly_once(spark, source(), dsn, table, where, args.interval)
+                    count = c.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+                    assert count == args.rows, f"{variant}: {count} rows, expected {args.rows}"
+                    if r >= 0:
+                        times[variant].append(secs)
+                    label = "warm-up" if r < 0 else f"run {r}"
+                    rate = args.rows / secs
+                    print(
+                        f"{label:<8} {variant:<13} {secs:6.2f} s {rate:>10,.0f} rows/s", flush=True
+                    )
+                    c.execute(f"DROP TABLE {table}")
+        spark.stop()
+        base = statistics.median(times["baseline"])
+        eo = statistics.median(times["exactly-once"])
+        batches = -(-args.files // args.files_per_batch)
+        print()
+        print(
+            f"{args.rows:,} rows, {batches} micro-batches, checkpoint_interval={args.interval}, "
+            f"median of {args.repeat}"
+        )
+        print("| variant | seconds | rows/s | throughput vs baseline |")
+        print("| --- | ---: | ---: | ---: |")
+        print(f"| autocommit COPY (at-least-once) | {base:.2f} | {args.rows / base:,.0f} | 1.00 |")
+        print(
+            f"| PostgresSink (exactly-once) | {eo:.2f} | {args.rows / eo:,.0f} | {base / eo:.2f} |"
+        )
+        return 0
+    finally:
+        if server is not None:
+            server.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
