@@ -194,7 +194,7 @@ class FileLedger:
             return dict(self._doc["totals"])
 
     def owned_txns(self) -> set[str]:
-        """Names of every transaction a pending entry or the decided checkpoint owns."""
+        """Names of every transaction a pending entry owns."""
         with self._mutex:
             return {
                 c["txn"]
