@@ -1,0 +1,280 @@
+"""The few raw Kafka protocol calls the sink needs, over kafka-python's client.
+
+kafka-python's producer can only end a transaction it began itself, and its
+``init_transactions()`` aborts whatever is open, so the driver speaks the
+protocol directly: FindCoordinator (key type transaction), EndTxn with a
+prepared transaction's (transactional id, producer id, epoch), InitProducerId
+to fence and abort, Metadata for partition leaders, and Fetch at
+``read_uncommitted`` to read raw record batches (control batches included).
+
+Everything goes through one :class:`kafka.KafkaAdminClient` and its connection
+manager. kafka-python internals used (kafka-python 3.0.x; 2.x has a different
+network layer and these names do not exist there):
+
+* ``KafkaAdminClient._manager`` (``kafka.net.manager.KafkaConnectionManager``):
+  ``run(coro)``, ``send(request, node_id=...)``, ``broker_version_data``,
+  ``cluster.add_coordinator(...)``, ``cluster.brokers()``;
+* the request classes of ``kafka.protocol`` (public, generated from the
+  Kafka JSON schemas) and ``kafka.record.MemoryRecords`` to parse batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import kafka.errors as Errors
+from kafka import KafkaAdminClient
+from kafka.protocol.consumer import FetchRequest
+from kafka.protocol.metadata import (
+    CoordinatorType,
+    FindCoordinatorRequest,
+    MetadataRequest,
+)
+from kafka.protocol.producer import EndTxnRequest, InitProducerIdRequest
+from kafka.record import MemoryRecords
+
+log = logging.getLogger("sinks.kafka")
+
+#: kafka-python configuration keys that are about reaching the cluster (security,
+#: client id, timeouts) and so apply to the admin connection as well.
+_CLIENT_KEYS = frozenset(KafkaAdminClient.DEFAULT_CONFIG) - {"bootstrap_servers", "kafka_client"}
+
+# Fetch v13+ names topics by id; v12 (Kafka 2.7+) still names them, and every
+# broker since Kafka 0.11 that speaks transactions answers it.
+_FETCH_MAX_VERSION = 12
+# EndTxn v5 / InitProducerId v5+ belong to transactions v2 (KIP-890/KIP-939):
+# stay on the v1 protocol the producer itself uses.
+_END_TXN_MAX_VERSION = 3
+_INIT_PID_MAX_VERSION = 4
+
+
+def client_config(producer_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The part of a producer configuration that also applies to an admin client."""
+    return {k: v for k, v in (producer_config or {}).items() if k in _CLIENT_KEYS}
+
+
+@dataclass(frozen=True)
+class RawPartition:
+    """One Fetch answer for a partition: raw record bytes and offsets."""
+
+    records: bytes
+    high_watermark: int
+    log_start_offset: int
+
+
+class KafkaWire:
+    """A connection to a cluster for raw protocol requests (driver and tests).
+
+    Not thread-safe for concurrent use by design of the callers (one checkpoint
+    at a time); kafka-python's manager itself is safe to call from any thread.
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str | list[str],
+        *,
+        config: dict[str, Any] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.timeout_ms = int(timeout_s * 1000)
+        settings: dict[str, Any] = {"client_id": "twophase", **client_config(config)}
+        settings.update(
+            bootstrap_servers=bootstrap_servers,
+            request_timeout_ms=self.timeout_ms,
+            bootstrap_timeout_ms=self.timeout_ms,
+        )
+        self.admin = KafkaAdminClient(**settings)
+        self._manager: Any = self.admin._manager
+
+    def close(self) -> None:
+        self.admin.close()
+
+    def __enter__(self) -> KafkaWire:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def send(self, request: Any, node_id: Any = None) -> Any:
+        """Send ``request`` to ``node_id`` (any broker if None) and wait for the answer.
+
+        Raises kafka-python errors: ``KafkaConnectionError`` when the broker closed
+        the connection (tansu's answer to a refused EndTxn), ``KafkaTimeoutError``..."""
+        manager = self._manager
+
+        async def call() -> Any:
+            return await manager.send(request, node_id=node_id)
+
+        return manager.run(call)
+
+    def api_version(self, request_class: Any) -> int:
+        """Highest version of ``request_class`` both sides speak (-1 if none)."""
+        try:
+            return int(self._manager.broker_version_data.api_version(request_class))
+        except Errors.IncompatibleBrokerVersion:
+            return -1
+
+    def broker_ids(self) -> list[Any]:
+        return [b.node_id for b in self._manager.cluster.brokers()]
+
+    # -- metadata ----------------------------------------------------------------------
+
+    def partition_leaders(self, topic: str) -> dict[int, int] | None:
+        """``{partition: leader node id}`` of ``topic``; None if it does not exist."""
+        request = MetadataRequest(
+            topics=[MetadataRequest.MetadataRequestTopic(name=topic)],
+            allow_auto_topic_creation=False,
+        )
+        response = self.send(request)
+        for t in response.topics:
+            if t.name != topic:
+                continue
+            error = Errors.for_code(t.error_code)
+            if error is Errors.UnknownTopicOrPartitionError:
+                return None
+            if error is not Errors.NoError:
+                raise error(f"metadata of topic {topic!r}")
+            return {p.partition_index: p.leader_id for p in t.partitions}
+        return None
+
+    # -- transactions ------------------------------------------------------------------
+
+    def find_coordinators(self, transactional_ids: list[str]) -> dict[str, Any]:
+        """``{transactional id: coordinator node id}`` (FindCoordinator, key type 1)."""
+        cluster = self._manager.cluster
+        kind = CoordinatorType.TRANSACTION
+        found: dict[str, Any] = {}
+        if not transactional_ids:
+            return found
+        if self.api_version(FindCoordinatorRequest) >= 4:
+            response = self.send(
+                FindCoordinatorRequest(
+                    key_type=kind.value, coordinator_keys=list(transactional_ids), min_version=4
+                )
+            )
+            for c in response.coordinators:
+                found[c.key] = cluster.add_coordinator(c, kind, c.key, synthesize_node_id=False)
+        else:
+            for tid in transactional_ids:
+                response = self.send(
+                    FindCoordinatorRequest(key=tid, key_type=kind.value, max_version=3)
+                )
+                found[tid] = cluster.add_coordinator(response, kind, tid, synthesize_node_id=False)
+        return found
+
+    def end_txn(
+        self, coordinator: Any, transactional_id: str, producer_id: int, epoch: int, commit: bool
+    ) -> type[Errors.KafkaError]:
+        """Send EndTxn; return the error class of the answer (``NoError`` on success).
+
+        A broker that drops the connection instead of answering (tansu) raises
+        ``KafkaConnectionError``."""
+        response = self.send(
+            EndTxnRequest(
+                transactional_id=transactional_id,
+                producer_id=producer_id,
+                producer_epoch=epoch,
+                committed=commit,
+                max_version=_END_TXN_MAX_VERSION,
+            ),
+            coordinator,
+        )
+        return Errors.for_code(response.error_code)
+
+    def init_producer_id(
+        self, coordinator: Any, transactional_id: str, transaction_timeout_ms: int
+    ) -> tuple[type[Errors.KafkaError], int, int]:
+        """InitProducerId for ``transactional_id``: bumps its epoch, which fences
+        any producer still using it and aborts its open transaction.
+
+        Returns (error class, producer id, new epoch)."""
+        response = self.send(
+            InitProducerIdRequest(
+                transactional_id=transactional_id,
+                transaction_timeout_ms=transaction_timeout_ms,
+                producer_id=-1,
+                producer_epoch=-1,
+                max_version=_INIT_PID_MAX_VERSION,
+            ),
+            coordinator,
+        )
+        return Errors.for_code(response.error_code), response.producer_id, response.producer_epoch
+
+    # -- raw log ------------------------------------------------------------------------
+
+    def fetch(
+        self,
+        leader: Any,
+        topic: str,
+        partition: int,
+        offset: int,
+        max_bytes: int = 4 << 20,
+        max_wait_ms: int = 50,
+    ) -> RawPartition:
+        """One read_uncommitted Fetch of ``topic``/``partition`` from ``offset``."""
+        topic_req = FetchRequest.FetchTopic
+        request = FetchRequest(
+            max_wait_ms=max_wait_ms,
+            min_bytes=1,  # tansu answers min_bytes=0 with no partitions at all
+            max_bytes=max_bytes,
+            isolation_level=0,
+            topics=[
+                topic_req(
+                    topic=topic,
+                    partitions=[
+                        topic_req.FetchPartition(
+                            partition=partition,
+                            fetch_offset=offset,
+                            partition_max_bytes=max_bytes,
+                        )
+                    ],
+                )
+            ],
+            max_version=_FETCH_MAX_VERSION,
+        )
+        response = self.send(request, leader)
+        for t in response.responses:
+            for p in t.partitions:
+                if p.partition_index != partition:
+                    continue
+                error = Errors.for_code(p.error_code)
+                if error is not Errors.NoError:
+                    raise error(f"fetch of {topic}/{partition} at offset {offset}")
+                raw = p.records
+                data = bytes(raw) if raw else b""
+                return RawPartition(data, p.high_watermark, p.log_start_offset)
+        raise Errors.KafkaProtocolError(f"fetch answer has no {topic}/{partition}")
+
+    def batches(
+        self, leader: Any, topic: str, partition: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[Any]:
+        """Every record batch (data and control) of a partition from ``start`` up to
+        ``stop`` (default: the high watermark at the first fetch), in offset order.
+
+        Yields kafka-python ``DefaultRecordBatch`` objects, which expose
+        ``base_offset``, ``next_offset``, ``producer_id``, ``producer_epoch``,
+        ``is_transactional`` and ``is_control_batch``."""
+        offset = start
+        while stop is None or offset < stop:
+            part = self.fetch(leader, topic, partition, offset)
+            if stop is None:
+                stop = part.high_watermark
+            if offset < part.log_start_offset:
+                offset = part.log_start_offset
+            progressed = False
+            for batch in MemoryRecords(part.records):
+                if batch.next_offset <= offset:
+                    continue  # a batch that begins before the requested offset
+                yield batch
+                offset = batch.next_offset
+                progressed = True
+                if offset >= stop:
+                    return
+            if not progressed:
+                return  # nothing more below the high watermark

@@ -1,0 +1,223 @@
+"""Executor side of the Kafka sink: one transactional producer per task attempt.
+
+Life of a writer (nothing is opened for an empty partition):
+
+1. first non-empty batch: a ``KafkaProducer`` with ``transactional_id`` =
+   the task's transaction name (deterministic, optionally prefixed);
+   ``init_transactions()`` (a fresh id: nothing to abort), ``begin_transaction()``,
+   the id is announced in the registry topic and flushed (see
+   :mod:`sinks.kafka.registry`);
+2. ``write``: keys, values and headers are built column-wise from Arrow; every
+   row is sent with an explicit partition (murmur2 of the key, as Kafka's
+   default partitioner, or round-robin per Arrow batch for keyless rows);
+3. ``prepare``: ``flush()``, fail if any send failed, and return the committable
+   with the producer id and epoch, without committing or aborting;
+4. ``close``: after ``prepare`` the producer is closed with ``timeout=0``, which
+   stops its I/O thread without any EndTxn (kafka-python 3.0 never aborts on
+   close; the Java client, and possibly other kafka-python versions, abort on a
+   graceful close, and a forced close skips that path). ``close(failed=True)``
+   after ``prepare``, and any close before it, abort the transaction (best
+   effort, bounded; the driver's sweep aborts what this misses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+from kafka import KafkaProducer
+from kafka.partitioner.default import murmur2
+
+from sinks.base import Committable, SinkWriter, WriteContext
+from sinks.kafka import encode
+from sinks.kafka.registry import announcement
+
+if TYPE_CHECKING:
+    from sinks.kafka.sink import KafkaSink
+
+log = logging.getLogger("sinks.kafka")
+
+_ABORT_TIMEOUT_S = 30.0
+
+
+def producer_ids(producer: KafkaProducer) -> tuple[int, int]:
+    """(producer id, epoch) of a transactional producer (kafka-python internal
+    ``_transaction_manager.producer_id_and_epoch``, present in 2.x and 3.x)."""
+    tm = getattr(producer, "_transaction_manager", None)
+    pe = getattr(tm, "producer_id_and_epoch", None)
+    if pe is None:
+        raise RuntimeError(
+            "this kafka-python version does not expose the producer id and epoch "
+            "(KafkaProducer._transaction_manager.producer_id_and_epoch); use kafka-python 3.0"
+        )
+    return int(pe.producer_id), int(pe.epoch)
+
+
+class KafkaWriter(SinkWriter):
+    """Writes one task's partition into one Kafka transaction and prepares it."""
+
+    def __init__(self, sink: KafkaSink, ctx: WriteContext, schema: pa.Schema) -> None:
+        self._sink = sink
+        self._txn = str(ctx.txn_name())
+        self._tid = sink.transactional_id(ctx.txn_name())
+        self._schema = schema
+        self._spark_partition = ctx.partition
+        self._producer: KafkaProducer | None = None
+        self._partitions: list[int] = []
+        self._round_robin = 0
+        self._first: dict[int, Any] = {}  # kafka partition -> future of its first record
+        self._last: dict[int, Any] = {}  # kafka partition -> future of its latest record
+        self._errors: list[BaseException] = []
+        self._rows = 0
+        self._prepared = False
+
+    # -- opening ----------------------------------------------------------------------
+
+    def _begin(self) -> KafkaProducer:
+        sink = self._sink
+        producer = KafkaProducer(**sink.producer_settings(self._tid))
+        self._producer = producer
+        producer.init_transactions()
+        producer.begin_transaction()
+        if sink.registry_topic:
+            producer.send(
+                sink.registry_topic, key=self._tid.encode(), value=announcement(sink.topic)
+            ).get(timeout=sink.flush_timeout)
+        partitions = producer.partitions_for(sink.topic)
+        if not partitions:
+            raise RuntimeError(f"Kafka topic {sink.topic!r} has no partitions (does it exist?)")
+        self._partitions = sorted(partitions)
+        self._round_robin = self._spark_partition % len(self._partitions)
+        return producer
+
+    # -- writing ----------------------------------------------------------------------
+
+    def _on_error(self, exc: BaseException) -> None:
+        self._errors.append(exc)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows == 0:
+            return
+        producer = self._producer or self._begin()
+        sink = self._sink
+        n = batch.num_rows
+        keys: list[bytes | None] = (
+            encode.to_bytes(batch.column(sink.key)) if sink.key else [None] * n
+        )
+        values = (
+            encode.to_bytes(batch.column(sink.value)) if sink.value else encode.json_rows(batch)
+        )
+        headers = self._headers(batch)
+        parts = self._partition_of(keys)
+        send, topic, on_error = producer.send, sink.topic, self._on_error
+        first, last = self._first, self._last
+        for key, value, hdrs, part in zip(keys, values, headers, parts, strict=True):
+            future = send(topic, value=value, key=key, headers=hdrs, partition=part)
+            future.add_errback(on_error)
+            if part not in first:
+                first[part] = future
+            last[part] = future
+        self._rows += n
+        if self._errors:
+            raise self._errors[0]
+
+    def _headers(self, batch: pa.RecordBatch) -> list[list[tuple[str, bytes]] | None]:
+        names = self._sink.headers
+        if not names:
+            return [None] * batch.num_rows
+        columns = [(name, encode.to_bytes(batch.column(name))) for name in names]
+        rows: list[list[tuple[str, bytes]] | None] = []
+        for i in range(batch.num_rows):
+            row = [(name, vals[i]) for name, vals in columns if vals[i] is not None]
+            rows.append(row or None)
+        return rows
+
+    def _partition_of(self, keys: list[bytes | None]) -> list[int]:
+        ps = self._partitions
+        n = len(ps)
+        rr = ps[self._round_robin]
+        self._round_robin = (self._round_robin + 1) % n
+        if n == 1:
+            return [ps[0]] * len(keys)
+        return [rr if k is None else ps[(murmur2(k) & 0x7FFFFFFF) % n] for k in keys]
+
+    # -- prepare / close ------------------------------------------------------------
+
+    def prepare(self) -> Committable | None:
+        producer = self._producer
+        if producer is None:
+            return None
+        producer.flush(timeout=self._sink.flush_timeout)
+        if self._errors:
+            raise RuntimeError(
+                f"Kafka transaction {self._tid}: {len(self._errors)} record(s) were not "
+                f"written: {self._errors[0]!r}"
+            ) from self._errors[0]
+        offsets: dict[str, list[int]] = {}
+        for part, first in sorted(self._first.items()):
+            offsets[str(part)] = [
+                first.get(timeout=1).offset,
+                self._last[part].get(timeout=1).offset,
+            ]
+        producer_id, epoch = producer_ids(producer)
+        self._prepared = True
+        return {
+            "txn": self._txn,
+            "transactional_id": self._tid,
+            "producer_id": producer_id,
+            "epoch": epoch,
+            "rows": self._rows,
+            "topic": self._sink.topic,
+            "partitions": offsets,
+        }
+
+    def close(self, failed: bool = False) -> None:
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        keep = self._prepared and not failed
+        try:
+            if not keep:
+                self._abort(producer)
+        finally:
+            self._shut(producer, keep)
+
+    @staticmethod
+    def _shut(producer: KafkaProducer, keep: bool) -> None:
+        """Stop the producer. ``timeout=0`` forces the close: no graceful shutdown
+        path, hence no EndTxn. It refuses (KafkaTimeoutError) while records are
+        still unacknowledged, which cannot happen after ``prepare`` flushed; for
+        unprepared work a graceful close is then fine (an abort is what we want)."""
+        try:
+            producer.close(timeout=0)
+        except Exception as e:
+            if keep:  # leave it to process exit rather than risk an abort
+                log.error("forced close of a prepared Kafka producer failed: %r", e)
+                return
+            with contextlib.suppress(Exception):
+                producer.close(timeout=5)
+
+    def _abort(self, producer: KafkaProducer) -> None:
+        """Abort the open transaction, bounded; on failure the driver's sweep (or,
+        on Apache Kafka, transaction.timeout.ms) aborts it later."""
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                producer.abort_transaction()
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"abort-{self._tid}", daemon=True).start()
+        if not done.wait(_ABORT_TIMEOUT_S) or errors:
+            log.warning(
+                "could not abort Kafka transaction %s (%s); the driver's sweep aborts it",
+                self._tid,
+                errors[0] if errors else "timed out",
+            )

