@@ -2,8 +2,9 @@
 checkpoint coordinator and recovery."""
 
 from lifecycle.coordinator import Coordinator
-from lifecycle.job import Job, JobFailedError, JobResult, PipelineState
+from lifecycle.job import Job, JobFailedError, JobResult
 from lifecycle.ledger import Checkpoint, FileLedger
+from lifecycle.pipeline import PipelineState
 
 __all__ = [
     "Checkpoint",

@@ -94,24 +94,36 @@ class Coordinator:
 
     # -- checkpoints ----------------------------------------------------------------
 
-    def completed_cut(self) -> dict[str, int]:
-        """Per pipeline, the highest pending batch that Spark has completed."""
+    def completed_cut(self, only: Iterable[str] | None = None) -> dict[str, int]:
+        """Per pipeline (of ``only``, default all), the highest pending batch that
+        Spark has completed."""
+        keep = set(only) if only is not None else None
         cut: dict[str, int] = {}
         for p, batches in self.ledger.pending().items():
+            if keep is not None and p not in keep:
+                continue
             latest = self._pipeline(p).commit_log.latest()
             done = [b for b in batches if b <= latest]
             if done:
                 cut[p] = max(done)
         return cut
 
-    def checkpoint(self, kind: str = "periodic", finished: Iterable[str] = ()) -> Checkpoint | None:
-        """Take a checkpoint of everything Spark has completed and commit it.
+    def checkpoint(
+        self,
+        kind: str = "periodic",
+        finished: Iterable[str] = (),
+        only: Iterable[str] | None = None,
+    ) -> Checkpoint | None:
+        """Take a checkpoint of everything Spark has completed (in the pipelines
+        ``only``, default all) and commit it; ``finished`` pipelines are recorded
+        as finished by it.
 
-        Returns None when there is nothing to commit and nothing newly finished
-        (a periodic checkpoint then records nothing)."""
+        Returns None when a periodic or recovery checkpoint would commit nothing
+        and finish nothing (then nothing is recorded); final and savepoint
+        checkpoints are always recorded."""
         finished = sorted(set(finished) - self.ledger.finished())
         with self._checkpointing:
-            cut = self.completed_cut()
+            cut = self.completed_cut(only)
             if not cut and not finished and kind in ("periodic", "recovery"):
                 return None
             cp = self.ledger.decide(kind, cut, finished)

@@ -1,15 +1,16 @@
-"""Job and pipelines: run several Spark streaming queries with exactly-once sinks.
+"""Job: run several pipelines (Spark streaming queries) whose sinks commit
+together, exactly once, with one shared final checkpoint.
 
-A :class:`Job` owns a ``state_dir`` (its ledger and every pipeline's Spark
-checkpoint location), a coordinator and the run loop. ``run()`` recovers
-first, then starts every pipeline that is not finished, takes checkpoints
-every ``checkpoint_interval`` seconds, and returns when every pipeline has
-finished (bounded input) or when ``stop()`` is called.
+``Job.run()`` recovers first, then starts every pipeline that is not
+finished, takes checkpoints every ``checkpoint_interval`` seconds across all
+pipelines, and returns when every pipeline has finished or the job was stopped.
+The lifecycle of each pipeline is in :mod:`lifecycle.pipeline`; how to stop a
+running job (code, another terminal, signals) is in :mod:`lifecycle.control`.
 """
 
 from __future__ import annotations
 
-import enum
+import contextlib
 import logging
 import threading
 import time
@@ -17,14 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.streaming import StreamingQuery, StreamingQueryListener
+from pyspark.sql.streaming import StreamingQueryListener
 
+from lifecycle import control
 from lifecycle.binding import batch_handler
 from lifecycle.coordinator import Coordinator, PipelineSinks, sink_label
 from lifecycle.ledger import FileLedger
+from lifecycle.pipeline import Pipeline, PipelineState, Transform
 from lifecycle.spark_log import SparkCommitLog
 from sinks.base import Sink
 from sinks.errors import ConfigError, PreflightError, TwoPhaseError
@@ -32,36 +33,13 @@ from sinks.naming import check_id
 
 log = logging.getLogger("lifecycle.job")
 
+FINAL_MODES = ("shared", "per-pipeline")
+
 
 class JobFailedError(TwoPhaseError):
     """A pipeline or a commit failed. Work Spark completed was committed where
     possible; the ledger keeps every decision, and running the job again with
     the same ``state_dir`` recovers and resumes."""
-
-
-class PipelineState(str, enum.Enum):
-    """RUNNING -> FINISHED_LOGIC (input consumed, pre-committed, waiting for a
-    checkpoint) -> FINISHED (its data committed). STOPPED: ended by ``stop()``
-    (resumable). FAILED: its query failed."""
-
-    RUNNING = "RUNNING"
-    FINISHED_LOGIC = "FINISHED_LOGIC"
-    FINISHED = "FINISHED"
-    STOPPED = "STOPPED"
-    FAILED = "FAILED"
-
-
-@dataclass
-class _Pipeline:
-    name: str
-    df: DataFrame
-    sinks: list[Sink]
-    bounded: bool
-    trigger_interval: float
-    output_mode: str
-    schema: pa.Schema
-    state: PipelineState = PipelineState.RUNNING
-    query: StreamingQuery | None = None
 
 
 @dataclass
@@ -76,7 +54,15 @@ class JobResult:
     final_checkpoint: int | None = None
     """id of the final checkpoint, when every pipeline finished"""
     stopped: bool = False
-    """True when the run ended by ``stop()``"""
+    """True when the run ended by a stop without drain (a savepoint)"""
+    drained: bool = False
+    """True when the run ended by a stop with drain"""
+    committed: bool = False
+    """True when the run ended with its final (or savepoint) checkpoint committed
+    and nothing pre-committed left undecided: the exit status of a job script"""
+    end_of_input_to_exit: float | None = None
+    """seconds from the moment the last pipeline had consumed its input to the end
+    of the run (final checkpoint committed)"""
     checkpoint_ids: list[int] = field(default_factory=list)
 
 
@@ -112,6 +98,11 @@ class Job:
             micro-batch as soon as Spark has completed it; a positive interval
             groups all completed batches of all pipelines into one checkpoint
             (one commit per sink per checkpoint).
+        final_checkpoint: ``"shared"`` (default): when every pipeline has
+            finished its logic, one final checkpoint commits the remaining data
+            of all of them. ``"per-pipeline"``: each pipeline's final data is
+            committed by a checkpoint of its own, one after another, as it
+            finishes (the behaviour FLIP-147 replaced; kept for comparison).
     """
 
     def __init__(
@@ -120,16 +111,22 @@ class Job:
         name: str,
         state_dir: str | Path,
         checkpoint_interval: float = 5.0,
+        *,
+        final_checkpoint: str = "shared",
     ) -> None:
         if checkpoint_interval < 0:
             raise ConfigError("checkpoint_interval must be >= 0 seconds")
+        if final_checkpoint not in FINAL_MODES:
+            raise ConfigError(f"final_checkpoint must be one of {FINAL_MODES}")
         self.spark = spark
         self.name = check_id("job name", name)
         self.state_dir = Path(state_dir)
         self.checkpoint_interval = float(checkpoint_interval)
-        self._pipelines: dict[str, _Pipeline] = {}
+        self.final_checkpoint = final_checkpoint
+        self._pipelines: dict[str, Pipeline] = {}
         self._wake = threading.Event()
-        self._stop_requested = False
+        self._stop: bool | None = None  # None: no stop asked; else: drain?
+        self._outcome = ""  # "", "drained", "stopped"
         self._running = False
 
     def add_pipeline(
@@ -141,17 +138,30 @@ class Job:
         bounded: bool = False,
         trigger_interval: float = 1.0,
         output_mode: str = "append",
+        transform: Transform | None = None,
+        event_time: str | None = None,
     ) -> None:
         """Add a pipeline: a streaming DataFrame written to ``sinks``.
 
         Args:
             name: the pipeline's id within the job (``[A-Za-z0-9_-]``).
-            df: a streaming DataFrame (``spark.readStream...``).
+            df: a streaming DataFrame (``spark.readStream...``): the source, or
+                the whole pipeline when ``transform`` is not given.
             sinks: where every row goes, exactly once.
             bounded: True when all input is known (files, a table): the
                 pipeline runs with an available-now trigger and finishes.
             trigger_interval: seconds between micro-batches of an unbounded pipeline.
             output_mode: Spark output mode (``append``, ``update``, ``complete``).
+            transform: a function from the source DataFrame to the output
+                DataFrame (e.g. a windowed aggregation). Needed with ``event_time``.
+            event_time: the timestamp column of the source that the transform's
+                watermark is defined on. At end of input (bounded input
+                consumed, or a drain) an end-of-input marker row with this column
+                at 9999-12-31 is fed through ``transform``, so that every
+                event-time window still open in Spark state is emitted before the
+                pipeline finishes. The transform must let the marker reach its
+                ``withWatermark`` (apply the watermark before filters); the marker
+                itself never reaches a sink.
         """
         check_id("pipeline name", name)
         if self._running:
@@ -174,33 +184,49 @@ class Job:
             )
         if trigger_interval <= 0:
             raise ConfigError("trigger_interval must be > 0 seconds")
-        self._pipelines[name] = _Pipeline(
+        if event_time is not None and transform is None:
+            raise ConfigError(
+                f"pipeline {name!r}: event_time needs transform= (the end-of-input marker is "
+                "fed into the source, before the transform)"
+            )
+        self._pipelines[name] = Pipeline(
             name=name,
-            df=df,
+            source=df,
             sinks=list(sinks),
             bounded=bounded,
             trigger_interval=float(trigger_interval),
             output_mode=output_mode,
-            schema=to_arrow_schema(df.schema),
+            location=self.state_dir / "pipelines" / name,
+            transform=transform,
+            event_time=event_time,
         )
 
-    def stop(self) -> None:
-        """Ask a running job to stop: queries stop, a savepoint checkpoint commits
-        every batch Spark completed, and ``run()`` returns. Running the job again
-        resumes from there. Safe to call from another thread."""
-        self._stop_requested = True
+    def stop(self, drain: bool = False) -> None:
+        """Ask a running job to stop. Safe to call from another thread.
+
+        ``drain=False`` (a savepoint): queries stop, a checkpoint commits every
+        batch Spark completed, input is not ended (windows stay open), and
+        running the job again resumes from there.
+
+        ``drain=True``: unbounded pipelines process what is available now and end
+        their input like bounded ones; one shared final checkpoint commits
+        everything; every pipeline is recorded as finished.
+        """
+        if self._stop is None or (self._stop and not drain):
+            self._stop = drain  # a stop without drain overrides a drain in progress
         self._wake.set()
 
     # -- running ----------------------------------------------------------------------
 
-    def _spark_location(self, pipeline: str) -> Path:
-        return self.state_dir / "pipelines" / pipeline / "spark"
-
-    def run(self) -> JobResult:
+    def run(self, *, handle_signals: bool = True) -> JobResult:
         """Recover, run every unfinished pipeline, and return when all have finished
-        or ``stop()`` was called. Raises :class:`JobFailedError` when a pipeline or
+        or the job was stopped. Raises :class:`JobFailedError` when a pipeline or
         a commit fails, and :class:`sinks.PreflightError` before any data moves
-        when a sink cannot give exactly-once."""
+        when a sink cannot give exactly-once.
+
+        With ``handle_signals`` (and when called from the main thread), SIGTERM
+        drains and SIGINT drains / stops / interrupts (see :mod:`lifecycle.control`).
+        """
         if not self._pipelines:
             raise ConfigError(f"job {self.name!r} has no pipelines")
         if self.spark.conf.get("spark.speculation", "false").lower() == "true":
@@ -212,16 +238,34 @@ class Job:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         ledger = FileLedger(self.state_dir / "ledger", self.name)
         self._running = True
-        self._stop_requested = False
+        self._stop = None
+        self._outcome = ""
+        signals = control.SignalHandlers(self.stop) if handle_signals else contextlib.nullcontext()
         try:
-            return self._run(ledger)
+            with signals:
+                return self._run(ledger)
         except (JobFailedError, ConfigError, PreflightError):
             raise
         except TwoPhaseError as e:
             raise JobFailedError(f"job {self.name!r} failed: {e}") from e
         finally:
             self._running = False
+            self._warn_undecided(ledger)
             ledger.close()
+
+    def _warn_undecided(self, ledger: FileLedger) -> None:
+        pending = ledger.pending()
+        decided = ledger.decided()
+        if pending or decided:
+            batches = sum(len(b) for b in pending.values())
+            log.warning(
+                "job %s exits with %d pre-committed batch(es)%s undecided; the next start "
+                "with state_dir %s commits or rolls them back (twophase status shows them)",
+                self.name,
+                batches,
+                f" and checkpoint {decided.id} half-committed" if decided else "",
+                self.state_dir,
+            )
 
     def _run(self, ledger: FileLedger) -> JobResult:
         ledger.begin_run()
@@ -230,9 +274,7 @@ class Job:
             ledger,
             [
                 PipelineSinks(
-                    p.name,
-                    {s.sink_id: s for s in p.sinks},
-                    SparkCommitLog(self._spark_location(p.name)),
+                    p.name, {s.sink_id: s for s in p.sinks}, SparkCommitLog(p.spark_location)
                 )
                 for p in self._pipelines.values()
             ],
@@ -242,77 +284,90 @@ class Job:
             for s in p.sinks:
                 s.preflight(p.schema)
         coord.recover()
-        for name in ledger.finished() & set(self._pipelines):
-            log.info("pipeline %s finished in an earlier run: not run again", name)
-            self._pipelines[name].state = PipelineState.FINISHED
+        stale = control.take_request(self.state_dir)
+        if stale is not None:
+            log.warning("ignoring a stop request made while the job was not running")
+        finished = ledger.finished()
+        for p in self._pipelines.values():
+            p.query = None
+            p.input_done_at = None
+            if p.name in finished:
+                log.info("pipeline %s finished in an earlier run: not run again", p.name)
+                p.state = PipelineState.FINISHED
+            elif p.ending_input():
+                log.info("pipeline %s was ending its input: resuming that", p.name)
+                p.state = PipelineState.ENDING_INPUT
+            else:
+                p.state = PipelineState.RUNNING
         listener = _Wakeup(self._wake)
         self.spark.streams.addListener(listener)
         try:
-            for p in self._pipelines.values():
-                if p.state is PipelineState.RUNNING:
-                    p.query = self._start(p, coord)
-            stopped = self._loop(coord)
+            for p in self._live():
+                p.start(self.name, batch_handler(coord, p.name, p.sinks, p.schema))
+            end_of_input = self._loop(coord)
         except BaseException:
             self._stop_queries()
             raise
         finally:
             self.spark.streams.removeListener(listener)
-        return self._result(coord, stopped)
+        return self._result(coord, ledger, end_of_input)
+
+    def _live(self) -> list[Pipeline]:
+        live = (PipelineState.RUNNING, PipelineState.ENDING_INPUT)
+        return [p for p in self._pipelines.values() if p.state in live]
 
     def _check_spark_state(self, ledger: FileLedger) -> None:
         """Refuse to start a pipeline whose Spark checkpoint vanished after it
         committed output: Spark would read its input again from the start."""
         totals = ledger.totals()
-        for p in self._pipelines:
-            committed = any(k.startswith(p + "/") for k in totals)
-            if committed and not SparkCommitLog(self._spark_location(p)).exists():
+        for p in self._pipelines.values():
+            committed = any(k.startswith(p.name + "/") for k in totals)
+            if committed and not SparkCommitLog(p.spark_location).exists():
                 raise ConfigError(
-                    f"pipeline {p!r} committed output in earlier runs, but its Spark "
-                    f"checkpoint {self._spark_location(p)} is missing: starting over would "
-                    "write its input twice. Restore the directory, or use a new state_dir "
-                    "(and an empty target) to start afresh."
+                    f"pipeline {p.name!r} committed output in earlier runs, but its Spark "
+                    f"checkpoint {p.spark_location} is missing: starting over would write its "
+                    "input twice. Restore the directory, or use a new state_dir (and an empty "
+                    "target) to start afresh."
                 )
 
-    def _start(self, p: _Pipeline, coord: Coordinator) -> StreamingQuery:
-        handler = batch_handler(coord, p.name, p.sinks, p.schema)
-        w = (
-            p.df.writeStream.queryName(f"{self.name}.{p.name}")
-            .outputMode(p.output_mode)
-            .option("checkpointLocation", str(self._spark_location(p.name)))
-            .foreachBatch(handler)
-        )
-        if p.bounded:
-            w = w.trigger(availableNow=True)
-        else:
-            w = w.trigger(processingTime=f"{p.trigger_interval} seconds")
-        log.info("starting pipeline %s (%s)", p.name, "bounded" if p.bounded else "unbounded")
-        return w.start()
-
-    def _loop(self, coord: Coordinator) -> bool:
-        """The run loop; returns True when ended by ``stop()``."""
+    def _loop(self, coord: Coordinator) -> float | None:
+        """The run loop. Returns the monotonic time the last input was consumed
+        (None when no pipeline consumed input in this run)."""
         interval = self.checkpoint_interval
         last = time.monotonic()
         while True:
             wait = 0.2 if interval == 0 else max(0.05, min(0.5, last + interval - time.monotonic()))
             self._wake.wait(wait)
             self._wake.clear()
-            self._check_queries(coord)
-            if self._stop_requested:
+            request = control.take_request(self.state_dir)
+            if request is not None:
+                log.warning("stop requested by %s (drain=%s)", request.source, request.drain)
+                self.stop(drain=request.drain)
+            self._advance(coord)
+            if self._stop is False:  # savepoint
                 self._stop_queries()
                 coord.settle(kind="savepoint")
-                for p in self._pipelines.values():
-                    if p.state is not PipelineState.FINISHED:
-                        p.state = PipelineState.STOPPED
-                return True
+                for p in self._live():
+                    p.state = PipelineState.STOPPED
+                self._outcome = "stopped"
+                return None
+            if self._stop is True and self._outcome != "drained":
+                self._drain(coord)
             done_logic = [
                 p for p in self._pipelines.values() if p.state is PipelineState.FINISHED_LOGIC
             ]
-            if all(p.state is not PipelineState.RUNNING for p in self._pipelines.values()):
-                if done_logic:  # else: every pipeline had finished in an earlier run
-                    coord.checkpoint("final", finished=[p.name for p in done_logic])
-                for p in done_logic:
+            if self.final_checkpoint == "per-pipeline":
+                for p in done_logic:  # each its own checkpoint, one after another
+                    coord.checkpoint("final", finished=[p.name], only=[p.name])
                     p.state = PipelineState.FINISHED
-                return False
+                done_logic = []
+            if not self._live():
+                if done_logic:  # one shared final checkpoint
+                    coord.checkpoint("final", finished=[p.name for p in done_logic])
+                    for p in done_logic:
+                        p.state = PipelineState.FINISHED
+                consumed = [p.input_done_at for p in self._pipelines.values() if p.input_done_at]
+                return max(consumed) if consumed else None
             now = time.monotonic()
             if interval == 0 or now - last >= interval:
                 last = now
@@ -320,47 +375,70 @@ class Job:
                 for p in done_logic:
                     p.state = PipelineState.FINISHED
 
-    def _check_queries(self, coord: Coordinator) -> None:
+    def _drain(self, coord: Coordinator) -> None:
+        """Unbounded pipelines end their input: stop, then run available-now."""
+        self._outcome = "drained"
         for p in self._pipelines.values():
+            if p.state is PipelineState.RUNNING and not p.bounded:
+                p.stop_query()
+                p.begin_ending_input(drain=True)
+                p.start(self.name, batch_handler(coord, p.name, p.sinks, p.schema))
+
+    def _advance(self, coord: Coordinator) -> None:
+        """Move pipelines whose query terminated to their next state."""
+        for p in self._live():
             q = p.query
-            if p.state is not PipelineState.RUNNING or q is None or q.isActive:
+            if q is None or q.isActive:
                 continue
             exc = q.exception()
-            if exc is None and p.bounded:
-                p.state = PipelineState.FINISHED_LOGIC
-                log.info("pipeline %s consumed all its input", p.name)
+            if exc is not None or (p.state is PipelineState.RUNNING and not p.bounded):
+                p.state = PipelineState.FAILED
+                self._fail(coord, p, str(exc) if exc else "its query stopped unexpectedly", exc)
+            now = time.monotonic()
+            if p.state is PipelineState.RUNNING and p.event_time:
+                log.info("pipeline %s consumed its input; flushing event-time state", p.name)
+                p.input_done_at = now
+                p.begin_ending_input(drain=False)
+                p.start(self.name, batch_handler(coord, p.name, p.sinks, p.schema))
                 continue
-            p.state = PipelineState.FAILED
-            self._stop_queries()
-            why = str(exc) if exc is not None else "its query stopped unexpectedly"
-            try:
-                coord.settle(kind="recovery")
-            except Exception:
-                log.exception("could not settle after the failure; the next start recovers")
-            raise JobFailedError(f"job {self.name!r}, pipeline {p.name!r} failed: {why}") from exc
+            p.input_done_at = p.input_done_at or now
+            p.state = PipelineState.FINISHED_LOGIC
+            log.info("pipeline %s finished its logic; waiting for a checkpoint", p.name)
+
+    def _fail(self, coord: Coordinator, p: Pipeline, why: str, exc: BaseException | None) -> None:
+        self._stop_queries()
+        try:
+            coord.settle(kind="recovery")
+        except Exception:
+            log.exception("could not settle after the failure; the next start recovers")
+        raise JobFailedError(f"job {self.name!r}, pipeline {p.name!r} failed: {why}") from exc
 
     def _stop_queries(self) -> None:
         for p in self._pipelines.values():
-            q = p.query
-            if q is not None and q.isActive:
-                try:
-                    q.stop()
-                except Exception:
-                    log.exception("stopping pipeline %s", p.name)
+            p.stop_query()
 
-    def _result(self, coord: Coordinator, stopped: bool) -> JobResult:
+    def _result(self, coord: Coordinator, ledger: FileLedger, end: float | None) -> JobResult:
         rows: dict[str, int] = {
             sink_label(p.name, s.sink_id): 0 for p in self._pipelines.values() for s in p.sinks
         }
         for cp in coord.checkpoints_taken:
             for k, n in cp.rows.items():
                 rows[k] = rows.get(k, 0) + n
-        final = next((cp.id for cp in coord.checkpoints_taken if cp.kind == "final"), None)
+        final = next(
+            (cp.id for cp in reversed(coord.checkpoints_taken) if cp.kind == "final"), None
+        )
+        states = {p.name: p.state for p in self._pipelines.values()}
+        all_finished = all(s is PipelineState.FINISHED for s in states.values())
         return JobResult(
             checkpoints=len(coord.checkpoints_taken),
             rows_committed=rows,
-            pipelines={p.name: p.state for p in self._pipelines.values()},
+            pipelines=states,
             final_checkpoint=final,
-            stopped=stopped,
+            stopped=self._outcome == "stopped",
+            drained=self._outcome == "drained",
+            committed=not ledger.pending()
+            and ledger.decided() is None
+            and (all_finished or self._outcome == "stopped"),
+            end_of_input_to_exit=(time.monotonic() - end) if end is not None else None,
             checkpoint_ids=[cp.id for cp in coord.checkpoints_taken],
         )

@@ -47,7 +47,8 @@ Pending = dict[str, dict[int, dict[str, list[Committable]]]]
 
 @dataclass
 class Checkpoint:
-    """A cut across pipelines: every pending batch at or below ``cut[p]`` commits."""
+    """A cut across pipelines: every pending batch at or below ``cut[p]`` commits.
+    ``finished``: every pipeline finished as of this checkpoint (cumulative)."""
 
     id: int
     kind: str
@@ -236,7 +237,7 @@ class FileLedger:
                 id=doc["next_checkpoint"],
                 kind=kind,
                 cut=dict(cut),
-                finished=sorted(finished),
+                finished=sorted(set(doc["finished"]) | set(finished)),
                 decided_at=time.time(),
             )
             doc["next_checkpoint"] += 1

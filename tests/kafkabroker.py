@@ -180,8 +180,9 @@ class KafkaBroker:
         finally:
             admin.close()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the broker (SIGTERM, then SIGKILL); its data is gone, the port is kept."""
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop the broker (SIGTERM, SIGKILL after ``timeout`` s: tansu waits for
+        open client connections); its data is gone, the port is kept."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -189,7 +190,7 @@ class KafkaBroker:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(timeout)
+                proc.wait()
         if self._log is not None:
             self._log.close()
             self._log = None

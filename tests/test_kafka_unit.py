@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -19,7 +21,7 @@ from kafka.admin import NewTopic
 from kafka.partitioner.default import murmur2
 
 from sinks.base import Committable, JobScope, WriteContext
-from sinks.errors import ConfigError, PreflightError, TransactionLostError
+from sinks.errors import CommitError, ConfigError, PreflightError, TransactionLostError
 from sinks.kafka import KafkaSink
 from sinks.kafka.encode import json_rows
 from sinks.kafka.registry import RegistryView
@@ -43,6 +45,21 @@ def broker() -> Iterator[KafkaBroker]:
 @pytest.fixture
 def bootstrap(broker: KafkaBroker) -> str:
     return broker.bootstrap
+
+
+@pytest.fixture
+def new_sink(bootstrap: str) -> Iterator[Callable[..., KafkaSink]]:
+    """Build sinks on the test broker; their driver connections close after the test."""
+    made: list[KafkaSink] = []
+
+    def build(topic: str, **kw: Any) -> KafkaSink:
+        sink = KafkaSink(kw.pop("servers", bootstrap), topic, **kw)
+        made.append(sink)
+        return sink
+
+    yield build
+    for sink in made:
+        sink.close()
 
 
 def make_topic(bootstrap: str, partitions: int = 1) -> str:
@@ -200,9 +217,11 @@ def test_json_rows_types() -> None:
 # -- the sink: prepare, commit, re-commit ----------------------------------------------------
 
 
-def test_prepare_then_commit_exactly_once(bootstrap: str) -> None:
+def test_prepare_then_commit_exactly_once(
+    bootstrap: str, new_sink: Callable[..., KafkaSink]
+) -> None:
     topic = make_topic(bootstrap, partitions=3)
-    sink = KafkaSink(bootstrap, topic, key="id", headers=["name"], sink_id="k")
+    sink = new_sink(topic, key="id", headers=["name"], sink_id="k")
     sink.preflight(SCHEMA)
     job = job_name()
     cs = [
@@ -236,14 +255,15 @@ def test_prepare_then_commit_exactly_once(bootstrap: str) -> None:
     log = read_topic(bootstrap, topic)
     assert committed_ids(log) == list(range(130)) and log.markers == markers
     sink.forget(committables)
-    sink.close()
 
 
-def test_recommit_after_the_id_was_fenced_reads_the_log(bootstrap: str) -> None:
+def test_recommit_after_the_id_was_fenced_reads_the_log(
+    bootstrap: str, new_sink: Callable[..., KafkaSink]
+) -> None:
     """EndTxn with a stale epoch is refused (tansu: connection closed; Kafka:
     PRODUCER_FENCED); the marker in the log proves the commit happened."""
     topic = make_topic(bootstrap)
-    sink = KafkaSink(bootstrap, topic, sink_id="k")
+    sink = new_sink(topic, sink_id="k")
     sink.preflight(SCHEMA)
     c = write_task(sink, ctx(job_name(), 0), [rows(0, 10)])
     assert c is not None
@@ -255,9 +275,11 @@ def test_recommit_after_the_id_was_fenced_reads_the_log(bootstrap: str) -> None:
     assert committed_ids(read_topic(bootstrap, topic)) == list(range(10))
 
 
-def test_commit_of_a_fenced_open_transaction_is_lost(bootstrap: str) -> None:
+def test_commit_of_a_fenced_open_transaction_is_lost(
+    bootstrap: str, new_sink: Callable[..., KafkaSink]
+) -> None:
     topic = make_topic(bootstrap)
-    sink = KafkaSink(bootstrap, topic, sink_id="k", commit_timeout=20)
+    sink = new_sink(topic, sink_id="k", commit_timeout=20)
     sink.preflight(SCHEMA)
     c = write_task(sink, ctx(job_name(), 0), [rows(0, 10)])
     assert c is not None
@@ -273,9 +295,9 @@ def test_commit_of_a_fenced_open_transaction_is_lost(bootstrap: str) -> None:
 # -- abort and close ---------------------------------------------------------------------------
 
 
-def test_abort_is_idempotent_and_final(bootstrap: str) -> None:
+def test_abort_is_idempotent_and_final(bootstrap: str, new_sink: Callable[..., KafkaSink]) -> None:
     topic = make_topic(bootstrap, partitions=2)
-    sink = KafkaSink(bootstrap, topic, key="id", sink_id="k", commit_timeout=20)
+    sink = new_sink(topic, key="id", sink_id="k", commit_timeout=20)
     sink.preflight(SCHEMA)
     job = job_name()
     cs = [write_task(sink, ctx(job, p), [rows(p * 100, 20)]) for p in range(2)]
@@ -288,9 +310,11 @@ def test_abort_is_idempotent_and_final(bootstrap: str) -> None:
         sink.commit(committables)
 
 
-def test_close_after_prepare_keeps_the_transaction_open(bootstrap: str) -> None:
+def test_close_after_prepare_keeps_the_transaction_open(
+    bootstrap: str, new_sink: Callable[..., KafkaSink]
+) -> None:
     topic = make_topic(bootstrap)
-    sink = KafkaSink(bootstrap, topic, sink_id="k")
+    sink = new_sink(topic, sink_id="k")
     sink.preflight(SCHEMA)
     w = sink.open_writer(ctx(job_name(), 0), SCHEMA)
     w.write(rows(0, 5))
@@ -303,9 +327,11 @@ def test_close_after_prepare_keeps_the_transaction_open(bootstrap: str) -> None:
     assert committed_ids(read_topic(bootstrap, topic)) == list(range(5))
 
 
-def test_close_failed_after_prepare_and_close_before_prepare_abort(bootstrap: str) -> None:
+def test_close_failed_after_prepare_and_close_before_prepare_abort(
+    bootstrap: str, new_sink: Callable[..., KafkaSink]
+) -> None:
     topic = make_topic(bootstrap)
-    sink = KafkaSink(bootstrap, topic, sink_id="k")
+    sink = new_sink(topic, sink_id="k")
     sink.preflight(SCHEMA)
     job = job_name()
     w = sink.open_writer(ctx(job, 0), SCHEMA)
@@ -325,9 +351,11 @@ def test_close_failed_after_prepare_and_close_before_prepare_abort(bootstrap: st
 # -- sweeping lingering transactions -------------------------------------------------------
 
 
-def test_abort_lingering_aborts_only_unowned_of_the_scope(bootstrap: str) -> None:
+def test_abort_lingering_aborts_only_unowned_of_the_scope(
+    bootstrap: str, new_sink: Callable[..., KafkaSink]
+) -> None:
     topic = make_topic(bootstrap, partitions=2)
-    sink = KafkaSink(bootstrap, topic, key="id", sink_id="k", commit_timeout=30)
+    sink = new_sink(topic, key="id", sink_id="k", commit_timeout=30)
     sink.preflight(SCHEMA)
     job = job_name()
     owned = write_task(sink, ctx(job, 0), [rows(0, 10)])
@@ -372,14 +400,16 @@ def test_abort_lingering_aborts_only_unowned_of_the_scope(bootstrap: str) -> Non
         other_pipeline["txn"]  # type: ignore[index]
     ]
     # a fresh driver (new sink object) rescans the registry from the start
-    fresh = KafkaSink(bootstrap, topic, key="id", sink_id="k")
+    fresh = new_sink(topic, key="id", sink_id="k")
     assert fresh.abort_lingering(JobScope(job, "p", "k"), lambda n: True) == []
 
 
-def test_two_sinks_two_topics_prefixed_ids(bootstrap: str) -> None:
+def test_two_sinks_two_topics_prefixed_ids(
+    bootstrap: str, new_sink: Callable[..., KafkaSink]
+) -> None:
     t1, t2 = make_topic(bootstrap, 2), make_topic(bootstrap, 1)
-    a = KafkaSink(bootstrap, t1, key="name", sink_id="a", transactional_id_prefix="app1-")
-    b = KafkaSink(bootstrap, t2, value="name", sink_id="b")
+    a = new_sink(t1, key="name", sink_id="a", transactional_id_prefix="app1-")
+    b = new_sink(t2, value="name", sink_id="b")
     job = job_name()
     for s in (a, b):
         s.preflight(SCHEMA)
@@ -398,25 +428,23 @@ def test_two_sinks_two_topics_prefixed_ids(bootstrap: str) -> None:
     assert committed_ids(read_topic(bootstrap, t1)) == list(range(10))
     b.forget([cb])
     assert b.abort_lingering(JobScope(job, "p", "b"), lambda n: True) == []
-    a.close()
-    b.close()
 
 
 # -- preflight and configuration ---------------------------------------------------------------
 
 
-def test_preflight_errors(bootstrap: str) -> None:
+def test_preflight_errors(bootstrap: str, new_sink: Callable[..., KafkaSink]) -> None:
     missing = f"missing-{uuid.uuid4().hex[:8]}"
     with pytest.raises(PreflightError, match="does not exist"):
-        KafkaSink(bootstrap, missing).preflight(SCHEMA)
-    created = KafkaSink(bootstrap, missing, create_topic=True, partitions=3)
+        new_sink(missing).preflight(SCHEMA)
+    created = new_sink(missing, create_topic=True, partitions=3)
     created.preflight(SCHEMA)
     with KafkaWire(bootstrap) as wire:
         assert len(wire.partition_leaders(missing) or {}) == 3
     with pytest.raises(PreflightError, match="value column 'amount' has type double"):
-        KafkaSink(bootstrap, missing, value="amount").preflight(SCHEMA)
+        new_sink(missing, value="amount").preflight(SCHEMA)
     with pytest.raises(PreflightError, match="key column 'nope' is not in the DataFrame"):
-        KafkaSink(bootstrap, missing, key="nope").preflight(SCHEMA)
+        new_sink(missing, key="nope").preflight(SCHEMA)
     dead = f"127.0.0.1:{free_port()}"
     with pytest.raises(PreflightError, match=f"cannot reach Kafka at {dead}"):
         KafkaSink(dead, missing, connect_timeout=3).preflight(SCHEMA)
@@ -433,3 +461,84 @@ def test_configuration_errors_and_timeout_check() -> None:
         sink.check_checkpoint_interval(5.0)
     KafkaSink("h:1", "t").check_checkpoint_interval(5.0)  # the default 15 min is enough
     assert KafkaSink("h:1", "t").sink_id.startswith("kafka-t-")
+
+
+def test_commit_retries_while_the_broker_is_down_then_gives_up(
+    new_sink: Callable[..., KafkaSink],
+) -> None:
+    """A dropped connection with no broker behind it is transient, not 'lost'."""
+    with KafkaBroker() as own:
+        topic = make_topic(own.bootstrap)
+        sink = new_sink(topic, servers=own.bootstrap, sink_id="k", commit_timeout=4)
+        sink.preflight(SCHEMA)
+        c = write_task(sink, ctx(job_name(), 0), [rows(0, 5)])
+        assert c is not None
+        own.stop()
+        with pytest.raises(CommitError, match="did not succeed within 4s"):
+            sink.commit([c])
+
+
+_KILLED_TASK = """
+import os, signal, sys
+import pyarrow as pa
+from sinks.base import JobScope, WriteContext
+from sinks.kafka import KafkaSink
+bootstrap, topic, job, partition, prepare = sys.argv[1:6]
+schema = pa.schema([("id", pa.int64()), ("name", pa.string()), ("amount", pa.float64())])
+sink = KafkaSink(bootstrap, topic, sink_id="k")
+ctx = WriteContext(JobScope(job, "p", "k"), 1, 0, int(partition), 500 + int(partition))
+w = sink.open_writer(ctx, schema)
+ids = list(range(int(partition) * 10, int(partition) * 10 + 10))
+w.write(pa.record_batch([pa.array(ids), pa.array([str(i) for i in ids]),
+                         pa.array([0.5] * 10)], schema=schema))
+if prepare == "1":
+    w.prepare()
+else:
+    w._producer.flush()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_sweep_aborts_the_work_of_killed_tasks(
+    bootstrap: str, new_sink: Callable[..., KafkaSink]
+) -> None:
+    """Tasks SIGKILLed mid-write and after prepare leave open transactions that
+    only the registry knows of; the recovery sweep aborts them."""
+    import subprocess
+    import sys
+
+    topic = make_topic(bootstrap)
+    sink = new_sink(topic, sink_id="k")
+    sink.preflight(SCHEMA)
+    job = job_name()
+    for partition, prepare in ((0, "1"), (1, "0")):
+        proc = subprocess.run(
+            [sys.executable, "-c", _KILLED_TASK, bootstrap, topic, job, str(partition), prepare],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).resolve().parents[1],  # the repository root, for `import sinks`
+        )
+        assert proc.returncode == -9, proc.stderr
+    log = read_topic(bootstrap, topic)
+    assert log.n_open == 20 and log.committed == []
+    aborted = sink.abort_lingering(JobScope(job, "p", "k"), lambda n: True)
+    assert aborted == [str(ctx(job, p, attempt=500 + p).txn_name()) for p in (0, 1)]
+    log = read_topic(bootstrap, topic)
+    assert log.n_open == 0 and log.n_aborted == 20 and log.committed == []
+
+
+def test_null_value_without_key_is_refused_and_aborted(
+    bootstrap: str, new_sink: Callable[..., KafkaSink]
+) -> None:
+    topic = make_topic(bootstrap)
+    sink = new_sink(topic, value="name", sink_id="k")
+    sink.preflight(SCHEMA)
+    w = sink.open_writer(ctx(job_name(), 0), SCHEMA)
+    w.write(rows(0, 3))
+    bad = pa.record_batch([pa.array([3]), pa.array([None], pa.string()), pa.array([1.0])], SCHEMA)
+    with pytest.raises(ValueError, match="null value column 'name' and no key"):
+        w.write(bad)
+    w.close(failed=True)
+    log = read_topic(bootstrap, topic)
+    assert log.committed == [] and log.n_open == 0

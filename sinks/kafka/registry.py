@@ -28,7 +28,9 @@ import json
 import logging
 import threading
 from collections.abc import Iterable
+from typing import Any
 
+import kafka.errors as Errors
 from kafka import KafkaProducer
 
 from sinks.kafka.wire import KafkaWire
@@ -56,25 +58,36 @@ class RegistryView:
     def refresh(self, wire: KafkaWire) -> set[str]:
         """Read what was appended since the last refresh; return the live ids."""
         with self._lock:
-            leaders = wire.partition_leaders(self.topic)
-            if leaders is None:
-                return set(self._live)
-            for partition, leader in sorted(leaders.items()):
-                start = self._next.get(partition, 0)
-                for batch in wire.batches(leader, self.topic, partition, start):
-                    if batch.is_control_batch:
-                        continue
-                    for record in batch:
-                        if record.offset < start or record.key is None:
-                            continue
-                        key = bytes(record.key).decode("utf-8", "replace")
-                        if record.value is None:
-                            self._live.discard(key)
-                        else:
-                            self._live.add(key)
-                    start = batch.next_offset
-                self._next[partition] = start
+            try:
+                self._read(wire)
+            except Errors.OffsetOutOfRangeError:
+                # the registry was deleted and re-created: read it again from the start
+                log.warning("registry topic %s restarted; rescanning it", self.topic)
+                self._next.clear()
+                self._live.clear()
+                self._read(wire)
             return set(self._live)
+
+    def _read(self, wire: KafkaWire) -> None:
+        leaders = wire.partition_leaders(self.topic)
+        for partition, leader in sorted((leaders or {}).items()):
+            start = self._next.get(partition, 0)
+            # (records replayed after an error are harmless: the same adds and discards)
+            for batch in wire.batches(leader, self.topic, partition, start):
+                if not batch.is_control_batch:
+                    self._apply(batch, start)
+                start = batch.next_offset
+            self._next[partition] = start
+
+    def _apply(self, batch: Any, start: int) -> None:
+        for record in batch:
+            if record.offset < start or record.key is None:
+                continue
+            key = bytes(record.key).decode("utf-8", "replace")
+            if record.value is None:
+                self._live.discard(key)
+            else:
+                self._live.add(key)
 
     def forget(self, ids: Iterable[str]) -> None:
         """Drop ids locally (their tombstones were written)."""

@@ -69,13 +69,12 @@ from typing import Any
 import kafka.errors as Errors
 import pyarrow as pa
 from kafka import KafkaProducer
-from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
 from sinks import _faults
 from sinks._retry import retry_transient
 from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
-from sinks.kafka import encode, outcome
+from sinks.kafka import checks, encode, outcome
 from sinks.kafka.registry import DEFAULT_TOPIC, TOPIC_CONFIG, RegistryView, write_tombstones
 from sinks.kafka.wire import KafkaWire
 from sinks.kafka.writer import KafkaWriter
@@ -83,7 +82,10 @@ from sinks.naming import TxnName, check_id
 
 log = logging.getLogger("sinks.kafka")
 
-_TRANSIENT: tuple[type[BaseException], ...] = (Errors.RetriableError,)
+# RetriableError covers dropped connections, timeouts, NOT_COORDINATOR,
+# CONCURRENT_TRANSACTIONS...; UnknownBrokerIdError: a broker not yet in our
+# metadata (the connection is rebuilt, with fresh metadata, on the next attempt).
+_TRANSIENT: tuple[type[BaseException], ...] = (Errors.RetriableError, Errors.UnknownBrokerIdError)
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _RESERVED = {
     "bootstrap_servers": "pass it as the first argument",
@@ -256,8 +258,10 @@ class KafkaSink(Sink):
         """The driver's cached connection; dropped (and rebuilt next time) on error."""
         with self._lock:
             if self._wire is None:
+                # one attempt never outlasts the whole retry budget by much
+                timeout = min(30.0, max(2.0, self.commit_timeout / 4))
                 self._wire = KafkaWire(
-                    self.bootstrap_servers, config=self.producer_config, timeout_s=30.0
+                    self.bootstrap_servers, config=self.producer_config, timeout_s=timeout
                 )
             try:
                 yield self._wire
@@ -290,10 +294,10 @@ class KafkaSink(Sink):
                 f"cannot reach Kafka at {','.join(self._servers())}: {e}".strip()
             ) from e
         with wire:
-            self._ensure_topic(wire, self.topic, self.partitions, {}, self.create_topic)
+            checks.ensure_topic(wire, self, self.topic, self.partitions, {}, self.create_topic)
             if self.registry_topic:
-                self._ensure_topic(wire, self.registry_topic, 1, TOPIC_CONFIG, True)
-            self._check_timeout(wire)
+                checks.ensure_topic(wire, self, self.registry_topic, 1, TOPIC_CONFIG, True)
+            checks.check_transaction_timeout(wire, self)
 
     def _check_schema(self, schema: pa.Schema) -> None:
         if self.key:
@@ -302,83 +306,6 @@ class KafkaSink(Sink):
             encode.check_bytes_column(schema, self.value, "value", numbers=False)
         for h in self.headers:
             encode.check_bytes_column(schema, h, "header", numbers=True)
-
-    def _ensure_topic(
-        self, wire: KafkaWire, topic: str, partitions: int, config: dict[str, str], create: bool
-    ) -> None:
-        if wire.partition_leaders(topic) is not None:
-            return
-        if not create:
-            raise PreflightError(
-                f"topic {topic!r} does not exist at {','.join(self._servers())}; create it, "
-                "or pass create_topic=True (with partitions= and replication_factor=) to KafkaSink"
-            )
-        try:
-            wire.admin.create_topics(
-                [NewTopic(topic, partitions, self.replication_factor, topic_configs=config)]
-            )
-        except Errors.TopicAlreadyExistsError:
-            pass  # created concurrently
-        except Exception as e:
-            raise PreflightError(f"cannot create topic {topic!r} ({self.describe()}): {e}") from e
-        log.info("created Kafka topic %s (%d partition(s))", topic, partitions)
-
-    def _broker_max_timeout(self, wire: KafkaWire) -> int | None:
-        """``transaction.max.timeout.ms`` of the brokers (DescribeConfigs), or None."""
-        found: list[int] = []
-        for node in wire.broker_ids():
-            try:
-                res = wire.admin.describe_configs(
-                    [ConfigResource(ConfigResourceType.BROKER, str(node))], config_filter="all"
-                )
-            except Exception as e:
-                log.debug("DescribeConfigs of broker %s failed: %r", node, e)
-                continue
-            entry = res.get("broker", {}).get(str(node), {}).get("transaction.max.timeout.ms")
-            if entry and entry.get("value") is not None:
-                found.append(int(entry["value"]))
-        return min(found) if found else None
-
-    def _check_timeout(self, wire: KafkaWire) -> None:
-        mine = self.transaction_timeout_ms
-        broker_max = self._broker_max_timeout(wire)
-        if broker_max is not None and mine > broker_max:
-            raise PreflightError(
-                f"transaction_timeout_ms={mine} exceeds the broker's transaction.max.timeout.ms="
-                f"{broker_max} ({self.describe()}); lower transaction_timeout_ms or raise "
-                "transaction.max.timeout.ms on the brokers"
-            )
-        if broker_max is None:
-            log.warning(
-                "%s: the broker does not report transaction.max.timeout.ms, so "
-                "transaction_timeout_ms=%d cannot be checked against it here (an "
-                "InitProducerId probe follows); tansu does not enforce transaction timeouts",
-                self.describe(),
-                mine,
-            )
-        # The definitive test: a broker refuses InitProducerId with a timeout above
-        # its maximum (INVALID_TRANSACTION_TIMEOUT), or when transactions are not allowed.
-        probe = f"{self.id_prefix}twophase-preflight.{self.sink_id}"
-        try:
-            coordinator = wire.find_coordinators([probe])[probe]
-            error, _, _ = wire.init_producer_id(coordinator, probe, mine)
-        except Exception as e:
-            raise PreflightError(
-                f"{self.describe()}: the broker cannot start a transaction ({e!r}); "
-                "exactly-once needs a broker with transactions enabled"
-            ) from e
-        if error is Errors.InvalidTransactionTimeoutError:
-            raise PreflightError(
-                f"transaction_timeout_ms={mine} is larger than the broker's "
-                f"transaction.max.timeout.ms ({self.describe()}); lower it, or raise "
-                "transaction.max.timeout.ms on the brokers"
-            )
-        if error is not Errors.NoError:
-            raise PreflightError(
-                f"{self.describe()}: the broker refused a transaction ({error.__name__}); "
-                "check TransactionalId ACLs (WRITE/DESCRIBE on the transactional_id_prefix) "
-                "and IdempotentWrite on the cluster"
-            )
 
     @staticmethod
     def min_safe_timeout_ms(
@@ -477,29 +404,33 @@ class KafkaSink(Sink):
         if verdict == outcome.OPEN:
             raise _StillOpen(f"EndTxn(commit) of {tid} refused ({refusal}) while it is open")
         what = (
-            "was aborted"
+            "was aborted instead of being committed, so its rows are not in the topic"
             if verdict == outcome.ABORTED
-            else "can no longer be verified (its records are gone from the log)"
+            else "cannot be shown to be committed (its records or marker are gone from the log)"
         )
         raise TransactionLostError(
             f"{self.describe()}: Kafka transaction {tid} (producer id {c['producer_id']}, "
-            f"epoch {c['epoch']}, {c.get('rows', '?')} rows) {what} instead of being committed "
-            f"(EndTxn answered: {refusal}). Typical causes: transaction_timeout_ms "
-            f"({self.transaction_timeout_ms} ms) expired before the checkpoint committed it, "
-            "or another producer used the same transactional id. Its rows are not in the "
-            "topic; the job stops rather than lose them silently. Re-run the affected "
-            "batches from source to restore them."
+            f"epoch {c['epoch']}, {c.get('rows', '?')} rows) {what} (EndTxn answered: "
+            f"{refusal}). Typical causes: transaction_timeout_ms ({self.transaction_timeout_ms} "
+            "ms) expired before the checkpoint committed it, or another producer used the same "
+            "transactional id. The job stops rather than lose rows silently; re-run the "
+            "affected batches from source to restore them."
         )
 
     # -- driver side: abort, sweep, forget ------------------------------------------------
 
     def _fence(self, wire: KafkaWire, transactional_ids: list[str]) -> None:
-        """InitProducerId for each id: aborts its open transaction, fences zombies."""
+        """InitProducerId for each id: aborts its open transaction, fences zombies.
+
+        Ids are removed from the list as they are done, so a retry goes on
+        where a transient error stopped it."""
         coordinators = wire.find_coordinators(transactional_ids)
-        for tid in transactional_ids:
+        while transactional_ids:
+            tid = transactional_ids[0]
             error, _, _ = wire.init_producer_id(coordinators[tid], tid, self.transaction_timeout_ms)
-            if error is not Errors.NoError:
+            if error is not Errors.NoError:  # CONCURRENT_TRANSACTIONS while the abort completes
                 raise error(f"InitProducerId (abort) of {tid}")
+            transactional_ids.pop(0)
 
     def abort(self, committables: Sequence[Committable]) -> None:
         ids = sorted({c["transactional_id"] for c in committables})
@@ -509,9 +440,7 @@ class KafkaSink(Sink):
 
         def attempt() -> None:
             with self._client() as wire:
-                while remaining:
-                    self._fence(wire, remaining[:1])
-                    remaining.pop(0)
+                self._fence(wire, remaining)
 
         retry_transient(
             attempt,
@@ -538,7 +467,7 @@ class KafkaSink(Sink):
                     if name is not None and is_orphan(name):
                         orphans[tid] = name
                 if orphans:
-                    self._fence(wire, sorted(orphans))
+                    self._fence(wire, sorted(orphans))  # fenced twice after a retry: harmless
                 return orphans
 
         orphans = retry_transient(

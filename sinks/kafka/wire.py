@@ -244,6 +244,9 @@ class KafkaWire:
                 if p.partition_index != partition:
                     continue
                 error = Errors.for_code(p.error_code)
+                if error is Errors.OffsetOutOfRangeError and 0 <= offset < p.log_start_offset:
+                    # deleted by retention: say where the log starts now
+                    return RawPartition(b"", p.high_watermark, p.log_start_offset)
                 if error is not Errors.NoError:
                     raise error(f"fetch of {topic}/{partition} at offset {offset}")
                 raw = p.records
@@ -261,12 +264,14 @@ class KafkaWire:
         ``base_offset``, ``next_offset``, ``producer_id``, ``producer_epoch``,
         ``is_transactional`` and ``is_control_batch``."""
         offset = start
+        empty = 0
         while stop is None or offset < stop:
             part = self.fetch(leader, topic, partition, offset)
             if stop is None:
                 stop = part.high_watermark
             if offset < part.log_start_offset:
-                offset = part.log_start_offset
+                offset = part.log_start_offset  # the records before it are gone
+                continue
             progressed = False
             for batch in MemoryRecords(part.records):
                 if batch.next_offset <= offset:
@@ -276,5 +281,9 @@ class KafkaWire:
                 progressed = True
                 if offset >= stop:
                     return
-            if not progressed:
-                return  # nothing more below the high watermark
+            empty = 0 if progressed else empty + 1
+            if empty >= 3 and offset < stop:
+                raise Errors.KafkaTimeoutError(
+                    f"{topic}/{partition}: no records at offset {offset} below the high "
+                    f"watermark {stop} after {empty} fetches"
+                )

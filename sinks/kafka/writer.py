@@ -63,7 +63,6 @@ class KafkaWriter(SinkWriter):
         self._sink = sink
         self._txn = str(ctx.txn_name())
         self._tid = sink.transactional_id(ctx.txn_name())
-        self._schema = schema
         self._spark_partition = ctx.partition
         self._producer: KafkaProducer | None = None
         self._partitions: list[int] = []
@@ -110,6 +109,8 @@ class KafkaWriter(SinkWriter):
         values = (
             encode.to_bytes(batch.column(sink.value)) if sink.value else encode.json_rows(batch)
         )
+        if sink.value and None in values:
+            self._check_nulls(keys, values)
         headers = self._headers(batch)
         parts = self._partition_of(keys)
         send, topic, on_error = producer.send, sink.topic, self._on_error
@@ -123,6 +124,15 @@ class KafkaWriter(SinkWriter):
         self._rows += n
         if self._errors:
             raise self._errors[0]
+
+    def _check_nulls(self, keys: list[bytes | None], values: list[bytes | None]) -> None:
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            if k is None and v is None:
+                raise ValueError(
+                    f"{self._sink.describe()}: a row (number {self._rows + i} of this task) has "
+                    f"a null value column {self._sink.value!r} and no key; a Kafka record needs "
+                    "a key or a value (a null value with a key is a tombstone)"
+                )
 
     def _headers(self, batch: pa.RecordBatch) -> list[list[tuple[str, bytes]] | None]:
         names = self._sink.headers

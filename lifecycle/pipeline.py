@@ -1,0 +1,168 @@
+"""One pipeline of a job: its Spark query, its state, and how it ends its input.
+
+States (see the README's diagram)::
+
+    RUNNING --input consumed--> ENDING_INPUT --end-of-input flushed--> FINISHED_LOGIC
+    FINISHED_LOGIC --its data committed by a checkpoint--> FINISHED
+    RUNNING/ENDING_INPUT --stop() (savepoint)--> STOPPED      (resumable)
+    any --query failed--> FAILED
+
+*Ending input* (Flink's ``endInput``): a bounded pipeline has consumed all its
+input when its available-now query terminates. Results still held in Spark
+state (event-time windows the watermark has not closed) are then flushed: when
+the pipeline names its ``event_time`` column, one end-of-input marker row with
+that column at 9999-12-31 is fed through an extra source unioned before
+``transform``, and the query runs once more (available-now): the watermark
+passes every window, Spark emits them, and the marker's own window never closes.
+A drained unbounded pipeline is restarted with an available-now trigger the
+same way. A flag file records that input is ending, so a restart resumes the
+drain instead of reading new input.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.types import TimestampNTZType, TimestampType
+
+from lifecycle.binding import BatchHandler
+from sinks.base import Sink
+from sinks.errors import ConfigError
+
+log = logging.getLogger("lifecycle.pipeline")
+
+END_OF_TIME = "9999-12-31T00:00:00"
+Transform = Callable[[DataFrame], DataFrame]
+
+
+class PipelineState(str, enum.Enum):
+    """Where a pipeline is in its life (module docstring)."""
+
+    RUNNING = "RUNNING"
+    ENDING_INPUT = "ENDING_INPUT"
+    FINISHED_LOGIC = "FINISHED_LOGIC"
+    FINISHED = "FINISHED"
+    STOPPED = "STOPPED"
+    FAILED = "FAILED"
+
+
+@dataclass
+class Pipeline:
+    """A pipeline of a job (built by ``Job.add_pipeline``)."""
+
+    name: str
+    source: DataFrame
+    sinks: list[Sink]
+    bounded: bool
+    trigger_interval: float
+    output_mode: str
+    location: Path  # state_dir/pipelines/<name>
+    transform: Transform | None = None
+    event_time: str | None = None
+    state: PipelineState = PipelineState.RUNNING
+    query: StreamingQuery | None = None
+    schema: pa.Schema = field(init=False)
+    input_done_at: float | None = None  # when its input was consumed (monotonic)
+
+    def __post_init__(self) -> None:
+        if self.event_time is not None:
+            f = next((f for f in self.source.schema.fields if f.name == self.event_time), None)
+            if f is None or not isinstance(f.dataType, TimestampType | TimestampNTZType):
+                raise ConfigError(
+                    f"pipeline {self.name!r}: event_time {self.event_time!r} must be a timestamp "
+                    "column of the source DataFrame"
+                )
+        self.schema = to_arrow_schema(self._output(self.source).schema)
+
+    # -- locations ----------------------------------------------------------------
+
+    @property
+    def spark_location(self) -> Path:
+        return self.location / "spark"
+
+    @property
+    def _eoi_dir(self) -> Path:
+        return self.location / "end_of_input"
+
+    @property
+    def _ending_flag(self) -> Path:
+        return self.location / "ending_input.json"
+
+    def ending_input(self) -> bool:
+        """Whether ending input was started (in this run or one before a crash)."""
+        return self._ending_flag.exists()
+
+    # -- the query -------------------------------------------------------------------
+
+    def _output(self, source: DataFrame) -> DataFrame:
+        df = self.transform(source) if self.transform else source
+        if self.event_time and self.event_time in df.columns:
+            # the marker must never reach a sink, whatever the transform does
+            col = F.col(self.event_time)
+            end = F.lit(END_OF_TIME).cast(df.schema[self.event_time].dataType)
+            df = df.where(col.isNull() | (col < end))
+        return df
+
+    def _dataframe(self) -> DataFrame:
+        source = self.source
+        if self.event_time:
+            self._eoi_dir.mkdir(parents=True, exist_ok=True)
+            marker = source.sparkSession.readStream.schema(source.schema).json(str(self._eoi_dir))
+            source = source.unionByName(marker)
+        return self._output(source)
+
+    def start(self, job: str, handler: BatchHandler) -> None:
+        """Start (or restart) the Spark query: available-now when the input is
+        bounded or ending, else on a processing-time trigger."""
+        w = (
+            self._dataframe()
+            .writeStream.queryName(f"{job}.{self.name}")
+            .outputMode(self.output_mode)
+            .option("checkpointLocation", str(self.spark_location))
+            .foreachBatch(handler)
+        )
+        available_now = self.bounded or self.state is PipelineState.ENDING_INPUT
+        if available_now:
+            w = w.trigger(availableNow=True)
+        else:
+            w = w.trigger(processingTime=f"{self.trigger_interval} seconds")
+        log.info(
+            "starting pipeline %s (%s)",
+            self.name,
+            "available-now" if available_now else f"every {self.trigger_interval}s",
+        )
+        self.query = w.start()
+
+    def stop_query(self) -> None:
+        q = self.query
+        if q is not None and q.isActive:
+            try:
+                q.stop()
+            except Exception:
+                log.exception("stopping pipeline %s", self.name)
+
+    def begin_ending_input(self, *, drain: bool) -> None:
+        """Record that input ends and feed the end-of-input marker (if any).
+        The caller (re)starts the query afterwards."""
+        self.state = PipelineState.ENDING_INPUT
+        if not self._ending_flag.exists():
+            self.location.mkdir(parents=True, exist_ok=True)
+            self._ending_flag.write_text(json.dumps({"at": time.time(), "drain": drain}))
+        if self.event_time:
+            self._eoi_dir.mkdir(parents=True, exist_ok=True)
+            marker = self._eoi_dir / "end-of-input.json"
+            if not marker.exists():
+                tmp = self._eoi_dir / ".end-of-input.tmp"
+                tmp.write_text(json.dumps({self.event_time: END_OF_TIME}) + "\n")
+                tmp.rename(marker)  # the file source must never see a partial file

@@ -1,0 +1,431 @@
+"""Delta Lake exactly-once sink: staged Parquet files, one Delta version per commit.
+
+Executors stage Parquet files in the table directory (:mod:`sinks.delta.writer`);
+they are invisible until a Delta version adds them. The driver commits every
+staged file of one ``commit`` call (one checkpoint of one pipeline) as ONE Delta
+version, through deltalake's ``create_write_transaction``, carrying an
+application transaction ``txn(appId, version)``:
+
+* ``appId`` is ``tp1.<job>.<pipeline>.<sink_id>`` (the scope of the transaction names);
+* ``version`` is the highest Spark batch id among the committables. Spark batch
+  ids of a pipeline only grow (a batch with a commit-log entry is never
+  replayed, one without is replayed with the same id), and each commit call
+  holds every pending batch up to the checkpoint's cut, so successive commits of
+  a sink carry increasing versions: the scheme of delta-spark's own streaming
+  sink (``txn(queryId, batchId)``), and it needs nothing from the coordinator.
+
+Idempotence: before committing, the table's latest ``txn`` version of the app id
+is read. Equal: this commit went through before (a crash or retry after the
+Delta commit): skip. Greater: the table holds later commits of this very
+job/pipeline/sink, so the job's state was reset or another job uses the same
+ids: refuse loudly rather than skip or duplicate. A concurrent commit of the
+same app id fails the delta-rs conflict check and is retried, which then skips.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.exceptions import CommitFailedError, DeltaError
+from deltalake.transaction import AddAction
+
+from sinks import _faults
+from sinks._retry import retry_transient
+from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
+from sinks.delta import table
+from sinks.delta.layout import DeltaSchemaError, Layout, delta_type_name, incompatibility
+from sinks.delta.storage import (
+    DATA_SUFFIX,
+    STAGING_DIR,
+    TableStorage,
+    local_root,
+    marker_path,
+    split_stem,
+)
+from sinks.delta.writer import DeltaWriter
+from sinks.errors import ConfigError, PreflightError, TransactionLostError
+from sinks.naming import TxnName, check_id
+
+log = logging.getLogger("sinks.delta")
+
+_TRANSIENT = (CommitFailedError, OSError)
+
+
+def app_id(scope: JobScope) -> str:
+    """The Delta application id under which a scope's commits are recorded."""
+    return scope.txn_prefix().rstrip(".")
+
+
+class DeltaSink(Sink):
+    """Appends a pipeline's output to a Delta table exactly once.
+
+    Args:
+        table_uri: the table's directory (a local path) or URI (``s3://...``,
+            ``file://...``, anything deltalake opens).
+        partition_by: partition columns (string, integer, boolean or date). For
+            a new table they define its partitioning; for an existing one they
+            must equal its partition columns (``None``: whatever the table has).
+        storage_options: deltalake / object_store options (credentials, endpoint,
+            ``AWS_S3_ALLOW_UNSAFE_RENAME`` or a locking provider on S3, ...).
+        sink_id: stable id of this sink in its pipeline (part of every staged file
+            name and of the Delta app id); default derived from the table URI.
+        create_table: create a missing table from the DataFrame schema.
+        commit_timeout: seconds a commit, abort or sweep keeps retrying commit
+            conflicts and storage errors before the job fails (the decision stays
+            in the ledger; the next start finishes it).
+
+    Tables are ordinary Delta tables (protocol 1/2, or 3/7 with ``timestampNtz``
+    when a column is a timestamp without time zone) that delta-spark reads.
+    Readers see a checkpoint's rows all at once, in one version.
+    """
+
+    kind = "delta"
+
+    def __init__(
+        self,
+        table_uri: str | os.PathLike[str],
+        *,
+        partition_by: Sequence[str] | None = None,
+        storage_options: dict[str, str] | None = None,
+        sink_id: str | None = None,
+        create_table: bool = True,
+        commit_timeout: float = 300.0,
+    ) -> None:
+        uri = os.fspath(table_uri)
+        if not uri:
+            raise ConfigError("DeltaSink needs a table URI")
+        root = local_root(uri)
+        self.table_uri = root if root is not None else uri.rstrip("/")
+        if isinstance(partition_by, str):
+            partition_by = [partition_by]
+        if partition_by is not None:
+            partition_by = list(partition_by)
+            if len(set(partition_by)) != len(partition_by) or not all(
+                isinstance(c, str) and c for c in partition_by
+            ):
+                raise ConfigError(f"partition_by {partition_by!r}: give distinct column names")
+        self.partition_by = partition_by
+        self.storage_options = dict(storage_options or {})
+        self.create_table = create_table
+        self.commit_timeout = commit_timeout
+        self._sink_id = check_id("sink_id", sink_id or self._default_id())
+        self._storage = TableStorage(self.table_uri, self.storage_options)
+        self._layout: Layout | None = None
+
+    def _default_id(self) -> str:
+        digest = hashlib.sha1(self.table_uri.encode()).hexdigest()[:6]
+        base = self.table_uri.rstrip("/").rsplit("/", 1)[-1]
+        readable = re.sub(r"[^A-Za-z0-9_-]", "_", base)[:24] or "table"
+        return f"delta-{readable}-{digest}"
+
+    @property
+    def sink_id(self) -> str:
+        return self._sink_id
+
+    def describe(self) -> str:
+        return f"Delta table {self.table_uri}"
+
+    def __repr__(self) -> str:
+        return f"DeltaSink({self.table_uri!r}, partition_by={self.partition_by})"
+
+    def _load(self) -> DeltaTable | None:
+        return table.load(self.table_uri, self.storage_options)
+
+    # -- preflight ----------------------------------------------------------------
+
+    def preflight(self, schema: pa.Schema) -> None:
+        """Check (or create) the table: writable by this sink, the same columns as
+        ``schema`` with compatible types, the expected partition columns."""
+        where = self.describe()
+        try:
+            self._layout = self._check_or_create(schema, where)
+        except DeltaSchemaError as e:
+            raise PreflightError(str(e)) from e
+        except (DeltaError, OSError) as e:
+            raise PreflightError(f"cannot open {where}: {e}".strip()) from e
+
+    def _check_or_create(self, schema: pa.Schema, where: str) -> Layout:
+        missing = [c for c in self.partition_by or () if c not in schema.names]
+        if missing:
+            raise DeltaSchemaError(
+                f"{where}: partition column(s) {missing} are not columns of the DataFrame "
+                f"({schema.names})"
+            )
+        dt = self._load()
+        if dt is None:
+            if not self.create_table:
+                raise DeltaSchemaError(
+                    f"{where} does not exist; create it, or pass create_table=True to DeltaSink"
+                )
+            wanted = Layout.of(schema, self.partition_by or ())
+            wanted.check_partitioning(where)
+            if not table.create(self.table_uri, self.storage_options, wanted):
+                log.info("%s was created concurrently by another writer; checking it", where)
+            dt = self._load()
+            if dt is None:
+                raise DeltaSchemaError(f"{where} vanished right after it was created")
+        table.check_writable(dt, where)
+        layout = table.layout_of(dt)
+        if self.partition_by is not None and list(layout.partition_by) != self.partition_by:
+            raise DeltaSchemaError(
+                f"{where} is partitioned by {list(layout.partition_by)}, but DeltaSink was "
+                f"given partition_by={self.partition_by}; pass the table's partition columns "
+                "(in that order) or partition_by=None"
+            )
+        layout.check_partitioning(where)
+        layout.check_input(schema, where)
+        return layout
+
+    # -- executor side --------------------------------------------------------------
+
+    def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
+        if self._layout is None:
+            raise RuntimeError("DeltaSink.preflight() must run before writers open")
+        return DeltaWriter(self._storage, self._layout, ctx)
+
+    # -- driver side: commit ---------------------------------------------------------
+
+    def commit(self, committables: Sequence[Committable]) -> None:
+        """Commit every staged file of ``committables`` as one Delta version with
+        ``txn(app id, highest batch id)``; skip when the table has that version."""
+        cs = [c for c in committables if c.get("adds")]
+        if not cs:
+            return
+        names = [_parse(c["txn"]) for c in cs]
+        scopes = {JobScope(n.job, n.pipeline, n.sink_id) for n in names}
+        if len(scopes) != 1 or next(iter(scopes)).sink_id != self.sink_id:
+            raise ValueError(
+                f"{self!r} got committables of {sorted(map(str, scopes))}; one commit call "
+                f"takes the committables of one pipeline's sink {self.sink_id!r}"
+            )
+        app = app_id(scopes.pop())
+        version = max(n.batch_id for n in names)
+        retry_transient(
+            lambda: self._commit_once(cs, app, version),
+            what=f"commit of {len(cs)} staged transaction(s) as {app} v{version} "
+            f"to {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+
+    def _commit_once(self, cs: list[Committable], app: str, version: int) -> None:
+        where = self.describe()
+        dt = self._load()
+        if dt is None:
+            raise TransactionLostError(
+                f"{where} does not exist any more; the staged files of {len(cs)} "
+                "transaction(s) cannot be committed"
+            )
+        done = dt.transaction_version(app)
+        if done is not None and done > version:
+            raise ConfigError(
+                f"{where} already holds commits of {app} up to batch {done}, later than "
+                f"batch {version} being committed now: the job's state (state_dir) was reset "
+                "or another job uses the same job, pipeline and sink ids. Committing would "
+                "duplicate rows; use a new sink_id (or job name) for a fresh start"
+            )
+        if done == version:
+            log.info("%s: %s v%d is committed already; nothing to do", where, app, version)
+        else:
+            table.check_writable(dt, where)
+            layout = table.layout_of(dt)
+            adds = [self._checked_add(c, a, layout) for c in cs for a in c["adds"]]
+            dt.create_write_transaction(
+                adds,
+                mode="append",
+                schema=dt.schema(),
+                partition_by=list(layout.partition_by) or None,
+                commit_properties=CommitProperties(
+                    app_transactions=[Transaction(app, version, int(time.time() * 1000))],
+                    custom_metadata={"twophaseApp": app, "twophaseBatch": version},
+                ),
+            )
+            log.info(
+                "%s: committed %d file(s) of %d transaction(s) as %s v%d",
+                where,
+                len(adds),
+                len(cs),
+                app,
+                version,
+            )
+            _faults.hit("driver.mid_commit", batch=version)
+        for c in cs:
+            for a in c["adds"]:
+                self._storage.delete(marker_path(a["path"]))
+
+    def _checked_add(self, c: Committable, add: dict[str, Any], layout: Layout) -> AddAction:
+        """The add action of one staged file, after checking that the file is there,
+        unchanged, and fits the table (schema and partition columns)."""
+        where, rel, txn = self.describe(), add["path"], c["txn"]
+        info = self._storage.info(rel)
+        if info is None:
+            raise TransactionLostError(
+                f"{where}: staged file {rel} of transaction {txn} is gone without having "
+                "been committed (deleted by someone else?); its rows are not in the table. "
+                "The job stops rather than lose them silently; re-run the batch from source."
+            )
+        if info[0] != add["size"]:
+            raise TransactionLostError(
+                f"{where}: staged file {rel} of transaction {txn} has {info[0]} bytes, not the "
+                f"{add['size']} it had when prepared: it was changed, so it is not committed"
+            )
+        pv = add["partition_values"]
+        if sorted(pv) != sorted(layout.partition_by):
+            raise DeltaSchemaError(
+                f"{where}: staged file {rel} is partitioned by {sorted(pv)} but the table by "
+                f"{list(layout.partition_by)}; nothing was committed"
+            )
+        meta = self._storage.parquet_metadata(rel)
+        _check_file_schema(meta, layout, f"{where}: staged file {rel}")
+        return AddAction(
+            path=rel,
+            size=info[0],
+            partition_values=pv,
+            modification_time=int(add["modification_time"]),
+            data_change=True,
+            stats=add["stats"],
+        )
+
+    # -- driver side: abort, sweep -----------------------------------------------------
+
+    def abort(self, committables: Sequence[Committable]) -> None:
+        """Delete the staged files of ``committables`` (idempotent). A file the
+        table references is never deleted."""
+        paths = [a["path"] for c in committables for a in c.get("adds", ())]
+        if paths:
+            retry_transient(
+                lambda: self._delete_staged(paths),
+                what=f"abort of {len(committables)} staged transaction(s) in {self.describe()}",
+                transient=_TRANSIENT,
+                deadline=self.commit_timeout,
+            )
+
+    def _delete_staged(self, paths: list[str]) -> None:
+        dt = self._load()
+        committed = table.committed_paths(dt) if dt is not None else set()
+        for rel in paths:
+            if rel in committed:
+                log.error("%s: not deleting %s: the table references it", self.describe(), rel)
+            else:
+                self._storage.delete(rel)
+            self._storage.delete(marker_path(rel))
+
+    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+        """Delete the staged files of every transaction of ``scope`` that has a
+        staging marker and for which ``is_orphan`` is true; return their names.
+
+        Only markers are listed (one small directory), never the whole table.
+        Committed transactions have no marker (their commit deleted it); a file
+        the table references is kept even so."""
+        return retry_transient(
+            lambda: self._sweep(scope, is_orphan),
+            what=f"sweep of lingering staged files in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+
+    def _sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+        prefix = scope.txn_prefix()
+        orphans: dict[str, list[str]] = {}
+        for stem in self._storage.list_files(STAGING_DIR):
+            parts = split_stem(stem) if stem.startswith(prefix) else None
+            name = TxnName.parse(parts[0]) if parts else None
+            if name is not None and is_orphan(name):
+                orphans.setdefault(str(name), []).append(stem)
+        if not orphans:
+            return []
+        dt = self._load()
+        committed = table.committed_paths(dt) if dt is not None else set()
+        for stems in orphans.values():
+            for stem in stems:
+                marker = f"{STAGING_DIR}/{stem}"
+                data = self._storage.read(marker)
+                rel = data.decode("utf-8", "replace") if data else ""
+                if _is_staged_path(rel, stem) and rel not in committed:
+                    self._storage.delete(rel)
+                self._storage.delete(marker)
+        log.info(
+            "%s: deleted staged files of %d lingering transaction(s)", self.describe(), len(orphans)
+        )
+        return sorted(orphans)
+
+
+def _parse(txn: str) -> TxnName:
+    name = TxnName.parse(txn)
+    if name is None:
+        raise ValueError(f"{txn!r} is not a transaction name of this project")
+    return name
+
+
+def _is_staged_path(rel: str, stem: str) -> bool:
+    """Whether a marker's content names the data file of ``stem`` (a damaged or
+    foreign marker must never make the sweep delete anything else)."""
+    parts = rel.split("/")
+    return (
+        parts[-1] == stem + DATA_SUFFIX
+        and not rel.startswith("/")
+        and all(p not in ("", ".", "..") and not p.startswith("_delta_log") for p in parts)
+    )
+
+
+def _check_file_schema(meta: pq.FileMetaData, layout: Layout, what: str) -> None:
+    """Compare a staged file's Parquet schema with the table's data-file schema:
+    the same columns (a nullable table column the file lacks reads as null) of
+    exactly the table's types, no partition columns, no nulls in NOT NULL ones."""
+    actual = meta.schema.to_arrow_schema()
+    expected = layout.file_schema
+    for f in actual:
+        if f.name in layout.partition_by:
+            raise DeltaSchemaError(
+                f"{what} holds partition column {f.name!r} (Delta data files must not); "
+                "nothing was committed"
+            )
+        if f.name not in expected.names:
+            raise DeltaSchemaError(
+                f"{what} has column {f.name!r}, which the table does not have; nothing was "
+                "committed"
+            )
+    for f in expected:
+        idx = actual.get_field_index(f.name)
+        if idx < 0 and f.nullable:
+            continue  # a column added to the table later: Delta reads it as null
+        if idx < 0:
+            raise DeltaSchemaError(
+                f"{what} lacks column {f.name!r} of the table; nothing was committed"
+            )
+        have = actual.field(idx)
+        why = incompatibility(have.type, f.type, exact=True)
+        if why:
+            raise DeltaSchemaError(
+                f"{what}: column {f.name!r} is {delta_type_name(have.type)} in the file but "
+                f"{delta_type_name(f.type)} in the table ({why}); nothing was committed"
+            )
+        if not f.nullable and have.nullable and _nulls(meta, f.name) != 0:
+            raise DeltaSchemaError(
+                f"{what}: column {f.name!r} is NOT NULL in the table but the file may hold "
+                "nulls; nothing was committed"
+            )
+
+
+def _nulls(meta: pq.FileMetaData, name: str) -> int | None:
+    """Nulls in the top-level primitive column ``name`` per the footer's
+    statistics; ``None`` when unknown (nested column, no statistics)."""
+    leaf = next((j for j in range(meta.num_columns) if meta.schema.column(j).path == name), None)
+    if leaf is None:
+        return None
+    total = 0
+    for rg in range(meta.num_row_groups):
+        st = meta.row_group(rg).column(leaf).statistics
+        if st is None or not st.has_null_count:
+            return None
+        total += st.null_count
+    return total

@@ -1,0 +1,168 @@
+"""Files of a Delta table's directory, local or in an object store, and the names
+of staged files.
+
+A task stages each data file as ``<partition dirs>/<txn>-<seq>.snappy.parquet``
+(``<txn>`` is its transaction name, ``<seq>`` counts the task's files). Before
+creating a data file it writes a small **staging marker**,
+``_twophase/staged/<txn>-<seq>``, holding the data file's relative path. Readers
+never see either: Delta readers read only files named in ``_delta_log``, and
+directories starting with ``_`` are hidden from Spark, Hive and VACUUM.
+
+Markers make lingering work cheap and safe to find: a sweep lists one small
+directory (not the whole table) and learns exactly which data files a lost task
+staged. A marker lives until its transaction is committed (the commit deletes
+it) or aborted, so a sweep never even looks at a committed file, not even one a
+later OPTIMIZE removed from the snapshot but that time travel still reads.
+
+Local tables are written with the local file system and fsync'ed (files and the
+directories that name them); object stores go through deltalake's own store
+(``deltalake.fs.DeltaStorageHandler``), configured by the same
+``storage_options`` as the table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+STAGING_DIR = "_twophase/staged"
+DATA_SUFFIX = ".snappy.parquet"
+_STEM = re.compile(r"^(?P<txn>tp1\..+\.a\d+)-(?P<seq>\d+)$")
+
+
+def file_stem(txn: str, seq: int) -> str:
+    """The name shared by a staged data file (plus suffix) and its marker."""
+    return f"{txn}-{seq:05d}"
+
+
+def split_stem(stem: str) -> tuple[str, int] | None:
+    """``(txn, seq)`` of a staged file stem, ``None`` when it is not one."""
+    m = _STEM.match(stem)
+    return (m["txn"], int(m["seq"])) if m else None
+
+
+def marker_path(data_path: str) -> str:
+    """The marker of a staged data file (given by its path relative to the table)."""
+    name = data_path.rsplit("/", 1)[-1]
+    return f"{STAGING_DIR}/{name.removesuffix(DATA_SUFFIX)}"
+
+
+def local_root(table_uri: str) -> str | None:
+    """The absolute local directory of ``table_uri``, ``None`` for an object store."""
+    if table_uri.startswith("file://"):
+        return os.path.abspath(table_uri[len("file://") :])
+    if "://" in table_uri:
+        return None
+    return os.path.abspath(os.path.expanduser(table_uri))
+
+
+class TableStorage:
+    """Reads, writes, lists and deletes files by path relative to the table root.
+
+    Picklable: the file system is opened lazily in each process."""
+
+    def __init__(self, table_uri: str, storage_options: dict[str, str] | None = None) -> None:
+        self.table_uri = table_uri
+        self.storage_options = dict(storage_options or {})
+        self.root = local_root(table_uri)
+        self._fs: pafs.FileSystem | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fs"] = None
+        return state
+
+    @property
+    def fs(self) -> pafs.FileSystem:
+        if self._fs is None:
+            if self.root is not None:
+                self._fs = pafs.LocalFileSystem()
+            else:
+                from deltalake.fs import DeltaStorageHandler
+
+                handler = DeltaStorageHandler(self.table_uri, self.storage_options or None)
+                self._fs = pafs.PyFileSystem(handler)
+        return self._fs
+
+    def path(self, rel: str) -> str:
+        """What ``self.fs`` calls the file at ``rel``."""
+        return f"{self.root}/{rel}" if self.root is not None else rel
+
+    # -- writing ---------------------------------------------------------------
+
+    def open_output(self, rel: str) -> pa.NativeFile:
+        """Create (or truncate) ``rel`` for streaming writes."""
+        if self.root is not None:
+            os.makedirs(os.path.dirname(self.path(rel)), exist_ok=True)
+        return self.fs.open_output_stream(self.path(rel))
+
+    def put(self, rel: str, data: bytes) -> None:
+        """Write a small file durably (fsync'ed on local disks)."""
+        with self.open_output(rel) as out:
+            out.write(data)
+        self.sync(rel)
+
+    def sync(self, rel: str) -> None:
+        """Make ``rel`` and the directory entries leading to it durable (local only;
+        an object store's PUT is durable when it returns)."""
+        if self.root is None:
+            return
+        path = self.path(rel)
+        _fsync(path)
+        parent = os.path.dirname(path)
+        for _ in range(rel.count("/") + 1):
+            _fsync(parent)
+            parent = os.path.dirname(parent)
+
+    # -- reading ---------------------------------------------------------------
+
+    def info(self, rel: str) -> tuple[int, int] | None:
+        """``(size in bytes, modification time in ms)`` of ``rel``, ``None`` if missing."""
+        fi = self.fs.get_file_info(self.path(rel))
+        if fi.type != pafs.FileType.File:
+            return None
+        mtime = fi.mtime_ns // 1_000_000 if fi.mtime_ns is not None else 0
+        return fi.size, mtime
+
+    def read(self, rel: str) -> bytes | None:
+        """The content of a small file, ``None`` if it is missing."""
+        try:
+            with self.fs.open_input_stream(self.path(rel)) as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def parquet_metadata(self, rel: str) -> pq.FileMetaData:
+        """The footer of the Parquet file ``rel`` (schema, row groups, statistics)."""
+        with self.fs.open_input_file(self.path(rel)) as f:
+            return pq.ParquetFile(f).metadata
+
+    def list_files(self, rel_dir: str) -> list[str]:
+        """Names of the files directly in ``rel_dir`` (empty when it does not exist)."""
+        sel = pafs.FileSelector(self.path(rel_dir), allow_not_found=True, recursive=False)
+        return [fi.base_name for fi in self.fs.get_file_info(sel) if fi.type == pafs.FileType.File]
+
+    # -- deleting --------------------------------------------------------------
+
+    def delete(self, rel: str) -> None:
+        """Delete ``rel``; a missing file is fine."""
+        try:
+            self.fs.delete_file(self.path(rel))
+        except FileNotFoundError:
+            pass
+        except OSError:
+            if self.info(rel) is not None:  # object stores may not say "not found"
+                raise
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

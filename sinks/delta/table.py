@@ -1,0 +1,122 @@
+"""The Delta table through deltalake (delta-rs): load, check, create, list files.
+
+delta-rs validates nothing when files are committed with
+``create_write_transaction``, so everything this sink relies on about a table is
+checked here: that the sink can write it faithfully (no column mapping, CHECK
+constraints, generated or identity columns, invariants, or writer features it
+does not know), and what its columns and partition columns are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from urllib.parse import unquote
+
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, Schema
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+
+from sinks.delta.layout import DeltaSchemaError, Layout
+
+log = logging.getLogger("sinks.delta")
+
+# Writer features whose data files and add actions need nothing from a plain
+# append beyond what this sink writes (the ones that do are refused below when
+# they are in use: invariants, constraints, generated and identity columns,
+# column mapping).
+_WRITER_FEATURES = frozenset(
+    {
+        "appendOnly",
+        "invariants",
+        "checkConstraints",
+        "changeDataFeed",
+        "generatedColumns",
+        "columnMapping",
+        "identityColumns",
+        "timestampNtz",
+        "deletionVectors",
+        "domainMetadata",
+        "vacuumProtocolCheck",
+    }
+)
+
+
+def load(table_uri: str, storage_options: dict[str, str] | None) -> DeltaTable | None:
+    """The table's latest snapshot, or ``None`` when there is no Delta table."""
+    try:
+        return DeltaTable(table_uri, storage_options=storage_options or None)
+    except TableNotFoundError:
+        return None
+
+
+def layout_of(dt: DeltaTable) -> Layout:
+    """Columns and partition columns of the table."""
+    schema = pa.schema(dt.schema().to_arrow())
+    return Layout.of(schema, dt.metadata().partition_columns)
+
+
+def check_writable(dt: DeltaTable, where: str) -> None:
+    """Refuse a table whose protocol or metadata asks writers for more than this
+    sink does (it appends plain Parquet files whose columns carry logical names)."""
+    proto = dt.protocol()
+    unknown = sorted(set(proto.writer_features or ()) - _WRITER_FEATURES)
+    if proto.min_writer_version > 7 or unknown:
+        raise DeltaSchemaError(
+            f"{where} needs writer protocol {proto.min_writer_version} with features "
+            f"{unknown}, which DeltaSink does not implement; write to a table without them"
+        )
+    config = dt.metadata().configuration or {}
+    mode = config.get("delta.columnMapping.mode", "none")
+    if mode not in (None, "none"):
+        raise DeltaSchemaError(
+            f"{where} uses column mapping (delta.columnMapping.mode={mode}); DeltaSink writes "
+            "files with logical column names and cannot write such a table"
+        )
+    constraints = sorted(k for k in config if k.startswith("delta.constraints."))
+    if constraints:
+        raise DeltaSchemaError(
+            f"{where} has CHECK constraints {constraints}; DeltaSink does not enforce them, so "
+            "it refuses to write the table (drop the constraints or write elsewhere)"
+        )
+    for field in json.loads(dt.schema().to_json())["fields"]:
+        keys = sorted(
+            k
+            for k in field.get("metadata", {})
+            if k.startswith(("delta.invariants", "delta.generationExpression", "delta.identity"))
+        )
+        if keys:
+            raise DeltaSchemaError(
+                f"{where}: column {field['name']!r} has {keys}; DeltaSink does not compute or "
+                "enforce invariants, generated or identity columns"
+            )
+
+
+def create(table_uri: str, storage_options: dict[str, str] | None, layout: Layout) -> bool:
+    """Create the table with version 0 only; ``False`` when it exists already.
+
+    ``DeltaTable.create`` alone is not safe against a concurrent creator: when
+    version 0 appears while it commits, delta-rs rebases and writes a second
+    CREATE as version 1 (a new table id, which breaks streaming readers). With
+    ``max_commit_retries=0`` the losing commit fails instead; the caller then
+    reads and validates the winner's table."""
+    try:
+        DeltaTable.create(
+            table_uri,
+            Schema.from_arrow(layout.schema),
+            mode="error",
+            partition_by=list(layout.partition_by) or None,
+            storage_options=storage_options or None,
+            commit_properties=CommitProperties(max_commit_retries=0),
+        )
+        return True
+    except (CommitFailedError, DeltaError):
+        if DeltaTable.is_deltatable(table_uri, storage_options or None):
+            return False  # created by someone else since we looked
+        raise
+
+
+def committed_paths(dt: DeltaTable) -> set[str]:
+    """Relative paths (as stored, not URI-encoded) of the files in the snapshot."""
+    paths = pa.table(dt.get_add_actions(flatten=False)).column("path").to_pylist()
+    return {unquote(p) for p in paths}

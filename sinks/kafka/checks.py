@@ -1,0 +1,114 @@
+"""Preflight checks of the Kafka sink: topics and the transaction timeout."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import kafka.errors as Errors
+from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
+
+from sinks.errors import PreflightError
+from sinks.kafka.registry import DEFAULT_TOPIC
+from sinks.kafka.wire import KafkaWire
+
+if TYPE_CHECKING:
+    from sinks.kafka.sink import KafkaSink
+
+log = logging.getLogger("sinks.kafka")
+
+
+def ensure_topic(
+    wire: KafkaWire,
+    sink: KafkaSink,
+    topic: str,
+    partitions: int,
+    config: dict[str, str],
+    create: bool,
+) -> None:
+    """Raise unless ``topic`` exists; create it first when ``create``."""
+    if wire.partition_leaders(topic) is not None:
+        return
+    if not create:
+        raise PreflightError(
+            f"topic {topic!r} does not exist ({sink.describe()}); create it, or pass "
+            "create_topic=True (with partitions= and replication_factor=) to KafkaSink"
+        )
+    try:
+        wire.admin.create_topics(
+            [NewTopic(topic, partitions, sink.replication_factor, topic_configs=config)]
+        )
+    except Errors.TopicAlreadyExistsError:
+        pass  # created concurrently
+    except Exception as e:
+        hint = ""
+        if topic == sink.registry_topic:
+            hint = (
+                f"; it is the registry of transactional ids (default {DEFAULT_TOPIC}): create "
+                "it as an admin (compacted), or pass registry_topic= naming a topic you may write"
+            )
+        raise PreflightError(f"cannot create topic {topic!r} ({sink.describe()}): {e}{hint}") from e
+    log.info("created Kafka topic %s (%d partition(s))", topic, partitions)
+
+
+def broker_max_timeout(wire: KafkaWire) -> int | None:
+    """The smallest ``transaction.max.timeout.ms`` the brokers report, or None
+    when none reports it (tansu answers DescribeConfigs with no entries)."""
+    found: list[int] = []
+    for node in wire.broker_ids():
+        try:
+            res = wire.admin.describe_configs(
+                [ConfigResource(ConfigResourceType.BROKER, str(node))], config_filter="all"
+            )
+        except Exception as e:
+            log.debug("DescribeConfigs of broker %s failed: %r", node, e)
+            continue
+        entry = res.get("broker", {}).get(str(node), {}).get("transaction.max.timeout.ms")
+        if entry and entry.get("value") is not None:
+            found.append(int(entry["value"]))
+    return min(found) if found else None
+
+
+def check_transaction_timeout(wire: KafkaWire, sink: KafkaSink) -> None:
+    """Refuse a ``transaction_timeout_ms`` above the brokers' maximum, and a
+    cluster that will not start a transaction (disabled, or ACLs)."""
+    mine = sink.transaction_timeout_ms
+    broker_max = broker_max_timeout(wire)
+    if broker_max is not None and mine > broker_max:
+        raise PreflightError(
+            f"transaction_timeout_ms={mine} exceeds the broker's transaction.max.timeout.ms="
+            f"{broker_max} ({sink.describe()}); lower transaction_timeout_ms or raise "
+            "transaction.max.timeout.ms on the brokers"
+        )
+    if broker_max is None:
+        log.warning(
+            "%s: the broker does not report transaction.max.timeout.ms, so "
+            "transaction_timeout_ms=%d cannot be compared with it (an InitProducerId probe "
+            "follows, which Apache Kafka refuses for a timeout above its maximum; tansu "
+            "enforces no transaction timeout at all)",
+            sink.describe(),
+            mine,
+        )
+    # The definitive test: InitProducerId with a timeout above the maximum is
+    # refused (INVALID_TRANSACTION_TIMEOUT), as is one the ACLs do not allow.
+    probe = f"{sink.id_prefix}twophase-preflight.{sink.sink_id}"
+    try:
+        coordinator = wire.find_coordinators([probe])[probe]
+        error, _, _ = wire.init_producer_id(coordinator, probe, mine)
+    except Exception as e:
+        raise PreflightError(
+            f"{sink.describe()}: the broker cannot start a transaction ({e!r}); "
+            "exactly-once needs a broker with transactions enabled"
+        ) from e
+    if error is Errors.InvalidTransactionTimeoutError:
+        raise PreflightError(
+            f"transaction_timeout_ms={mine} is larger than the broker's "
+            f"transaction.max.timeout.ms ({sink.describe()}); lower it, or raise "
+            "transaction.max.timeout.ms on the brokers"
+        )
+    if error is not Errors.NoError:
+        raise PreflightError(
+            f"{sink.describe()}: the broker refused a transaction ({error.__name__}); "
+            "check the TransactionalId ACLs (WRITE and DESCRIBE on the "
+            "transactional_id_prefix) and IdempotentWrite on the cluster"
+        )
