@@ -1,20 +1,27 @@
 """The ``twophase`` console command.
 
-twophase status STATE_DIR [--json]   what a job's ledger holds
-twophase version
+    twophase status STATE_DIR [--json]               what a job's ledger holds
+    twophase stop [--drain] [--timeout S] STATE_DIR  stop a running job, wait for it
+    twophase version
+
+``twophase stop`` exits 0 when the job stopped with its final (``--drain``) or
+savepoint checkpoint committed and nothing left undecided, 1 when it did not,
+2 when no job is running on STATE_DIR or it did not stop within the timeout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from lifecycle.ledger import read_ledger
+from lifecycle import control
+from lifecycle.ledger import is_locked, read_ledger
 
 
 def _when(ts: float | None) -> str:
@@ -64,14 +71,59 @@ def format_status(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def stop(state_dir: str, *, drain: bool, timeout: float) -> int:
+    """Ask the job on ``state_dir`` to stop, wait for it to exit, report the outcome."""
+    if not is_locked(state_dir):
+        print(f"twophase: no job is running with state_dir {state_dir}", file=sys.stderr)
+        return 2
+    req = control.write_request(state_dir, drain=drain, source=f"twophase stop (pid {os.getpid()})")
+    what = "drain" if drain else "stop (savepoint)"
+    print(f"asked the job to {what}; waiting for it to exit ...", flush=True)
+    deadline = time.monotonic() + timeout
+    while is_locked(state_dir):
+        if time.monotonic() > deadline:
+            print(f"twophase: the job did not exit within {timeout:.0f}s", file=sys.stderr)
+            return 2
+        time.sleep(0.2)
+    doc = read_ledger(state_dir) or {}
+    kind = "final" if drain else "savepoint"
+    last = (doc.get("history") or [None])[-1]
+    ok = (
+        last is not None
+        and last["kind"] in (kind, "final")
+        and (last.get("committed_at") or 0) >= req.requested_at
+        and not doc.get("pending")
+        and doc.get("decided") is None
+    )
+    if ok:
+        print(f"the job exited; {last['kind']} checkpoint {last['id']} committed")
+        return 0
+    print(
+        "twophase: the job exited without committing its "
+        f"{kind} checkpoint; see the job's log and `twophase status {state_dir}`",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="twophase", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("status", help="show a job's checkpoints and pending transactions")
     st.add_argument("state_dir")
     st.add_argument("--json", action="store_true", help="print the raw ledger document")
+    sp = sub.add_parser("stop", help="stop a running job (a savepoint, or --drain)")
+    sp.add_argument("state_dir")
+    sp.add_argument(
+        "--drain",
+        action="store_true",
+        help="end every pipeline's input and commit one final checkpoint",
+    )
+    sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (600)")
     sub.add_parser("version", help="print the version")
     args = ap.parse_args(argv)
+    if args.cmd == "stop":
+        return stop(args.state_dir, drain=args.drain, timeout=args.timeout)
     if args.cmd == "version":
         try:
             print(version("twophase"))

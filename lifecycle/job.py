@@ -252,6 +252,10 @@ class Job:
             self._running = False
             self._warn_undecided(ledger)
             ledger.close()
+            for p in self._pipelines.values():
+                for s in p.sinks:
+                    with contextlib.suppress(Exception):
+                        s.close()
 
     def _warn_undecided(self, ledger: FileLedger) -> None:
         pending = ledger.pending()
@@ -282,6 +286,7 @@ class Job:
         self._check_spark_state(ledger)
         for p in self._pipelines.values():
             for s in p.sinks:
+                s.check_checkpoint_interval(self.checkpoint_interval)
                 s.preflight(p.schema)
         coord.recover()
         stale = control.take_request(self.state_dir)

@@ -265,6 +265,21 @@ class FileLedger:
         return done
 
 
+def is_locked(state_dir: str | os.PathLike[str]) -> bool:
+    """Whether a job currently holds the ledger of ``state_dir`` (is running)."""
+    path = Path(state_dir) / "ledger" / "lock"
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock we may have taken
+    return False
+
+
 def read_ledger(state_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The ledger document of ``state_dir`` for display, without taking the lock."""
     path = Path(state_dir) / "ledger" / "ledger.json"

@@ -11,6 +11,7 @@ from sinks.errors import (
     TransactionLostError,
     TwoPhaseError,
 )
+from sinks.kafka import KafkaSink
 from sinks.postgres import PostgresSink
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "Committable",
     "ConfigError",
     "JobScope",
+    "KafkaSink",
     "PostgresSink",
     "PreflightError",
     "Sink",

@@ -137,6 +137,13 @@ class Sink(abc.ABC):
         """Abort every prepared transaction of ``scope`` for which ``is_orphan``
         is true; return the names aborted."""
 
+    def check_checkpoint_interval(self, checkpoint_interval_s: float) -> None:  # noqa: B027
+        """Raise :class:`sinks.errors.PreflightError` when prepared work could expire
+        before a checkpoint of this interval (plus a restart) commits it."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release driver-side resources (called when ``Job.run`` ends)."""
+
     def forget(self, committables: Sequence[Committable]) -> None:  # noqa: B027
         """Drop bookkeeping kept only to make ``commit`` idempotent (called after
         the ledger has durably recorded that these committables are committed)."""

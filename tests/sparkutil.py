@@ -6,7 +6,14 @@ import os
 import sys
 
 from pyspark.sql import SparkSession
-from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
+from pyspark.sql.types import (
+    DoubleType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
 INPUT_SCHEMA = StructType(
     [
@@ -33,3 +40,12 @@ def make_spark(app: str, master: str = "local[2,2]") -> SparkSession:
         .config("spark.sql.session.timeZone", "UTC")
         .getOrCreate()
     )
+
+
+EVENT_SCHEMA = StructType(
+    [
+        StructField("id", LongType()),
+        StructField("ts", TimestampType()),
+        StructField("amount", DoubleType()),
+    ]
+)

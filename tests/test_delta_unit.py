@@ -11,8 +11,13 @@ import json
 import math
 import multiprocessing
 import os
+import pickle
+import socket
+import subprocess
+import sys
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +31,7 @@ from sinks import _faults
 from sinks.base import Committable, JobScope, WriteContext
 from sinks.delta import DeltaSchemaError, DeltaSink
 from sinks.delta.sink import app_id
-from sinks.delta.storage import STAGING_DIR
+from sinks.delta.storage import STAGING_DIR, TableStorage
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
 from sinks.naming import TxnName
 
@@ -627,3 +632,97 @@ def test_stats_in_the_log_match_the_data(uri: str, scope: JobScope) -> None:
             hit = t.to_pyarrow_table(filters=[(col, "=", row[col])])
             assert hit.num_rows >= 1, (col, row[col])
     assert not math.isnan(sum(v for v in full.column("g").to_pylist() if v is not None))
+
+
+# -- S3 (moto's server on loopback) -----------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3_options() -> Iterator[dict[str, str]]:
+    """A moto S3 server on a loopback port with an empty bucket ``twophase``."""
+    pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    boto3 = pytest.importorskip("boto3")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("moto server did not start") from None
+                time.sleep(0.1)
+        endpoint = f"http://127.0.0.1:{port}"
+        opts = {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_REGION": "us-east-1",
+            "AWS_ALLOW_HTTP": "true",
+        }
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+            region_name="us-east-1",
+        ).create_bucket(Bucket="twophase")
+        yield opts
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_s3_commit_abort_and_sweep(s3_options: dict[str, str], scope: JobScope) -> None:
+    uri = "s3://twophase/orders"
+    sink = DeltaSink(uri, partition_by=["kind"], sink_id="orders", storage_options=s3_options)
+    sink.preflight(SCHEMA)
+    # the sink is pickled to executors: the store is reopened there
+    sink = pickle.loads(pickle.dumps(sink))
+    store = TableStorage(uri, s3_options)
+
+    cs = [
+        stage(sink, scope, 1, p, [rows(p * 1000, 1000), rows(p * 1000 + 1000, 500)])
+        for p in range(2)
+    ]
+    for c in cs:
+        for a in c["adds"]:
+            assert store.info(a["path"])[0] == a["size"]
+            assert (
+                pq.read_metadata(a["path"], filesystem=store.fs).num_rows
+                == json.loads(a["stats"])["numRecords"]
+            )
+    dropped = stage(sink, scope, 1, 2, [rows(9000, 10)])
+    w = sink.open_writer(WriteContext(scope, 1, 1, 3, 999), SCHEMA)
+    w.write(rows(8000, 10))  # a task that dies here
+
+    def table(version: int | None = None) -> DeltaTable:
+        return DeltaTable(uri, storage_options=s3_options, version=version)
+
+    assert table().to_pyarrow_table().num_rows == 0
+    sink.commit(cs)
+    sink.commit(cs)
+    assert table().version() == 1
+    got = table().to_pyarrow_table(columns=["id"]).column("id").to_pylist()
+    assert sorted(got) == list(range(3000))
+
+    sink.abort([dropped])
+    assert all(store.info(a["path"]) is None for a in dropped["adds"])
+    swept = sink.abort_lingering(scope, lambda n: True)
+    assert swept == ["tp1.job1.live.orders.r1.b1.p3.a999"]
+    assert store.list_files(STAGING_DIR) == []
+    assert sorted(table().to_pyarrow_table(columns=["id"]).column("id").to_pylist()) == list(
+        range(3000)
+    )

@@ -17,7 +17,9 @@ later OPTIMIZE removed from the snapshot but that time travel still reads.
 Local tables are written with the local file system and fsync'ed (files and the
 directories that name them); object stores go through deltalake's own store
 (``deltalake.fs.DeltaStorageHandler``), configured by the same
-``storage_options`` as the table.
+``storage_options`` as the table. (Its output stream takes ``bytes`` only and
+always reports position 0, which breaks pyarrow's Parquet writer; writes go
+through :class:`_ObjectOutput`, which fixes both.)
 """
 
 from __future__ import annotations
@@ -71,14 +73,16 @@ class TableStorage:
         self.storage_options = dict(storage_options or {})
         self.root = local_root(table_uri)
         self._fs: pafs.FileSystem | None = None
+        self._store: Any = None  # deltalake's object-store handler (object stores only)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_fs"] = None
+        state["_fs"] = state["_store"] = None
         return state
 
     @property
     def fs(self) -> pafs.FileSystem:
+        """The pyarrow file system of the table (opened on first use)."""
         if self._fs is None:
             if self.root is not None:
                 self._fs = pafs.LocalFileSystem()
@@ -86,6 +90,7 @@ class TableStorage:
                 from deltalake.fs import DeltaStorageHandler
 
                 handler = DeltaStorageHandler(self.table_uri, self.storage_options or None)
+                self._store = handler._handler  # the raw store, for writes (see module doc)
                 self._fs = pafs.PyFileSystem(handler)
         return self._fs
 
@@ -99,7 +104,10 @@ class TableStorage:
         """Create (or truncate) ``rel`` for streaming writes."""
         if self.root is not None:
             os.makedirs(os.path.dirname(self.path(rel)), exist_ok=True)
-        return self.fs.open_output_stream(self.path(rel))
+            return self.fs.open_output_stream(self.path(rel))
+        if self._store is None:
+            _ = self.fs
+        return pa.PythonFile(_ObjectOutput(self._store.open_output_stream(rel, None)), mode="w")
 
     def put(self, rel: str, data: bytes) -> None:
         """Write a small file durably (fsync'ed on local disks)."""
@@ -166,3 +174,34 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class _ObjectOutput:
+    """File-like adapter of deltalake's object-store output stream (a multipart
+    upload): accepts any buffer, and counts the position, which the Parquet writer
+    needs for the offsets it records in the footer."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._pos = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        b = bytes(data)
+        self._raw.write(b)
+        self._pos += len(b)
+        return len(b)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._raw.close()

@@ -1,0 +1,108 @@
+"""A job of several pipelines writing to PostgreSQL, run as its own driver
+process by the lifecycle tests (which SIGKILL it, SIGTERM it, or stop it with
+``twophase stop``).
+
+    --pipeline name=load,input=DIR,table=T,kind=bounded|unbounded|windowed[,files=K]
+
+``windowed`` is a bounded event-time aggregation: 10-minute windows of rows
+{id, ts, amount} with a 5-minute watermark, flushed at end of input.
+Exit status 0 only when the run committed (``JobResult.committed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from lifecycle import Job
+from sinks import PostgresSink
+from tests.sparkutil import EVENT_SCHEMA, INPUT_SCHEMA, make_spark
+
+
+def windowed(df: DataFrame) -> DataFrame:
+    """Event-time windows, as the lifecycle tests expect them."""
+    return (
+        df.withWatermark("ts", "5 minutes")
+        .groupBy(F.window("ts", "10 minutes"))
+        .agg(F.count("*").alias("n"), F.sum("amount").alias("total"))
+        .select(
+            F.col("window.start").alias("window_start"),
+            F.col("window.end").alias("window_end"),
+            "n",
+            "total",
+        )
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dsn", required=True)
+    ap.add_argument("--state", required=True)
+    ap.add_argument("--job", default="life")
+    ap.add_argument("--interval", type=float, default=1.0)
+    ap.add_argument("--final", default="shared")
+    ap.add_argument("--pipeline", action="append", default=[])
+    args = ap.parse_args()
+    os.environ["TWOPHASE_DRIVER_PID"] = str(os.getpid())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    spark = make_spark(f"job-{args.job}")
+    spark.sparkContext.setLogLevel("ERROR")
+    job = Job(
+        spark, args.job, args.state, checkpoint_interval=args.interval, final_checkpoint=args.final
+    )
+    for spec in args.pipeline:
+        opts = dict(kv.split("=", 1) for kv in spec.split(","))
+        kind = opts["kind"]
+        files = int(opts.get("files", 1))
+        sink = PostgresSink(args.dsn, opts["table"])
+        if kind == "windowed":
+            src = (
+                spark.readStream.schema(EVENT_SCHEMA)
+                .option("maxFilesPerTrigger", files)
+                .json(opts["input"])
+            )
+            job.add_pipeline(
+                opts["name"], src, [sink], bounded=True, transform=windowed, event_time="ts"
+            )
+        else:
+            src = (
+                spark.readStream.schema(INPUT_SCHEMA)
+                .option("maxFilesPerTrigger", files)
+                .json(opts["input"])
+            )
+            job.add_pipeline(
+                opts["name"], src, [sink], bounded=kind == "bounded", trigger_interval=0.5
+            )
+    result = job.run()
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "checkpoints": result.checkpoints,
+                "rows": result.rows_committed,
+                "final": result.final_checkpoint,
+                "committed": result.committed,
+                "drained": result.drained,
+                "stopped": result.stopped,
+                "end_of_input_to_exit": result.end_of_input_to_exit,
+                "pipelines": {k: v.value for k, v in result.pipelines.items()},
+            }
+        ),
+        flush=True,
+    )
+    spark.stop()
+    return 0 if result.committed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Running job scripts as real driver processes, for crash and lifecycle tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = ROOT / "tests" / "jobs"
+
+
+class JobProcess:
+    """A job script in its own process (own JVM and Python workers), output in a log."""
+
+    def __init__(self, script: str, args: list[str], log: Path, fault: str | None = None):
+        env = dict(os.environ)
+        env.pop("TWOPHASE_FAULT", None)
+        if fault:
+            env["TWOPHASE_FAULT"] = fault
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._out = open(log, "a")  # noqa: SIM115 (closed in wait)
+        self._out.write(f"\n===== {script} {' '.join(args)} (fault: {fault})\n")
+        self._out.flush()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(JOBS / script), *args],
+            env=env,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+    def wait(self, timeout: float = 240) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._out.close()
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def result(self) -> dict[str, Any]:
+        """The RESULT line of the last run in the log."""
+        line = self.output().rsplit("RESULT ", 1)[1].splitlines()[0]
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def tail(self, n: int = 4000) -> str:
+        return self.output()[-n:]
+
+
+def run_job(
+    script: str, args: list[str], log: Path, fault: str | None = None, timeout: float = 240
+) -> JobProcess:
+    """Run a job script to its end."""
+    jp = JobProcess(script, args, log, fault)
+    jp.wait(timeout)
+    return jp
+
+
+def wait_for(
+    predicate: Callable[[], Any], timeout: float, what: str, proc: JobProcess | None = None
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.proc.poll() is not None:
+            raise AssertionError(
+                f"the job exited ({proc.proc.returncode}) before {what}:\n" + proc.tail()
+            )
+        time.sleep(0.2)
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}" + (f":\n{proc.tail()}" if proc else "")
+    )
