@@ -238,8 +238,7 @@ class Job:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         ledger = FileLedger(self.state_dir / "ledger", self.name)
         self._running = True
-        self._stop = None
-        self._outcome = ""
+        self._outcome = ""  # a stop() that came before run() is honoured
         signals = control.SignalHandlers(self.stop) if handle_signals else contextlib.nullcontext()
         try:
             with signals:
@@ -250,6 +249,7 @@ class Job:
             raise JobFailedError(f"job {self.name!r} failed: {e}") from e
         finally:
             self._running = False
+            self._stop = None
             self._warn_undecided(ledger)
             ledger.close()
             for p in self._pipelines.values():

@@ -83,7 +83,9 @@ class Pipeline:
                     f"pipeline {self.name!r}: event_time {self.event_time!r} must be a timestamp "
                     "column of the source DataFrame"
                 )
-        self.schema = to_arrow_schema(self._output(self.source).schema)
+        out = self._output(self.source)
+        tz = out.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
+        self.schema = to_arrow_schema(out.schema, timezone=tz)
 
     # -- locations ----------------------------------------------------------------
 

@@ -4,6 +4,7 @@ See :mod:`sinks.base` for the protocol every sink implements.
 """
 
 from sinks.base import Committable, JobScope, Sink, SinkWriter, WriteContext
+from sinks.delta import DeltaSink
 from sinks.errors import (
     CommitError,
     ConfigError,
@@ -18,6 +19,7 @@ __all__ = [
     "CommitError",
     "Committable",
     "ConfigError",
+    "DeltaSink",
     "JobScope",
     "KafkaSink",
     "PostgresSink",

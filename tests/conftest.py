@@ -9,11 +9,13 @@ Services:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -85,3 +87,65 @@ def write_input(directory: Path, files: int, rows_per_file: int, start: int = 0)
         tmp.write_text("\n".join(lines) + "\n")
         tmp.rename(directory / f"part-{start}-{f:05d}.json")
     return n - start
+
+
+# -- Kafka ---------------------------------------------------------------------------------
+# A Kafka-protocol broker for the Spark-level Kafka tests: tansu on a free loopback
+# port for the test session (``tests/kafkabroker.py``), or an existing cluster when
+# ``TWOPHASE_KAFKA_BOOTSTRAP`` is set (e.g. Apache Kafka from docker-compose.yml).
+# Every test writes to fresh topics, so a shared cluster needs no cleaning.
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    """``host:port`` of the test session's Kafka broker."""
+    given = os.environ.get("TWOPHASE_KAFKA_BOOTSTRAP")
+    if given:
+        yield given
+        return
+    from tests.kafkabroker import KafkaBroker
+
+    broker = KafkaBroker()
+    broker.start()
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.cleanup()
+
+
+def wait_for_topic(bootstrap: str, topic: str, partitions: int, timeout: float = 30.0) -> None:
+    """Wait until every partition of a new topic has a leader (Apache Kafka
+    creates topics asynchronously; tansu at once)."""
+    from sinks.kafka.wire import KafkaWire
+
+    deadline = time.monotonic() + timeout
+    with KafkaWire(bootstrap) as wire:
+        while True:
+            leaders: dict[int, int] | None = None
+            with contextlib.suppress(Exception):  # LEADER_NOT_AVAILABLE while created
+                leaders = wire.partition_leaders(topic)
+            if leaders and len(leaders) == partitions and min(leaders.values()) >= 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"topic {topic} has no leaders after {timeout}s: {leaders}")
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def kafka_topic(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
+    """``kafka_topic(partitions=3)`` creates a fresh topic and returns its name."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+
+    def make(partitions: int = 3) -> str:
+        name = f"t-{uuid.uuid4().hex[:12]}"
+        admin.create_topics([NewTopic(name, partitions, 1)])
+        wait_for_topic(kafka_bootstrap, name, partitions)
+        return name
+
+    try:
+        yield make
+    finally:
+        admin.close()

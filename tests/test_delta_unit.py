@@ -156,6 +156,7 @@ def test_commit_makes_rows_visible_once_in_one_version(
         for a in c["adds"]:
             assert Path(a["path"]).name.startswith(c["txn"] + "-")
             assert a["size"] == os.path.getsize(Path(uri) / a["path"])
+            assert abs(a["modification_time"] / 1000 - time.time()) < 600
             assert TxnName.parse(c["txn"]) is not None
     assert len(markers(uri)) == len(staged)
 
@@ -252,6 +253,32 @@ def test_two_sinks_committing_concurrently_both_land(uri: str) -> None:
     assert version(uri) == 10
     t = DeltaTable(uri)
     assert [t.transaction_version(f"tp1.job1.live.s{i}") for i in range(2)] == [4, 4]
+
+
+def test_large_partitions_roll_row_groups_and_files(
+    sink: DeltaSink, scope: JobScope, uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sinks.delta import writer
+
+    monkeypatch.setattr(writer, "ROW_GROUP_BYTES", 4_000)
+    monkeypatch.setattr(writer, "FILE_BYTES", 20_000)
+    c = stage(sink, scope, 1, 0, [rows(i * 100, 100) for i in range(30)])
+    assert c is not None and c["rows"] == 3000
+    per_kind: dict[str | None, int] = {}
+    for a in c["adds"]:
+        kind = a["partition_values"]["kind"]
+        per_kind[kind] = per_kind.get(kind, 0) + 1
+        meta = pq.read_metadata(Path(uri) / a["path"])
+        assert meta.num_rows == json.loads(a["stats"])["numRecords"]
+        assert meta.num_row_groups > 1
+        assert "kind" not in meta.schema.names  # partition values live in the log only
+        ts = meta.schema.column(meta.schema.names.index("ts")).logical_type
+        assert "isAdjustedToUTC=true, timeUnit=microseconds" in str(ts)
+    assert set(per_kind) == {"a", "b", "c:/d", None}
+    assert all(n > 1 for n in per_kind.values())  # files rolled over
+    sink.commit([c])
+    assert ids(uri) == list(range(3000))
+    assert version(uri) == 1
 
 
 # -- abort and close ------------------------------------------------------------------
@@ -359,7 +386,7 @@ def test_abort_lingering_deletes_orphans_never_committed_files(
     m = Path(uri) / STAGING_DIR / (Path(owned["adds"][0]["path"]).name.split(".snappy")[0])
     m.write_text(owned["adds"][0]["path"])  # a marker left behind by a crash
     swept = sink.abort_lingering(scope, lambda n: True)
-    assert swept == sorted([owned["txn"], running["txn"]])
+    assert swept == [running["txn"]]
     assert paths([owned]) <= parquet_files(uri)
     assert not paths([running]) & parquet_files(uri)
     assert ids(uri) == list(range(20))
@@ -373,9 +400,10 @@ def test_a_damaged_marker_deletes_nothing_else(sink: DeltaSink, scope: JobScope,
     d = Path(uri) / STAGING_DIR
     (d / "tp1.job1.live.orders.r1.b9.p0.a1-00000").write_text(victim)
     (d / "tp1.job1.live.orders.r1.b9.p0.a2-00000").write_text("")
+    (d / "tp1.job1.live.orders.r1.b9.p0.a3-00000").write_text("../../elsewhere")
     assert sink.abort_lingering(scope, lambda n: True) == [
-        "tp1.job1.live.orders.r1.b9.p0.a1",
         "tp1.job1.live.orders.r1.b9.p0.a2",
+        "tp1.job1.live.orders.r1.b9.p0.a3",
     ]
     assert victim in parquet_files(uri)
     assert markers(uri) == []
@@ -694,12 +722,13 @@ def test_s3_commit_abort_and_sweep(s3_options: dict[str, str], scope: JobScope) 
     store = TableStorage(uri, s3_options)
 
     cs = [
-        stage(sink, scope, 1, p, [rows(p * 1000, 1000), rows(p * 1000 + 1000, 500)])
+        stage(sink, scope, 1, p, [rows(p * 1500, 1000), rows(p * 1500 + 1000, 500)])
         for p in range(2)
     ]
     for c in cs:
         for a in c["adds"]:
             assert store.info(a["path"])[0] == a["size"]
+            assert abs(a["modification_time"] / 1000 - time.time()) < 600
             assert (
                 pq.read_metadata(a["path"], filesystem=store.fs).num_rows
                 == json.loads(a["stats"])["numRecords"]

@@ -20,11 +20,24 @@ Delta commit): skip. Greater: the table holds later commits of this very
 job/pipeline/sink, so the job's state was reset or another job uses the same
 ids: refuse loudly rather than skip or duplicate. A concurrent commit of the
 same app id fails the delta-rs conflict check and is retried, which then skips.
+
+Before anything is committed every staged file is checked: present (else
+:class:`TransactionLostError`), the size and row count recorded at prepare, no
+partition columns inside, exactly the table's column types, and partition
+values for exactly the table's partition columns (else
+:class:`~sinks.delta.layout.DeltaSchemaError`, naming file and column).
+
+Staged files are found through their staging markers (:mod:`sinks.delta.storage`):
+``abort_lingering`` lists the marker directory, never the whole table, and the
+commit deletes a transaction's markers once its Delta version exists, so a
+committed file is never a sweep candidate, even after OPTIMIZE removed it from
+the snapshot while time travel still reads it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -285,6 +298,11 @@ class DeltaSink(Sink):
                 f"{list(layout.partition_by)}; nothing was committed"
             )
         meta = self._storage.parquet_metadata(rel)
+        if json.loads(add["stats"]).get("numRecords") != meta.num_rows:
+            raise TransactionLostError(
+                f"{where}: staged file {rel} of transaction {txn} holds {meta.num_rows} rows, "
+                "not the number its prepare recorded: it was changed, so it is not committed"
+            )
         _check_file_schema(meta, layout, f"{where}: staged file {rel}")
         return AddAction(
             path=rel,
@@ -345,18 +363,23 @@ class DeltaSink(Sink):
             return []
         dt = self._load()
         committed = table.committed_paths(dt) if dt is not None else set()
-        for stems in orphans.values():
+        aborted = []
+        for txn, stems in sorted(orphans.items()):
+            kept = 0
             for stem in stems:
                 marker = f"{STAGING_DIR}/{stem}"
                 data = self._storage.read(marker)
                 rel = data.decode("utf-8", "replace") if data else ""
-                if _is_staged_path(rel, stem) and rel not in committed:
+                if rel in committed:
+                    kept += 1  # a marker a crash left behind after the commit
+                elif _is_staged_path(rel, stem):
                     self._storage.delete(rel)
                 self._storage.delete(marker)
-        log.info(
-            "%s: deleted staged files of %d lingering transaction(s)", self.describe(), len(orphans)
-        )
-        return sorted(orphans)
+            if kept < len(stems):
+                aborted.append(txn)
+        if aborted:
+            log.info("%s: deleted the staged files of %s", self.describe(), aborted)
+        return aborted
 
 
 def _parse(txn: str) -> TxnName:

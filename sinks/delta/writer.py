@@ -27,6 +27,9 @@ log = logging.getLogger("sinks.delta")
 
 ROW_GROUP_BYTES = 64 * 1024 * 1024
 """Uncompressed bytes buffered per open file before they are written as a row group."""
+MAX_BUFFERED_BYTES = 256 * 1024 * 1024
+"""Uncompressed bytes buffered across a task's open files (many partitions) before
+every buffer is written out, whatever its size: the bound on a task's memory."""
 FILE_BYTES = 1024 * 1024 * 1024
 """Uncompressed bytes after which a file is closed and the next one started."""
 
@@ -41,7 +44,7 @@ class _StagedFile:
         self.schema = schema
         self.stats = FileStats(schema)
         self._buffer: list[pa.RecordBatch] = []
-        self._buffered = 0
+        self.buffered = 0
         self.written = 0
         self._stream = storage.open_output(rel)
         self._writer: pq.ParquetWriter | None = pq.ParquetWriter(
@@ -51,18 +54,19 @@ class _StagedFile:
     def append(self, batch: pa.RecordBatch) -> None:
         self.stats.update(batch)
         self._buffer.append(batch)
-        self._buffered += batch.nbytes
-        if self._buffered >= ROW_GROUP_BYTES:
-            self._flush()
+        self.buffered += batch.nbytes
+        if self.buffered >= ROW_GROUP_BYTES:
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write the buffered rows as one row group."""
         if self._buffer and self._writer is not None:
             self._writer.write_table(pa.Table.from_batches(self._buffer, self.schema))
-            self.written += self._buffered
-            self._buffer, self._buffered = [], 0
+            self.written += self.buffered
+            self._buffer, self.buffered = [], 0
 
     def close(self) -> None:
-        self._flush()
+        self.flush()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -109,6 +113,9 @@ class DeltaWriter(SinkWriter):
             return
         for key, part in self._split(batch):
             self._file(key).append(part.select(self._file_schema.names))
+        if sum(f.buffered for f in self._open.values()) > MAX_BUFFERED_BYTES:
+            for f in self._open.values():
+                f.flush()
 
     def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """Columns in table order, cast to the table's types; NOT NULL enforced."""

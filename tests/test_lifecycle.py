@@ -1,0 +1,326 @@
+"""The lifecycle manager: finished pipelines in checkpoints, ending input,
+one shared final checkpoint, mixed jobs, drain, savepoint and resume, signals.
+
+Jobs that are crashed, signalled or stopped from another terminal run as real
+driver processes (``tests/jobs/lifecycle_job.py``); the others run in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from lifecycle import Job, PipelineState
+from lifecycle.ledger import read_ledger
+from sinks import PostgresSink
+from tests.conftest import write_input
+from tests.jobs.lifecycle_job import windowed
+from tests.pgcheck import assert_exactly_once, job_prepared
+from tests.procs import JobProcess, run_job, wait_for
+from tests.sparkutil import EVENT_SCHEMA
+
+T0 = datetime(2024, 1, 1, 0, 0, 0)
+
+
+def write_events(directory: Path, first: int, count: int, files: int) -> None:
+    """Events every 30 s from T0 + first*30s: ids first..first+count-1."""
+    directory.mkdir(parents=True, exist_ok=True)
+    per = max(1, count // files)
+    for f in range(files):
+        ids = range(first + f * per, first + (count if f == files - 1 else (f + 1) * per))
+        text = "".join(
+            json.dumps(
+                {"id": i, "ts": (T0 + timedelta(seconds=30 * i)).isoformat(), "amount": float(i)}
+            )
+            + "\n"
+            for i in ids
+        )
+        tmp = directory / f".ev-{first}-{f}.tmp"
+        tmp.write_text(text)
+        tmp.rename(directory / f"ev-{first}-{f:03d}.json")
+
+
+def expected_windows(ids: range) -> dict[datetime, tuple[int, float]]:
+    out: dict[datetime, tuple[int, float]] = {}
+    for i in ids:
+        ts = T0 + timedelta(seconds=30 * i)
+        start = ts.replace(minute=ts.minute - ts.minute % 10, second=0)
+        n, total = out.get(start, (0, 0.0))
+        out[start] = (n + 1, total + float(i))
+    return out
+
+
+def window_rows(dsn: str, table: str = "windows") -> dict[datetime, tuple[int, float]]:
+    with psycopg.connect(dsn) as c:
+        c.execute("SET TIME ZONE 'UTC'")
+        rows = c.execute(f"SELECT window_start, n, total FROM {table}").fetchall()
+    out: dict[datetime, tuple[int, float]] = {}
+    for start, n, total in rows:
+        key = start.replace(tzinfo=None)
+        assert key not in out, f"window {key} written twice"
+        out[key] = (n, total)
+    return out
+
+
+def create_tables(dsn: str, *tables: str, windows: bool = False) -> None:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        for t in tables:
+            c.execute(f"CREATE TABLE {t} (id bigint PRIMARY KEY, name text, amount float8)")
+        if windows:
+            c.execute(
+                "CREATE TABLE windows (window_start timestamptz PRIMARY KEY, "
+                "window_end timestamptz, n bigint, total float8)"
+            )
+
+
+def ledger_kinds(state: Path) -> list[str]:
+    doc = read_ledger(state)
+    assert doc is not None
+    return [cp["kind"] for cp in doc["history"]]
+
+
+# -- in-process ------------------------------------------------------------------------
+
+
+def test_windowed_bounded_input_emits_every_window_at_end(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    """Without the end-of-input flush the last windows (within the watermark
+    delay of the last event) would stay in Spark state and never reach the sink."""
+    write_events(tmp_path / "ev", 0, 200, files=4)  # 100 minutes of events
+    create_tables(pg_dsn, windows=True)
+    src = (
+        spark.readStream.schema(EVENT_SCHEMA)
+        .option("maxFilesPerTrigger", 2)
+        .json(str(tmp_path / "ev"))
+    )
+    job = Job(spark, "win", tmp_path / "state", checkpoint_interval=0)
+    job.add_pipeline(
+        "agg",
+        src,
+        [PostgresSink(pg_dsn, "windows")],
+        bounded=True,
+        transform=windowed,
+        event_time="ts",
+    )
+    result = job.run()
+    assert result.committed and result.pipelines == {"agg": PipelineState.FINISHED}
+    assert window_rows(pg_dsn) == expected_windows(range(200))
+    assert ledger_kinds(tmp_path / "state")[-1] == "final"
+
+
+def test_three_pipelines_share_one_final_checkpoint(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    sizes = {"small": (1, 50), "medium": (3, 400), "large": (6, 1500)}
+    create_tables(pg_dsn, *sizes)
+    job = Job(spark, "three", tmp_path / "state", checkpoint_interval=30)
+    n = {}
+    for name, (files, per) in sizes.items():
+        n[name] = write_input(tmp_path / name, files, per)
+        src = (
+            spark.readStream.schema("id long, name string, amount double")
+            .option("maxFilesPerTrigger", 1)
+            .json(str(tmp_path / name))
+        )
+        job.add_pipeline(name, src, [PostgresSink(pg_dsn, name)], bounded=True)
+    result = job.run()
+    assert result.committed and result.final_checkpoint is not None
+    assert result.end_of_input_to_exit is not None and result.end_of_input_to_exit < 30
+    for name in sizes:
+        assert_exactly_once(pg_dsn, name, n[name])
+    doc = read_ledger(tmp_path / "state")
+    assert doc is not None
+    finals = [cp for cp in doc["history"] if cp["kind"] == "final"]
+    assert len(finals) == 1, doc["history"]
+    # the interval is 30 s: everything went into the one final checkpoint
+    assert finals[0]["finished"] == sorted(sizes)
+    assert set(finals[0]["cut"]) == set(sizes)
+    assert job_prepared(pg_dsn, "three") == []
+
+
+def test_per_pipeline_final_checkpoints_for_comparison(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    create_tables(pg_dsn, "a", "b")
+    job = Job(
+        spark,
+        "cascade",
+        tmp_path / "state",
+        checkpoint_interval=30,
+        final_checkpoint="per-pipeline",
+    )
+    for name in ("a", "b"):
+        write_input(tmp_path / name, 2, 100)
+        src = spark.readStream.schema("id long, name string, amount double").json(
+            str(tmp_path / name)
+        )
+        job.add_pipeline(name, src, [PostgresSink(pg_dsn, name)], bounded=True)
+    result = job.run()
+    assert result.committed
+    assert ledger_kinds(tmp_path / "state") == ["final", "final"]
+    for name in ("a", "b"):
+        assert_exactly_once(pg_dsn, name, 200)
+
+
+def test_savepoint_keeps_windows_open_and_resume_drains_them(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    """stop() without drain: complete batches commit, open windows stay in state.
+    Running again resumes; stop(drain=True) then emits every window exactly once."""
+    create_tables(pg_dsn, windows=True)
+    write_events(tmp_path / "ev", 0, 100, files=2)
+
+    def make_job() -> Job:
+        src = spark.readStream.schema(EVENT_SCHEMA).json(str(tmp_path / "ev"))
+        job = Job(spark, "save", tmp_path / "state", checkpoint_interval=0.5)
+        job.add_pipeline(
+            "agg",
+            src,
+            [PostgresSink(pg_dsn, "windows")],
+            bounded=False,
+            trigger_interval=0.5,
+            transform=windowed,
+            event_time="ts",
+        )
+        return job
+
+    def run_until(job: Job, stop_when, drain: bool):  # type: ignore[no-untyped-def]
+        out: dict[str, object] = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", job.run()), daemon=True)
+        t.start()
+        wait_for(stop_when, 120, "the job to commit its first windows")
+        job.stop(drain=drain)
+        t.join(120)
+        assert not t.is_alive()
+        return out["r"]
+
+    first = run_until(make_job(), lambda: len(window_rows(pg_dsn)) >= 4, drain=False)
+    assert first.stopped and first.committed  # type: ignore[attr-defined]
+    assert first.pipelines == {"agg": PipelineState.STOPPED}  # type: ignore[attr-defined]
+    seen = window_rows(pg_dsn)
+    all_windows = expected_windows(range(100))
+    last = max(all_windows)
+    assert last not in seen  # the last window is still open in Spark state
+    assert ledger_kinds(tmp_path / "state")[-1] == "savepoint"
+
+    write_events(tmp_path / "ev", 100, 60, files=1)  # more input while stopped
+    second = run_until(make_job(), lambda: True, drain=True)
+    assert second.drained and second.committed  # type: ignore[attr-defined]
+    assert window_rows(pg_dsn) == expected_windows(range(160))
+    assert ledger_kinds(tmp_path / "state")[-1] == "final"
+    assert job_prepared(pg_dsn, "save") == []
+
+
+# -- driver processes --------------------------------------------------------------------
+
+
+def _args(dsn: str, state: Path, *pipelines: str, interval: float = 1.0) -> list[str]:
+    args = ["--dsn", dsn, "--state", str(state), "--interval", str(interval)]
+    for p in pipelines:
+        args += ["--pipeline", p]
+    return args
+
+
+@pytest.mark.crash
+def test_mixed_job_finished_pipeline_is_not_rerun_after_a_crash(pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    n_load = write_input(tmp_path / "load", 3, 100)
+    n_live = write_input(tmp_path / "live", 2, 100, start=10_000)
+    create_tables(pg_dsn, "load_t", "live_t")
+    state = tmp_path / "state"
+    args = _args(
+        pg_dsn,
+        state,
+        f"name=load,input={tmp_path / 'load'},table=load_t,kind=bounded",
+        f"name=live,input={tmp_path / 'live'},table=live_t,kind=unbounded",
+    )
+    job = JobProcess("lifecycle_job.py", args, tmp_path / "job.log")
+    try:
+        # the bounded pipeline finishes and is recorded as finished by a checkpoint
+        wait_for(
+            lambda: "load" in ((read_ledger(state) or {}).get("finished") or []),
+            180,
+            "the bounded pipeline to be recorded as finished",
+            job,
+        )
+        # ... while the unbounded one goes on checkpointing new input
+        n_live += write_input(tmp_path / "live", 1, 50, start=20_000)
+        wait_for(lambda: _count(pg_dsn, "live_t") == n_live, 120, "the live pipeline", job)
+        # input the finished pipeline must never read: a re-run would write it
+        write_input(tmp_path / "load", 1, 7, start=30_000)
+        job.proc.send_signal(signal.SIGKILL)
+        assert job.wait() == -signal.SIGKILL
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    again = JobProcess("lifecycle_job.py", args, tmp_path / "job.log")
+    wait_for(lambda: (read_ledger(state) or {}).get("run") == 2, 120, "the restart", again)
+    n_live += write_input(tmp_path / "live", 1, 30, start=40_000)
+    wait_for(lambda: _count(pg_dsn, "live_t") == n_live, 120, "the live pipeline", again)
+    stop = _twophase("stop", "--drain", str(state))
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert again.wait(120) == 0, again.tail()
+    assert "pipeline load finished in an earlier run: not run again" in again.output()
+    assert_exactly_once(pg_dsn, "load_t", n_load)
+    with psycopg.connect(pg_dsn) as c:
+        ids = [r[0] for r in c.execute("SELECT id FROM live_t")]
+    assert len(ids) == len(set(ids)) == n_live
+    assert job_prepared(pg_dsn, "life") == []
+
+
+@pytest.mark.crash
+def test_crash_in_the_middle_of_the_final_checkpoint(pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    n = {name: write_input(tmp_path / name, 2, 120) for name in ("a", "b")}
+    create_tables(pg_dsn, "a", "b")
+    state = tmp_path / "state"
+    args = _args(
+        pg_dsn,
+        state,
+        *(f"name={p},input={tmp_path / p},table={p},kind=bounded" for p in ("a", "b")),
+        interval=60,
+    )
+    first = run_job("lifecycle_job.py", args, tmp_path / "job.log", fault="driver.mid_commit=kill")
+    assert first.proc.returncode == -signal.SIGKILL, first.tail()
+    doc = read_ledger(state)
+    assert doc is not None and doc["decided"]["kind"] == "final"  # decided, half committed
+    second = run_job("lifecycle_job.py", args, tmp_path / "job.log")
+    assert second.proc.returncode == 0, second.tail()
+    assert second.result()["committed"] is True
+    for p in ("a", "b"):
+        assert_exactly_once(pg_dsn, p, n[p])
+    assert ledger_kinds(state).count("final") == 1
+    assert job_prepared(pg_dsn, "life") == []
+
+
+@pytest.mark.crash
+def test_sigterm_drains_and_exits_zero(pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    n = write_input(tmp_path / "live", 4, 100)
+    create_tables(pg_dsn, "live_t")
+    state = tmp_path / "state"
+    args = _args(pg_dsn, state, f"name=live,input={tmp_path / 'live'},table=live_t,kind=unbounded")
+    job = JobProcess("lifecycle_job.py", args, tmp_path / "job.log")
+    wait_for(lambda: _count(pg_dsn, "live_t") > 0, 180, "a first commit", job)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(120) == 0, job.tail()
+    result = job.result()
+    assert result["drained"] and result["committed"]
+    assert result["pipelines"] == {"live": "FINISHED"}
+    assert_exactly_once(pg_dsn, "live_t", n)
+    assert ledger_kinds(state)[-1] == "final"
+    assert job_prepared(pg_dsn, "life") == []
+
+
+def test_twophase_stop_without_a_running_job_says_so(tmp_path: Path) -> None:
+    proc = _twophase("stop", str(tmp_path))
+    assert proc.returncode == 2 and "no job is running" in proc.stderr
+
+
+def _count(dsn: str, table: str) -> int:
+    with psycopg.connect(dsn) as c:
+        return int(c.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+
+
+def _twophase(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lifecycle.cli", *args], capture_output=True, text=True, timeout=300
+    )
