@@ -100,9 +100,9 @@ class Job:
             (one commit per sink per checkpoint).
         final_checkpoint: ``"shared"`` (default): when every pipeline has
             finished its logic, one final checkpoint commits the remaining data
-            of all of them. ``"per-pipeline"``: each pipeline's final data is
-            committed by a checkpoint of its own, one after another, as it
-            finishes (the behaviour FLIP-147 replaced; kept for comparison).
+            of all of them. ``"per-pipeline"``: then each pipeline's final data
+            is committed by a checkpoint of its own, one after another (kept
+            for comparison, see ``benchmarks/final_checkpoint.py``).
     """
 
     def __init__(
@@ -361,13 +361,12 @@ class Job:
             done_logic = [
                 p for p in self._pipelines.values() if p.state is PipelineState.FINISHED_LOGIC
             ]
-            if self.final_checkpoint == "per-pipeline":
-                for p in done_logic:  # each its own checkpoint, one after another
-                    coord.checkpoint("final", finished=[p.name], only=[p.name])
-                    p.state = PipelineState.FINISHED
-                done_logic = []
             if not self._live():
-                if done_logic:  # one shared final checkpoint
+                if self.final_checkpoint == "per-pipeline":
+                    for p in done_logic:  # each its own checkpoint, one after another
+                        coord.checkpoint("final", finished=[p.name], only=[p.name])
+                        p.state = PipelineState.FINISHED
+                elif done_logic:  # one shared final checkpoint
                     coord.checkpoint("final", finished=[p.name for p in done_logic])
                     for p in done_logic:
                         p.state = PipelineState.FINISHED

@@ -17,12 +17,15 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from deltalake import DeltaTable
 
 from lifecycle import Job, PipelineState
 from lifecycle.ledger import read_ledger
-from sinks import PostgresSink
+from sinks import DeltaSink, KafkaSink, PostgresSink
 from tests.conftest import write_input
 from tests.jobs.lifecycle_job import windowed
+from tests.kafkacheck import assert_exactly_once as kafka_exactly_once
+from tests.kafkacheck import assert_nothing_open
 from tests.pgcheck import assert_exactly_once, job_prepared
 from tests.procs import JobProcess, run_job, wait_for
 from tests.sparkutil import EVENT_SCHEMA
@@ -115,31 +118,46 @@ def test_windowed_bounded_input_emits_every_window_at_end(spark, pg_dsn, tmp_pat
     assert ledger_kinds(tmp_path / "state")[-1] == "final"
 
 
-def test_three_pipelines_share_one_final_checkpoint(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
-    sizes = {"small": (1, 50), "medium": (3, 400), "large": (6, 1500)}
-    create_tables(pg_dsn, *sizes)
+def test_three_pipelines_share_one_final_checkpoint(  # type: ignore[no-untyped-def]
+    spark, pg_dsn, kafka_bootstrap, kafka_topic, tmp_path
+):
+    """Three bounded pipelines of very different sizes, to PostgreSQL, Kafka and
+    Delta: one final checkpoint commits the rest of all of them together."""
+    topic = kafka_topic(3)
+    delta = tmp_path / "delta"
+    sizes = {"small": (1, 40), "medium": (3, 400), "large": (8, 1500)}
+    create_tables(pg_dsn, "small")
+    sinks = {
+        "small": PostgresSink(pg_dsn, "small"),
+        "medium": KafkaSink(kafka_bootstrap, topic, key="id"),
+        "large": DeltaSink(str(delta)),
+    }
     job = Job(spark, "three", tmp_path / "state", checkpoint_interval=30)
     n = {}
     for name, (files, per) in sizes.items():
-        n[name] = write_input(tmp_path / name, files, per)
+        n[name] = write_input(tmp_path / name, files, per, start=0)
         src = (
             spark.readStream.schema("id long, name string, amount double")
             .option("maxFilesPerTrigger", 1)
             .json(str(tmp_path / name))
         )
-        job.add_pipeline(name, src, [PostgresSink(pg_dsn, name)], bounded=True)
+        job.add_pipeline(name, src, [sinks[name]], bounded=True)
     result = job.run()
     assert result.committed and result.final_checkpoint is not None
     assert result.end_of_input_to_exit is not None and result.end_of_input_to_exit < 30
-    for name in sizes:
-        assert_exactly_once(pg_dsn, name, n[name])
+    print(f"end of input to exit: {result.end_of_input_to_exit:.2f} s")
+    assert_exactly_once(pg_dsn, "small", n["small"])
+    kafka_exactly_once(kafka_bootstrap, topic, n["medium"])
+    assert_nothing_open(kafka_bootstrap, topic, "three")
+    ids = sorted(DeltaTable(str(delta)).to_pyarrow_table(columns=["id"])["id"].to_pylist())
+    assert ids == list(range(n["large"]))
     doc = read_ledger(tmp_path / "state")
     assert doc is not None
-    finals = [cp for cp in doc["history"] if cp["kind"] == "final"]
-    assert len(finals) == 1, doc["history"]
-    # the interval is 30 s: everything went into the one final checkpoint
-    assert finals[0]["finished"] == sorted(sizes)
-    assert set(finals[0]["cut"]) == set(sizes)
+    assert [cp["kind"] for cp in doc["history"]] == ["final"], doc["history"]
+    final = doc["history"][0]
+    # the interval is 30 s: everything went into the one shared final checkpoint
+    assert final["finished"] == sorted(sizes) and set(final["cut"]) == set(sizes)
+    assert sorted(final["rows"].values()) == sorted(n.values())
     assert job_prepared(pg_dsn, "three") == []
 
 
