@@ -1,0 +1,107 @@
+"""Assertions on Kafka topics shared by the Spark-level Kafka tests (like pgcheck.py).
+
+Everything is decided from the raw log with :mod:`tests.kafkalog`, which
+resolves each transactional record from the control markers (COMMIT / ABORT /
+none yet), never with a ``read_committed`` consumer (tansu does not send the
+aborted-transactions list such a consumer relies on). So the same assertions
+hold against tansu and against Apache Kafka.
+
+* "exactly once": what a read_committed consumer would see (the committed
+  records) holds every input id once, and nothing else;
+* "nothing left open": no record of the topic is in a transaction without a
+  marker, and no transaction of the job announced in the sink's registry topic
+  (where every writer announces its transactional id inside its own
+  transaction, before any data) is still open, so even a transaction that
+  wrote no data record yet is seen.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from kafka.partitioner.default import murmur2
+
+from sinks.kafka.registry import DEFAULT_TOPIC
+from sinks.kafka.wire import KafkaWire
+from sinks.naming import TxnName
+from tests.kafkalog import Record, TopicLog, read_topic
+
+
+def row_id(record: Record) -> int:
+    """The ``id`` of a record written by KafkaSink with the default JSON value."""
+    assert record.value is not None, f"record at {record.partition}/{record.offset} has no value"
+    return int(json.loads(record.value)["id"])
+
+
+def committed_ids(log: TopicLog) -> list[int]:
+    """Ids of the committed records (what a read_committed consumer reads), sorted."""
+    return sorted(row_id(r) for r in log.committed)
+
+
+def assert_exactly_once(
+    bootstrap: str, topic: str, n: int, start: int = 0, *, keyed: bool = True
+) -> TopicLog:
+    """Every id in [start, start+n) is committed in ``topic`` exactly once, nothing
+    else is committed, and no record is left in an open transaction.
+
+    With ``keyed``, each record's key is its id and it sits in the partition
+    Kafka's default partitioner (murmur2) gives that key. Returns the log."""
+    log = read_topic(bootstrap, topic)
+    assert log.n_open == 0, (
+        f"{log.n_open} record(s) of {topic} are in transactions that were never "
+        f"committed or aborted, e.g. ids {sorted(row_id(r) for r in log.open)[:10]}"
+    )
+    ids = [row_id(r) for r in log.committed]
+    dups = sorted((i, c) for i, c in Counter(ids).items() if c > 1)
+    assert dups == [], f"ids committed more than once (id, copies): {dups[:10]}"
+    expected = set(range(start, start + n))
+    got = set(ids)
+    assert got == expected, (
+        f"{len(ids)} committed records in {topic}, expected {n}; missing "
+        f"{sorted(expected - got)[:10]}, unexpected {sorted(got - expected)[:10]}"
+    )
+    assert all(r.transactional for r in log.committed), "a record was written outside a txn"
+    if keyed:
+        with KafkaWire(bootstrap) as wire:
+            partitions = len(wire.partition_leaders(topic) or {})
+        for r in log.committed:
+            assert r.key == str(row_id(r)).encode(), f"key {r.key!r} of id {row_id(r)}"
+            assert r.partition == (murmur2(r.key) & 0x7FFFFFFF) % partitions
+    return log
+
+
+def txn_outcomes(bootstrap: str, job: str, registry: str = DEFAULT_TOPIC) -> dict[str, str]:
+    """``{transactional id: "committed" | "aborted" | "open"}`` for every transaction
+    of ``job``, from how its announcement in the registry topic was resolved (the
+    announcement is the first record of the writer's own transaction)."""
+    prefix = TxnName.job_prefix(job)
+    log = read_topic(bootstrap, registry)
+    out: dict[str, str] = {}
+    for verdict, records in (
+        ("committed", log.committed),
+        ("aborted", log.aborted),
+        ("open", log.open),
+    ):
+        for r in records:
+            if r.key is None or r.value is None:  # a tombstone: not a transaction
+                continue
+            tid = r.key.decode()
+            if tid.startswith(prefix):
+                assert tid not in out, f"{tid} announced twice"
+                out[tid] = verdict
+    return out
+
+
+def open_txns(bootstrap: str, job: str, registry: str = DEFAULT_TOPIC) -> list[str]:
+    """Transactional ids of ``job`` whose transaction is still open (neither
+    committed nor aborted), from their announcements in the registry topic."""
+    return sorted(t for t, v in txn_outcomes(bootstrap, job, registry).items() if v == "open")
+
+
+def assert_nothing_open(bootstrap: str, topic: str, job: str) -> None:
+    """No record of ``topic`` and no transaction of ``job`` is left open."""
+    log = read_topic(bootstrap, topic)
+    assert log.n_open == 0, f"{log.n_open} record(s) of {topic} left in open transactions"
+    left = open_txns(bootstrap, job)
+    assert left == [], f"open transactions of job {job} left behind: {left}"
