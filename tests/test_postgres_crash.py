@@ -12,22 +12,18 @@ transaction of the job behind.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import psycopg
 import pytest
 
 from lifecycle.ledger import read_ledger
+from tests import procs
 from tests.conftest import write_input
 from tests.pgcheck import assert_exactly_once, job_prepared
+from tests.procs import JobProcess
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB = ROOT / "tests" / "jobs" / "pg_job.py"
 pytestmark = pytest.mark.crash
 
 
@@ -39,16 +35,10 @@ def run_job(
     fault: str | None = None,
     interval: float = 0.0,
     files_per_batch: int = 1,
-    key: str | None = None,
     timeout: float = 240,
-) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env.pop("TWOPHASE_FAULT", None)
-    if fault:
-        env["TWOPHASE_FAULT"] = fault
-    cmd = [
-        sys.executable,
-        str(JOB),
+) -> JobProcess:
+    """Run ``tests/jobs/pg_job.py`` to its end (log in ``state``'s parent)."""
+    args = [
         "--dsn",
         dsn,
         "--state",
@@ -60,22 +50,7 @@ def run_job(
         "--files-per-batch",
         str(files_per_batch),
     ]
-    if key:
-        cmd += ["--key", key]
-    log = state.parent / f"job-{'fault' if fault else 'clean'}.log"
-    with open(log, "a") as out:
-        proc = subprocess.run(
-            cmd,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-    proc.stdout = log.read_text()
-    return proc
+    return procs.run_job("pg_job.py", args, state.parent / "job.log", fault, timeout)
 
 
 def _create(dsn: str) -> None:
@@ -88,12 +63,12 @@ def _crash_and_recover(dsn: str, tmp: Path, fault: str, **kw: object) -> None:
     _create(dsn)
     state = tmp / "state"
     first = run_job(dsn, state, tmp / "in", fault=fault, **kw)  # type: ignore[arg-type]
-    assert first.returncode == -signal.SIGKILL, (
-        f"the fault {fault} did not kill the driver (exit {first.returncode}):\n"
-        + first.stdout[-3000:]
+    assert first.proc.returncode == -signal.SIGKILL, (
+        f"the fault {fault} did not kill the driver (exit {first.proc.returncode}):\n"
+        + first.tail()
     )
     second = run_job(dsn, state, tmp / "in", **kw)  # type: ignore[arg-type]
-    assert second.returncode == 0, second.stdout[-5000:]
+    assert second.proc.returncode == 0, second.tail()
     assert_exactly_once(dsn, "orders", n)
     assert job_prepared(dsn, "crash") == []
     doc = read_ledger(state)
@@ -145,9 +120,8 @@ def test_task_fails_after_prepare_and_is_retried(
         fault=f"executor.prepared#0={action}",
         timeout=180,
     )
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    assert evidence in proc.stdout  # the failure happened
+    assert proc.proc.returncode == 0, proc.tail()
+    assert evidence in proc.output()  # the failure happened
     assert_exactly_once(pg_dsn, "orders", n)
     assert job_prepared(pg_dsn, "crash") == []
-    result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
-    assert sum(result["rows"].values()) == n
+    assert sum(proc.result()["rows"].values()) == n
