@@ -18,6 +18,7 @@ hold against tansu and against Apache Kafka.
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 
 from kafka.partitioner.default import murmur2
@@ -26,6 +27,25 @@ from sinks.kafka.registry import DEFAULT_TOPIC
 from sinks.kafka.wire import KafkaWire
 from sinks.naming import TxnName
 from tests.kafkalog import Record, TopicLog, read_topic
+
+SETTLE_S = 15.0
+"""How long a check waits for the markers of decided transactions to land.
+
+tansu writes COMMIT/ABORT markers before it answers EndTxn; Apache Kafka
+answers once the decision is in its transaction log and writes the markers
+right after, so a check made the moment a job returns can see the last
+transaction still open for a few milliseconds. A transaction really left open
+still fails the check, only later."""
+
+
+def read_settled(bootstrap: str, topic: str, timeout: float = SETTLE_S) -> TopicLog:
+    """``read_topic``, re-read until no record is open or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        log = read_topic(bootstrap, topic)
+        if log.n_open == 0 or time.monotonic() > deadline:
+            return log
+        time.sleep(0.2)
 
 
 def row_id(record: Record) -> int:
@@ -47,7 +67,7 @@ def assert_exactly_once(
 
     With ``keyed``, each record's key is its id and it sits in the partition
     Kafka's default partitioner (murmur2) gives that key. Returns the log."""
-    log = read_topic(bootstrap, topic)
+    log = read_settled(bootstrap, topic)
     assert log.n_open == 0, (
         f"{log.n_open} record(s) of {topic} are in transactions that were never "
         f"committed or aborted, e.g. ids {sorted(row_id(r) for r in log.open)[:10]}"
@@ -71,10 +91,22 @@ def assert_exactly_once(
     return log
 
 
-def txn_outcomes(bootstrap: str, job: str, registry: str = DEFAULT_TOPIC) -> dict[str, str]:
+def txn_outcomes(
+    bootstrap: str, job: str, registry: str = DEFAULT_TOPIC, *, settle: float = 0.0
+) -> dict[str, str]:
     """``{transactional id: "committed" | "aborted" | "open"}`` for every transaction
     of ``job``, from how its announcement in the registry topic was resolved (the
-    announcement is the first record of the writer's own transaction)."""
+    announcement is the first record of the writer's own transaction). With
+    ``settle``, re-read for up to that many seconds while one is still open."""
+    deadline = time.monotonic() + settle
+    while True:
+        out = _outcomes(bootstrap, job, registry)
+        if "open" not in out.values() or time.monotonic() > deadline:
+            return out
+        time.sleep(0.2)
+
+
+def _outcomes(bootstrap: str, job: str, registry: str) -> dict[str, str]:
     prefix = TxnName.job_prefix(job)
     log = read_topic(bootstrap, registry)
     out: dict[str, str] = {}
@@ -93,15 +125,18 @@ def txn_outcomes(bootstrap: str, job: str, registry: str = DEFAULT_TOPIC) -> dic
     return out
 
 
-def open_txns(bootstrap: str, job: str, registry: str = DEFAULT_TOPIC) -> list[str]:
+def open_txns(
+    bootstrap: str, job: str, registry: str = DEFAULT_TOPIC, *, settle: float = 0.0
+) -> list[str]:
     """Transactional ids of ``job`` whose transaction is still open (neither
     committed nor aborted), from their announcements in the registry topic."""
-    return sorted(t for t, v in txn_outcomes(bootstrap, job, registry).items() if v == "open")
+    outcomes = txn_outcomes(bootstrap, job, registry, settle=settle)
+    return sorted(t for t, v in outcomes.items() if v == "open")
 
 
 def assert_nothing_open(bootstrap: str, topic: str, job: str) -> None:
     """No record of ``topic`` and no transaction of ``job`` is left open."""
-    log = read_topic(bootstrap, topic)
+    log = read_settled(bootstrap, topic)
     assert log.n_open == 0, f"{log.n_open} record(s) of {topic} left in open transactions"
-    left = open_txns(bootstrap, job)
+    left = open_txns(bootstrap, job, settle=SETTLE_S)
     assert left == [], f"open transactions of job {job} left behind: {left}"

@@ -1,0 +1,243 @@
+"""Throughput of the exactly-once Kafka sink against a plain kafka-python producer.
+
+Both variants run the same Spark job in the same SparkSession on the same
+input (Parquet files read as a bounded stream, available-now trigger) and
+encode records the same way (key: the ``id`` column as text; value: the row as
+JSON, both from :mod:`sinks.kafka.encode`, column-wise from Arrow):
+
+* baseline: ``foreachBatch`` + ``mapInArrow``, each task sending its partition
+  through a plain, non-transactional ``KafkaProducer`` (same batching settings
+  as the sink's producers, ``acks='all'``) and flushing it: at-least-once, no
+  transaction, no ledger;
+* exactly-once: a :class:`lifecycle.Job` with a :class:`sinks.KafkaSink` (one
+  transaction per task, flushed on the executors, ledger, EndTxn by the driver).
+
+Every run writes to a fresh topic and is checked afterwards from the raw log
+(control markers applied): all rows committed, none open. Runs alternate
+(baseline, exactly-once, baseline, ...) after one warm-up pair; the median of
+each is reported with the ratio exactly-once / baseline throughput.
+
+    python benchmarks/kafka_throughput.py [--rows N] [--files F] [--repeat R]
+                                          [--partitions P] [--bootstrap HOST:PORT]
+
+Without ``--bootstrap`` a private tansu broker (memory storage) is started on
+loopback, as the tests do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from kafka import KafkaAdminClient, KafkaProducer  # noqa: E402
+from kafka.admin import NewTopic  # noqa: E402
+from pyspark.sql import DataFrame, SparkSession  # noqa: E402
+
+from lifecycle import Job  # noqa: E402
+from sinks import KafkaSink  # noqa: E402
+from sinks.kafka import encode  # noqa: E402
+from sinks.kafka.sink import _PRODUCER_DEFAULTS  # noqa: E402
+from sinks.kafka.wire import KafkaWire  # noqa: E402
+
+
+def make_input(directory: Path, rows: int, files: int) -> None:
+    directory.mkdir(parents=True)
+    per = rows // files
+    for f in range(files):
+        start = f * per
+        n = per if f < files - 1 else rows - start
+        r = range(start, start + n)
+        table = pa.table(
+            {
+                "id": pa.array(r, pa.int64()),
+                "name": pa.array([f"customer-{i % 1000}" for i in r]),
+                "amount": pa.array([i * 0.25 for i in r], pa.float64()),
+                "qty": pa.array([i % 50 for i in r], pa.int32()),
+            }
+        )
+        pq.write_table(table, directory / f"part-{f:04d}.parquet")
+
+
+def _plain_task(bootstrap: str, topic: str):  # type: ignore[no-untyped-def]
+    """The baseline's executor side: a plain producer, same encoding as the sink."""
+
+    def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", **_PRODUCER_DEFAULTS)
+        errors: list[BaseException] = []
+        n = 0
+        try:
+            for b in batches:
+                if b.num_rows == 0:
+                    continue
+                keys = encode.to_bytes(b.column("id"))
+                values = encode.json_rows(b)
+                for key, value in zip(keys, values, strict=True):
+                    producer.send(topic, value=value, key=key).add_errback(errors.append)
+                n += b.num_rows
+            producer.flush(timeout=120)
+            if errors:
+                raise RuntimeError(f"{len(errors)} record(s) not written: {errors[0]!r}")
+        finally:
+            producer.close(timeout=5)
+        yield pa.RecordBatch.from_pydict({"n": [n]})
+
+    return task
+
+
+def run_baseline(src: DataFrame, bootstrap: str, topic: str, ckpt: Path) -> float:
+    task = _plain_task(bootstrap, topic)
+
+    def each(df: DataFrame, _batch: int) -> None:
+        df.mapInArrow(task, "n long").collect()
+
+    t0 = time.perf_counter()
+    q = (
+        src.writeStream.foreachBatch(each)
+        .option("checkpointLocation", str(ckpt))
+        .trigger(availableNow=True)
+        .start()
+    )
+    q.awaitTermination()
+    return time.perf_counter() - t0
+
+
+def run_exactly_once(
+    spark: SparkSession, src: DataFrame, bootstrap: str, topic: str, state: Path, interval: float
+) -> float:
+    job = Job(spark, "bench", state, checkpoint_interval=interval)
+    job.add_pipeline("load", src, [KafkaSink(bootstrap, topic, key="id")], bounded=True)
+    t0 = time.perf_counter()
+    job.run(handle_signals=False)
+    return time.perf_counter() - t0
+
+
+def count_records(bootstrap: str, topic: str) -> tuple[int, int, int]:
+    """(committed, aborted, open) data records of ``topic``, resolved from the
+    control markers in the raw log like ``tests/kafkalog.py``, but counting
+    record batches instead of decoding every record."""
+    committed = aborted = 0
+    still_open = 0
+    with KafkaWire(bootstrap) as wire:
+        for partition, leader in sorted((wire.partition_leaders(topic) or {}).items()):
+            pending: dict[int, int] = {}
+            for batch in wire.batches(leader, topic, partition):
+                if batch.is_control_batch:
+                    n = pending.pop(batch.producer_id, 0)
+                    if next(iter(batch)).commit:
+                        committed += n
+                    else:
+                        aborted += n
+                    continue
+                n = batch.next_offset - batch.base_offset
+                if batch.is_transactional:
+                    pending[batch.producer_id] = pending.get(batch.producer_id, 0) + n
+                else:
+                    committed += n
+            still_open += sum(pending.values())
+    return committed, aborted, still_open
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=500_000)
+    ap.add_argument("--files", type=int, default=20)
+    ap.add_argument("--files-per-batch", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--partitions", type=int, default=3, help="partitions of each topic")
+    ap.add_argument("--interval", type=float, default=0.0, help="checkpoint_interval")
+    ap.add_argument("--bootstrap", help="Kafka bootstrap servers (default: start tansu)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("sinks.kafka").setLevel(logging.ERROR)  # tansu's missing config
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    work = Path(tempfile.mkdtemp(prefix="twophase-kbench-"))
+    broker = None
+    bootstrap = args.bootstrap
+    if bootstrap is None:
+        from tests.kafkabroker import KafkaBroker
+
+        broker = KafkaBroker()
+        broker.start()
+        bootstrap = broker.bootstrap
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        make_input(work / "in", args.rows, args.files)
+        spark = (
+            SparkSession.builder.master("local[2]")
+            .appName("twophase-kafka-bench")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .getOrCreate()
+        )
+        spark.sparkContext.setLogLevel("ERROR")
+        schema = spark.read.parquet(str(work / "in")).schema
+
+        def source() -> DataFrame:
+            return (
+                spark.readStream.schema(schema)
+                .option("maxFilesPerTrigger", args.files_per_batch)
+                .parquet(str(work / "in"))
+            )
+
+        times: dict[str, list[float]] = {"baseline": [], "exactly-once": []}
+        for r in range(-1, args.repeat):  # run -1 warms up the JVM and workers, not counted
+            for variant in times:
+                topic = f"bench-{variant}-{r + 1}-{uuid.uuid4().hex[:6]}"
+                admin.create_topics([NewTopic(topic, args.partitions, 1)])
+                where = work / f"{variant}-{r + 1}"
+                if variant == "baseline":
+                    secs = run_baseline(source(), bootstrap, topic, where)
+                else:
+                    secs = run_exactly_once(spark, source(), bootstrap, topic, where, args.interval)
+                committed, aborted, still_open = count_records(bootstrap, topic)
+                assert (committed, still_open) == (args.rows, 0), (
+                    f"{variant}: {committed} committed, {aborted} aborted, {still_open} open "
+                    f"records; expected {args.rows} committed"
+                )
+                with contextlib.suppress(Exception):  # free the broker's memory
+                    admin.delete_topics([topic])
+                if r >= 0:
+                    times[variant].append(secs)
+                label = "warm-up" if r < 0 else f"run {r}"
+                rate = args.rows / secs
+                print(f"{label:<8} {variant:<13} {secs:6.2f} s {rate:>10,.0f} rows/s", flush=True)
+        spark.stop()
+        base = statistics.median(times["baseline"])
+        eo = statistics.median(times["exactly-once"])
+        batches = -(-args.files // args.files_per_batch)
+        print()
+        print(
+            f"{args.rows:,} rows, {batches} micro-batches, {args.partitions} topic partitions, "
+            f"checkpoint_interval={args.interval}, median of {args.repeat} "
+            "(after a warm-up run)"
+        )
+        print("| variant | seconds | rows/s | throughput vs baseline |")
+        print("| --- | ---: | ---: | ---: |")
+        print(
+            f"| plain KafkaProducer (at-least-once) | {base:.2f} | {args.rows / base:,.0f} | 1.00 |"
+        )
+        print(f"| KafkaSink (exactly-once) | {eo:.2f} | {args.rows / eo:,.0f} | {base / eo:.2f} |")
+        return 0
+    finally:
+        admin.close()
+        if broker is not None:
+            broker.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
