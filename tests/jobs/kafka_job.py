@@ -9,9 +9,6 @@ Kafka crash tests (which SIGKILL it). Modelled on ``pg_job.py``.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import os
 import sys
 from pathlib import Path
 
@@ -19,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lifecycle import Job
 from sinks import KafkaSink, PostgresSink, Sink
-from tests.sparkutil import INPUT_SCHEMA, make_spark
+from tests.jobs._driver import finish, start_driver
+from tests.sparkutil import INPUT_SCHEMA
 
 
 def main() -> int:
@@ -35,12 +33,7 @@ def main() -> int:
     ap.add_argument("--dsn", default=None)
     ap.add_argument("--table", default="orders")
     args = ap.parse_args()
-    os.environ["TWOPHASE_DRIVER_PID"] = str(os.getpid())  # for executor-side faults
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("py4j").setLevel(logging.WARNING)
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-    spark = make_spark(f"job-{args.job}")
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = start_driver(args.job)
     df = (
         spark.readStream.schema(INPUT_SCHEMA)
         .option("maxFilesPerTrigger", args.files_per_batch)
@@ -58,21 +51,7 @@ def main() -> int:
             ap.error(f"unknown sink {kind!r}")
     job = Job(spark, args.job, args.state, checkpoint_interval=args.interval)
     job.add_pipeline("load", df, sinks, bounded=True)
-    result = job.run()
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "checkpoints": result.checkpoints,
-                "rows": result.rows_committed,
-                "final": result.final_checkpoint,
-                "committed": result.committed,
-            }
-        ),
-        flush=True,
-    )
-    spark.stop()
-    return 0 if result.committed else 1
+    return finish(spark, job.run())
 
 
 if __name__ == "__main__":

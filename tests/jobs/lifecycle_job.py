@@ -12,9 +12,6 @@ Exit status 0 only when the run committed (``JobResult.committed``).
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import os
 import sys
 from pathlib import Path
 
@@ -25,7 +22,8 @@ from pyspark.sql import functions as F
 
 from lifecycle import Job
 from sinks import PostgresSink
-from tests.sparkutil import EVENT_SCHEMA, INPUT_SCHEMA, make_spark
+from tests.jobs._driver import finish, start_driver
+from tests.sparkutil import EVENT_SCHEMA, INPUT_SCHEMA
 
 
 def windowed(df: DataFrame) -> DataFrame:
@@ -52,11 +50,7 @@ def main() -> int:
     ap.add_argument("--final", default="shared")
     ap.add_argument("--pipeline", action="append", default=[])
     args = ap.parse_args()
-    os.environ["TWOPHASE_DRIVER_PID"] = str(os.getpid())
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("py4j").setLevel(logging.WARNING)
-    spark = make_spark(f"job-{args.job}")
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = start_driver(args.job)
     job = Job(
         spark, args.job, args.state, checkpoint_interval=args.interval, final_checkpoint=args.final
     )
@@ -83,25 +77,7 @@ def main() -> int:
             job.add_pipeline(
                 opts["name"], src, [sink], bounded=kind == "bounded", trigger_interval=0.5
             )
-    result = job.run()
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "checkpoints": result.checkpoints,
-                "rows": result.rows_committed,
-                "final": result.final_checkpoint,
-                "committed": result.committed,
-                "drained": result.drained,
-                "stopped": result.stopped,
-                "end_of_input_to_exit": result.end_of_input_to_exit,
-                "pipelines": {k: v.value for k, v in result.pipelines.items()},
-            }
-        ),
-        flush=True,
-    )
-    spark.stop()
-    return 0 if result.committed else 1
+    return finish(spark, job.run())
 
 
 if __name__ == "__main__":

@@ -4,9 +4,6 @@ separate driver process by the crash tests (which SIGKILL it)."""
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import os
 import sys
 from pathlib import Path
 
@@ -14,7 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lifecycle import Job
 from sinks import PostgresSink
-from tests.sparkutil import INPUT_SCHEMA, make_spark
+from tests.jobs._driver import finish, start_driver
+from tests.sparkutil import INPUT_SCHEMA
 
 
 def main() -> int:
@@ -28,10 +26,7 @@ def main() -> int:
     ap.add_argument("--files-per-batch", type=int, default=1)
     ap.add_argument("--key", default=None)
     args = ap.parse_args()
-    os.environ["TWOPHASE_DRIVER_PID"] = str(os.getpid())  # for executor-side faults
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    spark = make_spark(f"job-{args.job}")
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = start_driver(args.job)
     df = (
         spark.readStream.schema(INPUT_SCHEMA)
         .option("maxFilesPerTrigger", args.files_per_batch)
@@ -40,20 +35,7 @@ def main() -> int:
     job = Job(spark, args.job, args.state, checkpoint_interval=args.interval)
     key = [args.key] if args.key else None
     job.add_pipeline("load", df, [PostgresSink(args.dsn, args.table, key=key)], bounded=True)
-    result = job.run()
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "checkpoints": result.checkpoints,
-                "rows": result.rows_committed,
-                "final": result.final_checkpoint,
-            }
-        ),
-        flush=True,
-    )
-    spark.stop()
-    return 0
+    return finish(spark, job.run())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""What every test job script does around its Job: set up the driver process,
+and report the result on one ``RESULT {json}`` line that the tests parse."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from pyspark.sql import SparkSession
+
+from lifecycle import JobResult
+from tests.sparkutil import make_spark
+
+
+def start_driver(job: str) -> SparkSession:
+    """Logging, the driver pid for executor-side faults, and a SparkSession."""
+    os.environ["TWOPHASE_DRIVER_PID"] = str(os.getpid())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for noisy in ("py4j", "kafka"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    spark = make_spark(f"job-{job}")
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def finish(spark: SparkSession, result: JobResult) -> int:
+    """Print the RESULT line, stop Spark; exit status 0 only if the run committed."""
+    summary = {
+        "checkpoints": result.checkpoints,
+        "rows": result.rows_committed,
+        "final": result.final_checkpoint,
+        "committed": result.committed,
+        "drained": result.drained,
+        "stopped": result.stopped,
+        "end_of_input_to_exit": result.end_of_input_to_exit,
+        "pipelines": {k: v.value for k, v in result.pipelines.items()},
+    }
+    print("RESULT " + json.dumps(summary), flush=True)
+    spark.stop()
+    return 0 if result.committed else 1
