@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -33,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 import psycopg  # noqa: E402
 from kafka import KafkaAdminClient  # noqa: E402
 from kafka.admin import NewTopic  # noqa: E402
-from pyspark.sql import SparkSession  # noqa: E402
 
+from benchmarks._common import bench_spark  # noqa: E402
 from lifecycle import Job  # noqa: E402
 from sinks import DeltaSink, KafkaSink, PostgresSink  # noqa: E402
 
@@ -57,8 +56,6 @@ def main() -> int:
     ap.add_argument("--scale", type=int, default=1, help="multiplies the input sizes")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from tests.kafkabroker import KafkaBroker
     from tests.pgserver import PostgresServer
 
@@ -70,15 +67,7 @@ def main() -> int:
     pg.start()
     broker.start()
     try:
-        spark = (
-            SparkSession.builder.master("local[2]")
-            .appName("twophase-final-checkpoint")
-            .config("spark.ui.enabled", "false")
-            .config("spark.ui.showConsoleProgress", "false")
-            .config("spark.sql.shuffle.partitions", "4")
-            .getOrCreate()
-        )
-        spark.sparkContext.setLogLevel("ERROR")
+        spark = bench_spark("twophase-final-checkpoint")
         admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
         results: dict[str, list[tuple[float, float, int]]] = {"shared": [], "per-pipeline": []}
         for r in range(-1, args.repeat):  # run -1 warms up and is not counted

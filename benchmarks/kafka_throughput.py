@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -42,34 +41,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
 from kafka import KafkaAdminClient, KafkaProducer  # noqa: E402
 from kafka.admin import NewTopic  # noqa: E402
 from pyspark.sql import DataFrame, SparkSession  # noqa: E402
 
+from benchmarks._common import bench_spark, make_input, parquet_stream  # noqa: E402
 from lifecycle import Job  # noqa: E402
 from sinks import KafkaSink  # noqa: E402
 from sinks.kafka import encode  # noqa: E402
 from sinks.kafka.sink import _PRODUCER_DEFAULTS  # noqa: E402
 from sinks.kafka.wire import KafkaWire  # noqa: E402
-
-
-def make_input(directory: Path, rows: int, files: int) -> None:
-    directory.mkdir(parents=True)
-    per = rows // files
-    for f in range(files):
-        start = f * per
-        n = per if f < files - 1 else rows - start
-        r = range(start, start + n)
-        table = pa.table(
-            {
-                "id": pa.array(r, pa.int64()),
-                "name": pa.array([f"customer-{i % 1000}" for i in r]),
-                "amount": pa.array([i * 0.25 for i in r], pa.float64()),
-                "qty": pa.array([i % 50 for i in r], pa.int32()),
-            }
-        )
-        pq.write_table(table, directory / f"part-{f:04d}.parquet")
 
 
 def _plain_task(bootstrap: str, topic: str):  # type: ignore[no-untyped-def]
@@ -163,8 +144,6 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("sinks.kafka").setLevel(logging.ERROR)  # tansu's missing config
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     work = Path(tempfile.mkdtemp(prefix="twophase-kbench-"))
     broker = None
     bootstrap = args.bootstrap
@@ -177,22 +156,10 @@ def main() -> int:
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     try:
         make_input(work / "in", args.rows, args.files)
-        spark = (
-            SparkSession.builder.master("local[2]")
-            .appName("twophase-kafka-bench")
-            .config("spark.ui.enabled", "false")
-            .config("spark.ui.showConsoleProgress", "false")
-            .getOrCreate()
-        )
-        spark.sparkContext.setLogLevel("ERROR")
-        schema = spark.read.parquet(str(work / "in")).schema
+        spark = bench_spark("twophase-kafka-bench")
 
         def source() -> DataFrame:
-            return (
-                spark.readStream.schema(schema)
-                .option("maxFilesPerTrigger", args.files_per_batch)
-                .parquet(str(work / "in"))
-            )
+            return parquet_stream(spark, work / "in", args.files_per_batch)
 
         times: dict[str, list[float]] = {"baseline": [], "exactly-once": []}
         for r in range(-1, args.repeat):  # run -1 warms up the JVM and workers, not counted

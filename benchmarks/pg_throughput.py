@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -33,32 +32,13 @@ sys.path.insert(0, str(ROOT))
 import pgpq  # noqa: E402
 import psycopg  # noqa: E402
 import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
 from pyspark.sql import DataFrame, SparkSession  # noqa: E402
 
+from benchmarks._common import bench_spark, make_input, parquet_stream  # noqa: E402
 from lifecycle import Job  # noqa: E402
 from sinks import PostgresSink  # noqa: E402
 
 DDL = "CREATE TABLE {t} (id bigint, name text, amount float8, qty integer)"
-
-
-def make_input(directory: Path, rows: int, files: int) -> pa.Schema:
-    directory.mkdir(parents=True)
-    per = rows // files
-    for f in range(files):
-        start = f * per
-        n = per if f < files - 1 else rows - start
-        ids = pa.array(range(start, start + n), pa.int64())
-        table = pa.table(
-            {
-                "id": ids,
-                "name": pa.array([f"customer-{i % 1000}" for i in range(start, start + n)]),
-                "amount": pa.array([i * 0.25 for i in range(start, start + n)], pa.float64()),
-                "qty": pa.array([i % 50 for i in range(start, start + n)], pa.int32()),
-            }
-        )
-        pq.write_table(table, directory / f"part-{f:04d}.parquet")
-    return table.schema
 
 
 def _copy_task(dsn: str, table: str):  # type: ignore[no-untyped-def]
@@ -121,8 +101,6 @@ def main() -> int:
     ap.add_argument("--dsn", help="PostgreSQL DSN (default: start a private server)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     work = Path(tempfile.mkdtemp(prefix="twophase-bench-"))
     server = None
     dsn = args.dsn
@@ -134,22 +112,10 @@ def main() -> int:
         dsn = server.dsn()
     try:
         make_input(work / "in", args.rows, args.files)
-        spark = (
-            SparkSession.builder.master("local[2]")
-            .appName("twophase-bench")
-            .config("spark.ui.enabled", "false")
-            .config("spark.ui.showConsoleProgress", "false")
-            .getOrCreate()
-        )
-        spark.sparkContext.setLogLevel("ERROR")
-        schema = spark.read.parquet(str(work / "in")).schema
+        spark = bench_spark("twophase-bench")
 
         def source() -> DataFrame:
-            return (
-                spark.readStream.schema(schema)
-                .option("maxFilesPerTrigger", args.files_per_batch)
-                .parquet(str(work / "in"))
-            )
+            return parquet_stream(spark, work / "in", args.files_per_batch)
 
         times: dict[str, list[float]] = {"baseline": [], "exactly-once": []}
         with psycopg.connect(dsn, autocommit=True) as c:
