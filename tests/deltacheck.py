@@ -1,0 +1,225 @@
+"""Assertions on Delta tables shared by the Spark-level Delta tests (like pgcheck.py).
+
+Everything is read back from the table directory itself: rows with deltalake,
+each version's commit from ``_delta_log/<version>.json`` (Delta's own format,
+not the sink's bookkeeping), the data files and the sink's staging markers by
+listing the directory. Local tables only.
+
+* "exactly once": the table's ``id`` column holds every input id once, nothing else;
+* "nothing staged left": every data file in the table directory is in the
+  snapshot, and no staging marker is left (``_twophase/staged``);
+* "one version per checkpoint": the versions after the table's creation map one
+  to one, in order, onto the ledger's checkpoints that committed rows to the
+  sink: same app transaction version (the checkpoint's cut), same row count, and
+  files of exactly the batches the checkpoint covers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from deltalake import DeltaTable
+
+from sinks.delta.storage import STAGING_DIR
+from sinks.naming import TxnName
+
+_LOG = "_delta_log"
+_VERSION_FILE = re.compile(r"^(\d{20})\.json$")
+
+
+def read_rows(uri: str | Path, columns: list[str] | None = None) -> pa.Table:
+    """The table's committed rows (latest version), sorted by ``id``."""
+    return DeltaTable(str(uri)).to_pyarrow_table(columns=columns).sort_by("id")
+
+
+def assert_exactly_once(uri: str | Path, n: int, start: int = 0) -> pa.Table:
+    """Every id in [start, start+n) is in the table exactly once, and nothing else.
+    Returns the table's rows sorted by id."""
+    rows = read_rows(uri)
+    ids = rows.column("id").to_pylist()
+    dups = sorted((i, c) for i, c in Counter(ids).items() if c > 1)
+    assert dups == [], f"duplicated ids in {uri} (id, copies): {dups[:10]}"
+    expected = set(range(start, start + n))
+    got = set(ids)
+    assert got == expected, (
+        f"{len(ids)} rows in {uri}, expected {n}; missing {sorted(expected - got)[:10]}, "
+        f"unexpected {sorted(got - expected)[:10]}"
+    )
+    return rows
+
+
+# -- files -------------------------------------------------------------------------------
+
+
+def data_files(uri: str | Path) -> set[str]:
+    """Every file of the table directory outside ``_delta_log`` and the sink's
+    ``_twophase`` directory (relative paths, as on disk)."""
+    root = Path(uri)
+    out = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
+        if rel_dir == Path("."):
+            dirnames[:] = [d for d in dirnames if d not in (_LOG, "_twophase")]
+        out.update(str(rel_dir / f) if rel_dir != Path(".") else f for f in filenames)
+    return out
+
+
+def snapshot_files(uri: str | Path) -> set[str]:
+    """The data files of the latest snapshot (relative paths, as on disk)."""
+    root = Path(uri).resolve()
+    return {str(Path(u).relative_to(root)) for u in DeltaTable(str(uri)).file_uris()}
+
+
+def markers(uri: str | Path) -> list[str]:
+    """The sink's staging markers left in the table directory."""
+    d = Path(uri) / STAGING_DIR
+    return sorted(os.listdir(d)) if d.exists() else []
+
+
+def assert_nothing_staged(uri: str | Path) -> None:
+    """No data file outside the snapshot, no staging marker: nothing was left behind."""
+    on_disk = data_files(uri)
+    committed = snapshot_files(uri)
+    assert committed <= on_disk, f"snapshot files missing from disk: {sorted(committed - on_disk)}"
+    assert on_disk == committed, (
+        f"{len(on_disk - committed)} file(s) in {uri} are not in the table: "
+        f"{sorted(on_disk - committed)[:10]}"
+    )
+    assert markers(uri) == [], f"staging markers left in {uri}: {markers(uri)[:10]}"
+
+
+# -- versions ----------------------------------------------------------------------------
+
+
+@dataclass
+class Version:
+    """One commit of the table, as ``_delta_log`` records it."""
+
+    version: int
+    operation: str | None
+    app_txns: dict[str, int] = field(default_factory=dict)
+    """``txn`` actions: app id -> version"""
+    batch: int | None = None
+    """the ``twophaseBatch`` the sink put in commitInfo"""
+    rows: int = 0
+    """sum of ``numRecords`` of the added files"""
+    files: list[str] = field(default_factory=list)
+    """added paths, as in the log (URI-encoded)"""
+    metadata: bool = False
+    """whether the commit carries a ``metaData`` action (creation, schema change)"""
+
+    def txn_names(self) -> list[TxnName]:
+        """The transaction names of the added files (staged file name = txn-seq)."""
+        out = []
+        for path in self.files:
+            stem = path.rsplit("/", 1)[-1].split(".snappy.parquet")[0].rsplit("-", 1)[0]
+            name = TxnName.parse(stem)
+            assert name is not None, f"{path} is not a file staged by the sink"
+            out.append(name)
+        return out
+
+    def batches(self) -> set[int]:
+        """Spark batch ids of the added files."""
+        return {n.batch_id for n in self.txn_names()}
+
+
+def versions(uri: str | Path) -> list[Version]:
+    """Every commit of the table, in version order, read from ``_delta_log``."""
+    log = Path(uri) / _LOG
+    out = []
+    for name in sorted(os.listdir(log)):
+        m = _VERSION_FILE.match(name)
+        if not m:
+            continue
+        v = Version(int(m[1]), None)
+        for line in (log / name).read_text().splitlines():
+            if not line.strip():
+                continue
+            action: dict[str, Any] = json.loads(line)
+            if "commitInfo" in action:
+                info = action["commitInfo"]
+                v.operation = info.get("operation")
+                if "twophaseBatch" in info:
+                    v.batch = int(info["twophaseBatch"])
+            elif "txn" in action:
+                v.app_txns[action["txn"]["appId"]] = int(action["txn"]["version"])
+            elif "add" in action:
+                v.files.append(action["add"]["path"])
+                v.rows += int(json.loads(action["add"]["stats"])["numRecords"])
+            elif "metaData" in action:
+                v.metadata = True
+        out.append(v)
+    assert [v.version for v in out] == list(range(len(out))), f"gaps in {log}"
+    return out
+
+
+def assert_created_once(uri: str | Path) -> list[Version]:
+    """Version 0 created the table (``CREATE TABLE``, or a first ``WRITE`` carrying
+    the metadata); no later version re-created it or changed its metadata.
+    Returns every version."""
+    vs = versions(uri)
+    assert vs and vs[0].metadata, vs[:1]
+    later = [v.version for v in vs[1:] if v.metadata or v.operation == "CREATE TABLE"]
+    assert later == [], f"{uri}: versions {later} re-created the table or changed its metadata"
+    return vs
+
+
+def assert_one_version_per_checkpoint(
+    uri: str | Path, ledger: dict[str, Any], pipeline: str, sink_label: str, app: str
+) -> list[Version]:
+    """The sink's versions of ``app`` and the ledger's checkpoints that committed
+    rows to ``sink_label`` correspond one to one, in order: the version's app
+    transaction is the checkpoint's cut, it holds the checkpoint's rows, and its
+    files belong to exactly the batches after the previous cut up to this one.
+    Returns the sink's versions."""
+    ours = [v for v in versions(uri) if app in v.app_txns]
+    cps = [cp for cp in ledger["history"] if cp["rows"].get(sink_label)]
+    assert len(ours) == len(cps), (
+        f"{len(ours)} Delta version(s) of {app} ({[v.version for v in ours]}) but "
+        f"{len(cps)} checkpoint(s) committed rows to {sink_label} "
+        f"(cuts {[cp['cut'] for cp in cps]})"
+    )
+    previous = -1
+    for v, cp in zip(ours, cps, strict=True):
+        cut = cp["cut"][pipeline]
+        what = f"version {v.version} vs checkpoint {cp['id']} (cut {cut})"
+        assert v.operation == "WRITE", what
+        assert v.app_txns[app] == cut and v.batch == cut, f"{what}: txn {v.app_txns}"
+        assert v.rows == cp["rows"][sink_label], f"{what}: {v.rows} rows vs {cp['rows']}"
+        got = v.batches()
+        assert got <= set(range(previous + 1, cut + 1)) and cut in got, (
+            f"{what}: files of batches {sorted(got)}, expected batches {previous + 1}..{cut}"
+        )
+        previous = cut
+    return ours
+
+
+def spark_rows(spark: Any, uri: str | Path) -> list[tuple[Any, ...]]:
+    """The snapshot's data files read by Spark's own Parquet reader (partition
+    values from the Hive-style directories, ``basePath`` = the table root),
+    as sorted tuples of the table's columns in table order."""
+    dt = DeltaTable(str(uri))
+    files = dt.file_uris()
+    columns = [f.name for f in dt.schema().fields]
+    if not files:
+        return []
+    df = spark.read.option("basePath", str(Path(uri).resolve())).parquet(*files)
+    return sorted((tuple(r) for r in df.select(*columns).collect()), key=_order)
+
+
+def delta_rows(uri: str | Path) -> list[tuple[Any, ...]]:
+    """The table's rows read by deltalake, as sorted tuples in table order."""
+    t = DeltaTable(str(uri)).to_pyarrow_table()
+    return sorted(zip(*(t.column(c).to_pylist() for c in t.column_names), strict=True), key=_order)
+
+
+def _order(row: tuple[Any, ...]) -> tuple[tuple[bool, Any], ...]:
+    """Sort key of a row that may hold nulls."""
+    return tuple((v is None, "" if v is None else v) for v in row)

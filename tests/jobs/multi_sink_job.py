@@ -1,0 +1,101 @@
+"""A bounded PySpark job whose one pipeline writes the same batches to
+PostgreSQL, Kafka and Delta; run as a separate driver process by the Delta
+crash tests (which SIGKILL it). Modelled on ``pg_job.py``.
+
+Rows are the input's {id, name, amount} plus ``part`` (id % 3), the Delta
+table's partition column. Sinks (``--sinks``, a comma-separated subset, in
+commit order): ``pg`` (table ``--table`` of ``--dsn``, which must exist),
+``kafka`` (topic ``--topic`` at ``--bootstrap``, key ``id``), ``delta`` (table
+``--delta``, created on first use, partitioned by ``part``).
+Exit status 0 only when the run committed (``JobResult.committed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pyspark.sql import functions as F
+
+from lifecycle import Job
+from sinks import DeltaSink, KafkaSink, PostgresSink, Sink
+from tests.sparkutil import INPUT_SCHEMA, make_spark
+
+SINK_IDS = {"pg": "pg", "kafka": "kafka", "delta": "delta"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dsn", default=None)
+    ap.add_argument("--bootstrap", default=None)
+    ap.add_argument("--topic", default=None)
+    ap.add_argument("--delta", default=None)
+    ap.add_argument("--state", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--table", default="orders")
+    ap.add_argument("--job", default="multi")
+    ap.add_argument("--interval", type=float, default=0.0)
+    ap.add_argument("--files-per-batch", type=int, default=1)
+    ap.add_argument("--sinks", default="pg,kafka,delta")
+    args = ap.parse_args()
+    os.environ["TWOPHASE_DRIVER_PID"] = str(os.getpid())  # for executor-side faults
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+    spark = make_spark(f"job-{args.job}")
+    spark.sparkContext.setLogLevel("ERROR")
+    df = (
+        spark.readStream.schema(INPUT_SCHEMA)
+        .option("maxFilesPerTrigger", args.files_per_batch)
+        .json(args.input)
+        .withColumn("part", F.col("id") % 3)
+    )
+    sinks: list[Sink] = []
+    for kind in args.sinks.split(","):
+        needs = {"pg": ["dsn"], "kafka": ["bootstrap", "topic"], "delta": ["delta"]}.get(kind, [])
+        for what in needs:
+            if not getattr(args, what):
+                ap.error(f"--sinks {kind} needs --{what}")
+        if kind == "pg":
+            sinks.append(PostgresSink(args.dsn, args.table, sink_id=SINK_IDS["pg"]))
+        elif kind == "kafka":
+            sinks.append(
+                KafkaSink(
+                    args.bootstrap,
+                    args.topic,
+                    key="id",
+                    sink_id=SINK_IDS["kafka"],
+                    commit_timeout=120,
+                )
+            )
+        elif kind == "delta":
+            sinks.append(DeltaSink(args.delta, partition_by=["part"], sink_id=SINK_IDS["delta"]))
+        else:
+            ap.error(f"unknown sink {kind!r}")
+    job = Job(spark, args.job, args.state, checkpoint_interval=args.interval)
+    job.add_pipeline("load", df, sinks, bounded=True)
+    result = job.run()
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "checkpoints": result.checkpoints,
+                "rows": result.rows_committed,
+                "final": result.final_checkpoint,
+                "committed": result.committed,
+            }
+        ),
+        flush=True,
+    )
+    spark.stop()
+    return 0 if result.committed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Crash tests of a pipeline writing the same batches to Delta, PostgreSQL and
+Kafka: SIGKILL the driver at every phase of the commit protocol, restart it
+with the same state_dir, and check every sink.
+
+Each run is ``tests/jobs/multi_sink_job.py`` as a real driver process (its own
+JVM and Python workers), the fault injected through ``TWOPHASE_FAULT``
+(``sinks/_faults.py``), as in ``test_postgres_crash.py``. The first run must die
+by SIGKILL (proving the point was reached); the second, without a fault, must
+exit 0 and leave:
+
+* every input row exactly once in the Delta table, the PostgreSQL table and the
+  Kafka topic (decided from the control markers in the raw log);
+* no staged Delta file outside the table's snapshot and no staging marker, no
+  prepared PostgreSQL transaction and no open Kafka transaction of the job;
+* a ledger whose checkpoints each committed all three sinks, for the same
+  rows, and one Delta version per checkpoint holding exactly its batches.
+
+Delta is the first sink of the pipeline, so the executor-side kill hits a Delta
+task in the middle of staging files, and ``driver.mid_commit`` (which Delta
+hits right after its version is written, before its staging markers are
+deleted) leaves Delta committed and PostgreSQL and Kafka prepared: the restart
+must recognise the Delta version as done and commit the other two.
+
+Last, a Delta-only run whose first task attempts are SIGKILLed right after
+staging their files (Spark retries them): the checkpoints sweep the dead
+attempts' files while the job runs.
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from lifecycle.coordinator import sink_label
+from lifecycle.ledger import read_ledger
+from sinks.base import JobScope
+from sinks.delta.sink import app_id
+from tests import deltacheck
+from tests.conftest import write_input
+from tests.jobs.multi_sink_job import SINK_IDS
+from tests.kafkacheck import assert_exactly_once as kafka_exactly_once
+from tests.kafkacheck import assert_nothing_open
+from tests.pgcheck import assert_exactly_once as pg_exactly_once
+from tests.pgcheck import job_prepared
+from tests.procs import JobProcess, run_job
+
+pytestmark = pytest.mark.crash
+
+ORDER = "delta,pg,kafka"
+LABELS = {kind: sink_label("load", sid) for kind, sid in SINK_IDS.items()}
+
+
+class Run:
+    """One scenario: input, the three targets, state_dir, the job's command line."""
+
+    def __init__(
+        self, tmp: Path, dsn: str | None, bootstrap: str | None, topic: str | None
+    ) -> None:
+        self.tmp = tmp
+        self.dsn = dsn
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.delta = tmp / "delta" / "orders"
+        self.state = tmp / "state"
+        self.job = f"dc{uuid.uuid4().hex[:8]}"  # the Kafka registry topic is shared
+        self.sinks = ORDER if dsn else "delta"
+
+    def start(
+        self, fault: str | None = None, interval: float = 0.0, files_per_batch: int = 1
+    ) -> JobProcess:
+        opts = {
+            "dsn": self.dsn,
+            "bootstrap": self.bootstrap,
+            "topic": self.topic,
+            "delta": str(self.delta),
+            "state": str(self.state),
+            "input": str(self.tmp / "in"),
+            "job": self.job,
+            "interval": str(interval),
+            "files-per-batch": str(files_per_batch),
+            "sinks": self.sinks,
+        }
+        args = [a for k, v in opts.items() if v is not None for a in (f"--{k}", v)]
+        log = self.tmp / f"job-{'fault' if fault else 'clean'}.log"
+        return run_job("multi_sink_job.py", args, log, fault, timeout=180)
+
+    def check(self, n: int) -> list[deltacheck.Version]:
+        """Exactly once and nothing left behind in every sink; the ledger's
+        checkpoints committed all three sinks together. Returns the Delta
+        versions of the job."""
+        uri = str(self.delta)
+        deltacheck.assert_exactly_once(uri, n)
+        deltacheck.assert_nothing_staged(uri)
+        deltacheck.assert_created_once(uri)
+        labels = [LABELS[kind] for kind in self.sinks.split(",")]
+        if self.dsn:
+            pg_exactly_once(self.dsn, "orders", n)
+            assert job_prepared(self.dsn, self.job) == []
+        if self.bootstrap and self.topic:
+            kafka_exactly_once(self.bootstrap, self.topic, n)
+            assert_nothing_open(self.bootstrap, self.topic, self.job)
+
+        doc = read_ledger(self.state)
+        assert doc is not None and doc["pending"] == {} and doc["decided"] is None
+        assert doc["finished"] == ["load"]
+        assert doc["totals"] == {label: n for label in labels}
+        for cp in doc["history"]:
+            if cp["rows"]:
+                assert sorted(cp["rows"]) == sorted(labels), cp
+                assert len(set(cp["rows"].values())) == 1, f"sinks disagree: {cp}"
+        app = app_id(JobScope(self.job, "load", SINK_IDS["delta"]))
+        return deltacheck.assert_one_version_per_checkpoint(uri, doc, "load", LABELS["delta"], app)
+
+
+def _runs_of_batch(versions: list[deltacheck.Version], batch: int) -> set[int]:
+    """The job runs whose staged files of ``batch`` the table committed."""
+    return {n.run for v in versions for n in v.txn_names() if n.batch_id == batch}
+
+
+# fault -> (checkpoint_interval, files per batch, run whose files of batch 2 the
+# table must hold: 2 when Spark replays the batch after the crash, 1 when the
+# crash came after Spark completed it; None: not checked)
+CRASH_POINTS = {
+    "while executors write": ("executor.write@2=kill-driver", 0.0, 1, 2),
+    "after prepare, before the ledger record": ("driver.before_record@2=kill", 0.0, 1, 2),
+    "after the ledger record, before Spark's commit log": (
+        "driver.after_record@2=kill",
+        0.0,
+        1,
+        2,
+    ),
+    "after Spark's commit log, before our commit": ("driver.before_commit@2=kill", 0.0, 1, 1),
+    "in the middle of committing": ("driver.mid_commit=kill", 1.0, 2, None),
+}
+
+
+@pytest.mark.parametrize("point", list(CRASH_POINTS), ids=list(CRASH_POINTS))
+def test_crash_at_each_phase(pg_dsn, kafka_bootstrap, kafka_topic, tmp_path, point):  # type: ignore[no-untyped-def]
+    fault, interval, files_per_batch, batch2_run = CRASH_POINTS[point]
+    run = Run(tmp_path, pg_dsn, kafka_bootstrap, kafka_topic(3))
+    files = 3 if files_per_batch == 1 else 4  # batches 0, 1, 2; or 0, 1 of 2 files each
+    n = write_input(tmp_path / "in", files=files, rows_per_file=100)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(
+            "CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8, part bigint)"
+        )
+
+    first = run.start(fault, interval, files_per_batch)
+    assert first.proc.returncode == -signal.SIGKILL, (
+        f"the fault {fault} did not kill the driver (exit {first.proc.returncode}):\n"
+        + first.tail(3000)
+    )
+    left = deltacheck.markers(run.delta)
+    if fault.startswith("driver.mid_commit"):
+        # Delta committed its version, then the driver died before deleting its markers
+        assert left and deltacheck.versions(run.delta)[-1].operation == "WRITE"
+    elif not fault.startswith("executor."):
+        assert left, "the killed run left no staged Delta work behind"
+
+    second = run.start(None, interval, files_per_batch)
+    assert second.proc.returncode == 0, second.tail(5000)
+    assert second.result()["committed"] is True
+    ours = run.check(n)
+    if batch2_run is not None:
+        assert _runs_of_batch(ours, 2) == {batch2_run}
+    if fault.startswith("driver.mid_commit"):
+        assert "is committed already; nothing to do" in second.output()  # not committed twice
+
+
+def test_task_killed_after_staging_is_retried(tmp_path):  # type: ignore[no-untyped-def]
+    """Every first task attempt has its Python worker SIGKILLed right after it
+    staged its files (they stay on disk, with their markers); Spark retries the
+    task. The retry's files are committed, the dead attempts' files are swept by
+    the checkpoints (they are in no ledger entry), and nothing is left staged."""
+    run = Run(tmp_path, None, None, None)  # Delta only
+    n = write_input(tmp_path / "in", files=3, rows_per_file=100)
+    proc = run.start("executor.prepared#0=kill")
+    assert proc.proc.returncode == 0, proc.tail(5000)
+    out = proc.output()
+    assert "exited unexpectedly" in out  # the first attempts died
+    assert "deleted the staged files of" in out  # and their files were swept
+    result = proc.result()
+    assert result["rows"] == {LABELS["delta"]: n}
+    ours = run.check(n)
+    assert set().union(*(v.batches() for v in ours)) == {0, 1, 2}
