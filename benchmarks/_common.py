@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
+
+from lifecycle import Job
+from sinks.base import Sink
 
 
 def make_input(directory: Path, rows: int, files: int) -> None:
@@ -54,3 +59,31 @@ def parquet_stream(spark: SparkSession, directory: Path, files_per_batch: int) -
         .option("maxFilesPerTrigger", files_per_batch)
         .parquet(str(directory))
     )
+
+
+def time_foreach_batch(
+    src: DataFrame, each: Callable[[DataFrame, int], None], checkpoint: Path
+) -> float:
+    """Seconds to run ``src`` to its end through a plain ``foreachBatch`` (the baselines)."""
+    t0 = time.perf_counter()
+    query = (
+        src.writeStream.foreachBatch(each)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    return time.perf_counter() - t0
+
+
+def time_job(
+    spark: SparkSession, src: DataFrame, sink: Sink, state: Path, interval: float
+) -> float:
+    """Seconds to run ``src`` to its end through ``sink`` in a Job (exactly-once)."""
+    job = Job(spark, "bench", state, checkpoint_interval=interval)
+    job.add_pipeline("load", src, [sink], bounded=True)
+    t0 = time.perf_counter()
+    result = job.run(handle_signals=False)
+    secs = time.perf_counter() - t0
+    assert result.committed, result
+    return secs

@@ -25,42 +25,26 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
 from deltalake import DeltaTable, write_deltalake  # noqa: E402
-from pyspark.sql import DataFrame, SparkSession  # noqa: E402
+from pyspark.sql import DataFrame  # noqa: E402
 
-from lifecycle import Job  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    bench_spark,
+    make_input,
+    parquet_stream,
+    time_foreach_batch,
+    time_job,
+)
 from sinks import DeltaSink  # noqa: E402
-
-
-def make_input(directory: Path, rows: int, files: int) -> None:
-    directory.mkdir(parents=True)
-    per = rows // files
-    for f in range(files):
-        start = f * per
-        n = per if f < files - 1 else rows - start
-        r = range(start, start + n)
-        table = pa.table(
-            {
-                "id": pa.array(r, pa.int64()),
-                "name": pa.array([f"customer-{i % 1000}" for i in r]),
-                "amount": pa.array([i * 0.25 for i in r], pa.float64()),
-                "qty": pa.array([i % 50 for i in r], pa.int32()),
-            }
-        )
-        pq.write_table(table, directory / f"part-{f:04d}.parquet")
 
 
 def run_baseline(src: DataFrame, uri: str, ckpt: Path, partition_by: list[str] | None) -> float:
@@ -69,32 +53,7 @@ def run_baseline(src: DataFrame, uri: str, ckpt: Path, partition_by: list[str] |
         if data.num_rows:
             write_deltalake(uri, data, mode="append", partition_by=partition_by)
 
-    t0 = time.perf_counter()
-    q = (
-        src.writeStream.foreachBatch(each)
-        .option("checkpointLocation", str(ckpt))
-        .trigger(availableNow=True)
-        .start()
-    )
-    q.awaitTermination()
-    return time.perf_counter() - t0
-
-
-def run_exactly_once(
-    spark: SparkSession,
-    src: DataFrame,
-    uri: str,
-    state: Path,
-    interval: float,
-    partition_by: list[str] | None,
-) -> float:
-    job = Job(spark, "bench", state, checkpoint_interval=interval)
-    job.add_pipeline("load", src, [DeltaSink(uri, partition_by=partition_by)], bounded=True)
-    t0 = time.perf_counter()
-    result = job.run()
-    secs = time.perf_counter() - t0
-    assert result.committed, result
-    return secs
+    return time_foreach_batch(src, each, ckpt)
 
 
 def main() -> int:
@@ -110,28 +69,14 @@ def main() -> int:
     )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     partition_by = [args.partition_by] if args.partition_by else None
     work = Path(tempfile.mkdtemp(prefix="twophase-delta-bench-", dir=args.workdir))
     try:
         make_input(work / "in", args.rows, args.files)
-        spark = (
-            SparkSession.builder.master("local[2]")
-            .appName("twophase-delta-bench")
-            .config("spark.ui.enabled", "false")
-            .config("spark.ui.showConsoleProgress", "false")
-            .getOrCreate()
-        )
-        spark.sparkContext.setLogLevel("ERROR")
-        schema = spark.read.parquet(str(work / "in")).schema
+        spark = bench_spark("twophase-delta-bench")
 
         def source() -> DataFrame:
-            return (
-                spark.readStream.schema(schema)
-                .option("maxFilesPerTrigger", args.files_per_batch)
-                .parquet(str(work / "in"))
-            )
+            return parquet_stream(spark, work / "in", args.files_per_batch)
 
         times: dict[str, list[float]] = {"baseline": [], "exactly-once": []}
         versions: dict[str, int] = {}
@@ -142,9 +87,8 @@ def main() -> int:
                 if variant == "baseline":
                     secs = run_baseline(source(), uri, where / "spark", partition_by)
                 else:
-                    secs = run_exactly_once(
-                        spark, source(), uri, where / "state", args.interval, partition_by
-                    )
+                    sink = DeltaSink(uri, partition_by=partition_by)
+                    secs = time_job(spark, source(), sink, where / "state", args.interval)
                 dt = DeltaTable(uri)
                 count = dt.count()
                 assert count == args.rows, f"{variant}: {count} rows, expected {args.rows}"

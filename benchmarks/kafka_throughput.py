@@ -32,7 +32,6 @@ import logging
 import statistics
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,10 +42,15 @@ sys.path.insert(0, str(ROOT))
 import pyarrow as pa  # noqa: E402
 from kafka import KafkaAdminClient, KafkaProducer  # noqa: E402
 from kafka.admin import NewTopic  # noqa: E402
-from pyspark.sql import DataFrame, SparkSession  # noqa: E402
+from pyspark.sql import DataFrame  # noqa: E402
 
-from benchmarks._common import bench_spark, make_input, parquet_stream  # noqa: E402
-from lifecycle import Job  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    bench_spark,
+    make_input,
+    parquet_stream,
+    time_foreach_batch,
+    time_job,
+)
 from sinks import KafkaSink  # noqa: E402
 from sinks.kafka import encode  # noqa: E402
 from sinks.kafka.sink import _PRODUCER_DEFAULTS  # noqa: E402
@@ -85,25 +89,7 @@ def run_baseline(src: DataFrame, bootstrap: str, topic: str, ckpt: Path) -> floa
     def each(df: DataFrame, _batch: int) -> None:
         df.mapInArrow(task, "n long").collect()
 
-    t0 = time.perf_counter()
-    q = (
-        src.writeStream.foreachBatch(each)
-        .option("checkpointLocation", str(ckpt))
-        .trigger(availableNow=True)
-        .start()
-    )
-    q.awaitTermination()
-    return time.perf_counter() - t0
-
-
-def run_exactly_once(
-    spark: SparkSession, src: DataFrame, bootstrap: str, topic: str, state: Path, interval: float
-) -> float:
-    job = Job(spark, "bench", state, checkpoint_interval=interval)
-    job.add_pipeline("load", src, [KafkaSink(bootstrap, topic, key="id")], bounded=True)
-    t0 = time.perf_counter()
-    job.run(handle_signals=False)
-    return time.perf_counter() - t0
+    return time_foreach_batch(src, each, ckpt)
 
 
 def count_records(bootstrap: str, topic: str) -> tuple[int, int, int]:
@@ -170,7 +156,8 @@ def main() -> int:
                 if variant == "baseline":
                     secs = run_baseline(source(), bootstrap, topic, where)
                 else:
-                    secs = run_exactly_once(spark, source(), bootstrap, topic, where, args.interval)
+                    sink = KafkaSink(bootstrap, topic, key="id")
+                    secs = time_job(spark, source(), sink, where, args.interval)
                 committed, aborted, still_open = count_records(bootstrap, topic)
                 assert (committed, still_open) == (args.rows, 0), (
                     f"{variant}: {committed} committed, {aborted} aborted, {still_open} open "

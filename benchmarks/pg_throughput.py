@@ -22,7 +22,6 @@ import logging
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,10 +31,15 @@ sys.path.insert(0, str(ROOT))
 import pgpq  # noqa: E402
 import psycopg  # noqa: E402
 import pyarrow as pa  # noqa: E402
-from pyspark.sql import DataFrame, SparkSession  # noqa: E402
+from pyspark.sql import DataFrame  # noqa: E402
 
-from benchmarks._common import bench_spark, make_input, parquet_stream  # noqa: E402
-from lifecycle import Job  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    bench_spark,
+    make_input,
+    parquet_stream,
+    time_foreach_batch,
+    time_job,
+)
 from sinks import PostgresSink  # noqa: E402
 
 DDL = "CREATE TABLE {t} (id bigint, name text, amount float8, qty integer)"
@@ -64,31 +68,13 @@ def _copy_task(dsn: str, table: str):  # type: ignore[no-untyped-def]
     return task
 
 
-def run_baseline(spark: SparkSession, src: DataFrame, dsn: str, table: str, ckpt: Path) -> float:
+def run_baseline(src: DataFrame, dsn: str, table: str, ckpt: Path) -> float:
     task = _copy_task(dsn, table)
 
     def each(df: DataFrame, _batch: int) -> None:
         df.mapInArrow(task, "n long").collect()
 
-    t0 = time.perf_counter()
-    q = (
-        src.writeStream.foreachBatch(each)
-        .option("checkpointLocation", str(ckpt))
-        .trigger(availableNow=True)
-        .start()
-    )
-    q.awaitTermination()
-    return time.perf_counter() - t0
-
-
-def run_exactly_once(
-    spark: SparkSession, src: DataFrame, dsn: str, table: str, state: Path, interval: float
-) -> float:
-    job = Job(spark, "bench", state, checkpoint_interval=interval)
-    job.add_pipeline("load", src, [PostgresSink(dsn, table)], bounded=True)
-    t0 = time.perf_counter()
-    job.run()
-    return time.perf_counter() - t0
+    return time_foreach_batch(src, each, ckpt)
 
 
 def main() -> int:
@@ -125,9 +111,11 @@ def main() -> int:
                     c.execute(DDL.format(t=table))
                     where = work / f"{variant}-{r + 1}"
                     if variant == "baseline":
-                        secs = run_baseline(spark, source(), dsn, table, where)
+                        secs = run_baseline(source(), dsn, table, where)
                     else:
-                        secs = run_exactly_once(spark, source(), dsn, table, where, args.interval)
+                        secs = time_job(
+                            spark, source(), PostgresSink(dsn, table), where, args.interval
+                        )
                     count = c.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
                     assert count == args.rows, f"{variant}: {count} rows, expected {args.rows}"
                     if r >= 0:

@@ -119,10 +119,12 @@ def test_sigkill_at_any_instant_keeps_every_acknowledged_record(
         text=True,
         cwd=Path(__file__).resolve().parents[1],
     )
-    time.sleep(delay + 0.5)  # interpreter start-up, then some writes
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # start-up done: the writer is writing now
+    time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
     out, _ = proc.communicate()
-    acked = [int(x) for x in out.split()]
+    acked = [int(x) for x in (first + out).split()]
     assert acked, "the writer acknowledged nothing before it was killed"
     led = FileLedger(tmp_path, "j")  # loads: never a torn document
     json.loads(led.path.read_text())
