@@ -34,6 +34,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO
 
+from tests.pgserver import free_port
+
 ENV_BINARY = "TWOPHASE_TANSU"
 
 
@@ -61,13 +63,6 @@ def find_tansu() -> Path:
     if not os.access(path, os.X_OK):
         path.chmod(path.stat().st_mode | 0o111)
     return path
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class KafkaBroker:

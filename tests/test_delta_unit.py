@@ -34,6 +34,7 @@ from sinks.delta.sink import app_id
 from sinks.delta.storage import STAGING_DIR, TableStorage
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
 from sinks.naming import TxnName
+from tests.pgserver import free_port
 
 UTC = dt.timezone.utc
 SCHEMA = pa.schema(
@@ -665,18 +666,12 @@ def test_stats_in_the_log_match_the_data(uri: str, scope: JobScope) -> None:
 # -- S3 (moto's server on loopback) -----------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def s3_options() -> Iterator[dict[str, str]]:
     """A moto S3 server on a loopback port with an empty bucket ``twophase``."""
     pytest.importorskip("moto.server", reason="moto[server] is not installed")
     boto3 = pytest.importorskip("boto3")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
