@@ -92,7 +92,7 @@ def main() -> int:
             SparkSession.builder.master("local[2]")
             .appName("twophase-example")
             .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.ui.showConsoleProgress", "false")
             .config("spark.sql.shuffle.partitions", "4")
             .getOrCreate()
         )

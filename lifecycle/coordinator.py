@@ -20,6 +20,8 @@ Recovery rules (``recover``, run at every start before any query starts):
 
 During a run, each checkpoint also sweeps orphans of batches at or below its
 cut, and of earlier runs, so late zombies do not linger until the next start.
+When a drain stops a query and starts it again in the same run,
+``reset_pipeline`` applies rules 3 and 4 to that pipeline alone.
 """
 
 from __future__ import annotations
@@ -198,6 +200,34 @@ class Coordinator:
         for p, ps in self.pipelines.items():
             for sid, sink in ps.sinks.items():
                 sink.abort_lingering(JobScope(self.job, p, sid), lambda n: str(n) not in owned)
+
+    def reset_pipeline(self, pipeline: str) -> None:
+        """The query of ``pipeline`` was stopped in this run and is about to start
+        again (a drain): Spark replays the batch it interrupted, in this run. Abort
+        that batch's pending work and every transaction of the pipeline no ledger
+        entry owns (the interrupted tasks' prepared work), so the replay is not
+        blocked by it (keys it holds) and it is never committed. Batches Spark
+        completed stay pending for the next checkpoint. Other pipelines, which may
+        be mid-batch, are not touched."""
+        ps = self._pipeline(pipeline)
+        latest = ps.commit_log.latest()
+        with self._checkpointing:
+            batches = self.ledger.pending().get(pipeline, {})
+            replayed = sorted(b for b in batches if b > latest)
+            for b in replayed:
+                log.info(
+                    "aborting batch %d of %s: its query was stopped before it completed",
+                    b,
+                    pipeline,
+                )
+                self._abort_batch(pipeline, batches[b])
+            if replayed:
+                self.ledger.drop_batches(pipeline, replayed)
+            owned = self.ledger.owned_txns()
+            for sid, sink in ps.sinks.items():
+                sink.abort_lingering(
+                    JobScope(self.job, pipeline, sid), lambda n: str(n) not in owned
+                )
 
     # -- helpers ----------------------------------------------------------------------
 

@@ -103,6 +103,10 @@ class Job:
             of all of them. ``"per-pipeline"``: then each pipeline's final data
             is committed by a checkpoint of its own, one after another (kept
             for comparison, see ``benchmarks/final_checkpoint.py``).
+        stop_grace: seconds a stop (drain or savepoint) waits for a micro-batch
+            in flight to finish before interrupting it. Nothing is lost either
+            way: an interrupted batch's pre-committed work is rolled back and
+            Spark replays the batch.
     """
 
     def __init__(
@@ -113,9 +117,12 @@ class Job:
         checkpoint_interval: float = 5.0,
         *,
         final_checkpoint: str = "shared",
+        stop_grace: float = 10.0,
     ) -> None:
         if checkpoint_interval < 0:
             raise ConfigError("checkpoint_interval must be >= 0 seconds")
+        if stop_grace < 0:
+            raise ConfigError("stop_grace must be >= 0 seconds")
         if final_checkpoint not in FINAL_MODES:
             raise ConfigError(f"final_checkpoint must be one of {FINAL_MODES}")
         self.spark = spark
@@ -123,6 +130,7 @@ class Job:
         self.state_dir = Path(state_dir)
         self.checkpoint_interval = float(checkpoint_interval)
         self.final_checkpoint = final_checkpoint
+        self.stop_grace = float(stop_grace)
         self._pipelines: dict[str, Pipeline] = {}
         self._wake = threading.Event()
         self._stop: bool | None = None  # None: no stop asked; else: drain?
@@ -350,7 +358,7 @@ class Job:
                 self.stop(drain=request.drain)
             self._advance(coord)
             if self._stop is False:  # savepoint
-                self._stop_queries()
+                self._stop_queries(self.stop_grace)
                 coord.settle(kind="savepoint")
                 for p in self._live():
                     p.state = PipelineState.STOPPED
@@ -384,7 +392,8 @@ class Job:
         self._outcome = "drained"
         for p in self._pipelines.values():
             if p.state is PipelineState.RUNNING and not p.bounded:
-                p.stop_query()
+                p.stop_query(self.stop_grace)
+                coord.reset_pipeline(p.name)
                 p.begin_ending_input(drain=True)
                 p.start(self.name, batch_handler(coord, p.name, p.sinks, p.schema))
 
@@ -417,9 +426,10 @@ class Job:
             log.exception("could not settle after the failure; the next start recovers")
         raise JobFailedError(f"job {self.name!r}, pipeline {p.name!r} failed: {why}") from exc
 
-    def _stop_queries(self) -> None:
+    def _stop_queries(self, grace: float = 0.0) -> None:
+        deadline = time.monotonic() + grace
         for p in self._pipelines.values():
-            p.stop_query()
+            p.stop_query(max(0.0, deadline - time.monotonic()))
 
     def _result(self, coord: Coordinator, ledger: FileLedger, end: float | None) -> JobResult:
         rows: dict[str, int] = {

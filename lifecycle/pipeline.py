@@ -146,13 +146,26 @@ class Pipeline:
         )
         self.query = w.start()
 
-    def stop_query(self) -> None:
+    def stop_query(self, grace: float = 0.0) -> None:
+        """Stop the query. With ``grace``, first wait up to that many seconds for
+        the micro-batch in flight (if any) to finish, so that a stop rarely
+        interrupts one; an interrupted batch is rolled back and Spark replays it."""
         q = self.query
-        if q is not None and q.isActive:
-            try:
-                q.stop()
-            except Exception:
-                log.exception("stopping pipeline %s", self.name)
+        if q is None or not q.isActive:
+            return
+        deadline = time.monotonic() + grace
+        try:
+            while q.isActive and q.status.get("isTriggerActive") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if q.isActive and q.status.get("isTriggerActive"):
+                log.warning(
+                    "pipeline %s: interrupting the micro-batch in flight (it is rolled back "
+                    "and replayed)",
+                    self.name,
+                )
+            q.stop()
+        except Exception:
+            log.exception("stopping pipeline %s", self.name)
 
     def begin_ending_input(self, *, drain: bool) -> None:
         """Record that input ends and feed the end-of-input marker (if any).

@@ -6,11 +6,13 @@ environment of the process under test (inherited by Spark's Python workers)::
     TWOPHASE_FAULT="driver.after_record@2=kill"       # SIGKILL the driver in batch 2
     TWOPHASE_FAULT="executor.write=kill-driver"       # an executor kills the driver
     TWOPHASE_FAULT="executor.prepared#0=raise"        # first task attempt fails after PREPARE
+    TWOPHASE_FAULT="executor.prepared@1=stall:20"     # tasks of batch 1 hang 20 s after PREPARE
 
 Syntax: ``point[@batch][#attempt_number]=action`` (several joined by ``;``);
 actions: ``kill`` (SIGKILL this process), ``kill-driver`` (SIGKILL the process
 in ``TWOPHASE_DRIVER_PID``, then go on as a zombie would), ``raise``
-(:class:`InjectedFault`). In-process tests can instead ``register`` a callback.
+(:class:`InjectedFault`), ``stall:SECONDS`` (sleep, e.g. to be caught in flight
+by a stop). In-process tests can instead ``register`` a callback.
 
 Points: ``executor.write``, ``executor.prepared``, ``driver.before_record``,
 ``driver.after_record``, ``driver.before_commit``, ``driver.mid_commit``.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 
 ENV = "TWOPHASE_FAULT"
@@ -68,6 +71,8 @@ def hit(point: str, *, batch: int | None = None, attempt: int | None = None) -> 
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "kill-driver":
             os.kill(int(os.environ["TWOPHASE_DRIVER_PID"]), signal.SIGKILL)
+        elif action.startswith("stall:"):
+            time.sleep(float(action.removeprefix("stall:")))
         elif action == "raise":
             raise InjectedFault(f"injected fault at {point} (batch {batch}, attempt {attempt})")
         else:

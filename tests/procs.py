@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,10 +40,23 @@ class JobProcess:
         )
 
     def wait(self, timeout: float = 240) -> int:
+        """The exit status; on timeout the process group is killed and the
+        assertion shows the end of the job's log."""
         try:
             return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"the job did not exit within {timeout}s (killed):\n{self.tail()}"
+            ) from None
         finally:
             self._out.close()
+
+    def kill(self) -> None:
+        """SIGKILL the job and everything it started (JVM, Python workers)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
 
     def output(self) -> str:
         return self.log.read_text()

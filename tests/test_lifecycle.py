@@ -328,6 +328,29 @@ def test_sigterm_drains_and_exits_zero(pg_dsn, tmp_path):  # type: ignore[no-unt
     assert job_prepared(pg_dsn, "life") == []
 
 
+@pytest.mark.crash
+def test_drain_while_a_batch_is_prepared_in_flight(pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    """SIGTERM while batch 1's tasks hold prepared transactions (stalled after
+    PREPARE): the drain stops the query and restarts it available-now, which
+    replays batch 1 in the same run. The interrupted attempt's prepared rows must
+    not block the replay on the table's primary key, nor be committed."""
+    n = write_input(tmp_path / "live", 4, 100)
+    create_tables(pg_dsn, "live_t")
+    state = tmp_path / "state"
+    args = _args(pg_dsn, state, f"name=live,input={tmp_path / 'live'},table=live_t,kind=unbounded")
+    args += ["--stop-grace", "1"]  # shorter than the stall: the drain interrupts the batch
+    job = JobProcess("lifecycle_job.py", args, tmp_path / "job.log", "executor.prepared@1=stall:8")
+    wait_for(lambda: [g for g in job_prepared(pg_dsn, "life") if ".b1." in g], 180, "batch 1", job)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(120) == 0, job.tail()
+    assert "interrupting the micro-batch in flight" in job.output()
+    result = job.result()
+    assert result["drained"] and result["committed"]
+    assert_exactly_once(pg_dsn, "live_t", n)
+    assert ledger_kinds(state)[-1] == "final"
+    assert job_prepared(pg_dsn, "life") == []
+
+
 def test_twophase_stop_without_a_running_job_says_so(tmp_path: Path) -> None:
     proc = _twophase("stop", str(tmp_path))
     assert proc.returncode == 2 and "no job is running" in proc.stderr

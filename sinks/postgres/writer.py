@@ -31,7 +31,6 @@ class PostgresWriter(SinkWriter):
         self._sink = sink
         self._name = ctx.txn_name()
         self._gid = str(self._name)
-        self._retry = ctx.attempt_number > 0
         self._job = ctx.scope.job
         self._wire = wire
         self._conn: psycopg.Connection | None = None
@@ -48,8 +47,7 @@ class PostgresWriter(SinkWriter):
     def _begin(self) -> None:
         sink = self._sink
         self._conn = conn = sink.connect(application_name="twophase-writer")
-        if self._retry:
-            self._abort_earlier_attempts(conn)
+        self._abort_earlier_attempts(conn)
         conn.execute("BEGIN")
         target = sink.table_ident
         if sink.key:
@@ -67,9 +65,13 @@ class PostgresWriter(SinkWriter):
         self._copy.write(self._encoder.write_header())
 
     def _abort_earlier_attempts(self, conn: psycopg.Connection) -> None:
-        """A retry runs only after Spark gave up on the earlier attempts of this
-        partition (speculation is refused by the Job), so their prepared work will
-        never be used. Roll it back now: it may hold keys this attempt writes."""
+        """Roll back prepared work of earlier executions of this partition (same
+        run, batch, partition; another task attempt id): a failed attempt that
+        Spark retried, or a task of a query that was stopped and started again in
+        this run, which then replays the batch. Spark completed neither (else no
+        second execution), and it never runs two attempts of a partition at once
+        (speculation is refused by the Job), so that work will never be used; it
+        may hold keys this execution writes and would block it."""
         rows = conn.execute(
             "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
             " AND starts_with(gid, %s) AND gid <> %s",

@@ -48,11 +48,17 @@ def main() -> int:
     ap.add_argument("--job", default="life")
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--final", default="shared")
+    ap.add_argument("--stop-grace", type=float, default=10.0)
     ap.add_argument("--pipeline", action="append", default=[])
     args = ap.parse_args()
     spark = start_driver(args.job)
     job = Job(
-        spark, args.job, args.state, checkpoint_interval=args.interval, final_checkpoint=args.final
+        spark,
+        args.job,
+        args.state,
+        checkpoint_interval=args.interval,
+        final_checkpoint=args.final,
+        stop_grace=args.stop_grace,
     )
     for spec in args.pipeline:
         opts = dict(kv.split("=", 1) for kv in spec.split(","))
