@@ -8,6 +8,7 @@ from sinks.delta import DeltaSink
 from sinks.errors import (
     CommitError,
     ConfigError,
+    LockWaitError,
     PreflightError,
     TransactionLostError,
     TwoPhaseError,
@@ -22,6 +23,7 @@ __all__ = [
     "DeltaSink",
     "JobScope",
     "KafkaSink",
+    "LockWaitError",
     "PostgresSink",
     "PreflightError",
     "Sink",

@@ -24,3 +24,9 @@ class TransactionLostError(TwoPhaseError):
 class CommitError(TwoPhaseError):
     """A commit did not go through after all retries; the decision stays recorded
     and the next start finishes it."""
+
+
+class LockWaitError(TwoPhaseError):
+    """A task waited longer than its sink's lock timeout for rows another
+    transaction holds. The task fails so that Spark retries it (a retry rolls
+    back this job's earlier executions of the partition) instead of hanging."""

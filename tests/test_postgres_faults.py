@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -13,17 +14,18 @@ from pyspark.sql.pandas.types import to_arrow_schema
 
 from lifecycle import Job, JobFailedError
 from lifecycle.ledger import read_ledger
-from sinks import PostgresSink, PreflightError, TransactionLostError, _faults
+from sinks import LockWaitError, PostgresSink, PreflightError, TransactionLostError, _faults
 from tests.conftest import write_input
 from tests.pgcheck import assert_exactly_once, job_prepared
 from tests.pgserver import PostgresServer
 from tests.sparkutil import INPUT_SCHEMA
 
 
-def _job(spark, dsn: str, tmp: Path, name: str) -> Job:  # type: ignore[no-untyped-def]
+def _job(spark, dsn: str, tmp: Path, name: str, **sink: Any) -> Job:  # type: ignore[no-untyped-def]
     df = spark.readStream.schema(INPUT_SCHEMA).json(str(tmp / "in"))  # one batch
     job = Job(spark, name, tmp / "state", checkpoint_interval=0)
-    job.add_pipeline("load", df, [PostgresSink(dsn, "orders", commit_timeout=60)], bounded=True)
+    sinks = [PostgresSink(dsn, "orders", commit_timeout=60, **sink)]
+    job.add_pipeline("load", df, sinks, bounded=True)
     return job
 
 
@@ -97,3 +99,37 @@ def test_preflight_refuses_a_server_without_prepared_transactions(spark, tmp_pat
             PostgresSink(server.dsn(), "orders", create_table=True).preflight(schema)
     finally:
         server.cleanup()
+
+
+def test_a_task_blocked_by_a_lock_fails_instead_of_hanging(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    """Another application holds a key the job writes, in a prepared transaction
+    (so it never times out by itself). The job's tasks give up after
+    ``lock_timeout`` and the job fails saying why; once the holder is gone, the
+    job is run again and writes every row exactly once."""
+    n = write_input(tmp_path / "in", files=2, rows_per_file=50)
+    _create(pg_dsn)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("BEGIN")
+        c.execute("INSERT INTO orders VALUES (7, 'held by another application', 0)")
+        c.execute("PREPARE TRANSACTION 'other-app-1'")
+    started = time.monotonic()
+    with pytest.raises(JobFailedError, match="lock_timeout=2s") as e:
+        _job(spark, pg_dsn, tmp_path, "locked", lock_timeout=2).run()
+    assert time.monotonic() - started < 60
+    assert LockWaitError.__name__ in str(e.value)  # the executor-side error, by name
+    assert job_prepared(pg_dsn, "locked") == []  # the failed attempts left nothing
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("ROLLBACK PREPARED 'other-app-1'")
+    _job(spark, pg_dsn, tmp_path, "locked", lock_timeout=2).run()
+    assert_exactly_once(pg_dsn, "orders", n)
+    assert job_prepared(pg_dsn, "locked") == []
+
+
+def test_upsert_refuses_a_lock_timeout_shorter_than_the_interval(pg_dsn):  # type: ignore[no-untyped-def]
+    sink = PostgresSink(pg_dsn, "orders", key=["id"], lock_timeout=5)
+    with pytest.raises(PreflightError, match="not longer than checkpoint_interval"):
+        sink.check_checkpoint_interval(10.0)
+    auto = PostgresSink(pg_dsn, "orders", key=["id"])
+    auto.check_checkpoint_interval(100.0)
+    assert auto.lock_timeout == 360.0
+    PostgresSink(pg_dsn, "orders", lock_timeout=5).check_checkpoint_interval(10.0)  # append: ok

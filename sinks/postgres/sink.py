@@ -34,6 +34,10 @@ log = logging.getLogger("sinks.postgres")
 _TRANSIENT = (psycopg.OperationalError,)
 
 
+def _auto_lock_timeout(checkpoint_interval_s: float) -> float:
+    return max(120.0, 3 * checkpoint_interval_s + 60.0)
+
+
 class PostgresSink(Sink):
     """Writes a pipeline's output into a PostgreSQL table exactly once.
 
@@ -56,6 +60,12 @@ class PostgresSink(Sink):
             (server restarting, connection refused) before the job fails; the
             decision stays in the ledger and the next start finishes it.
         connect_timeout: seconds to wait for a connection.
+        lock_timeout: seconds a task waits for a row lock (a key another
+            transaction holds) before it fails with :class:`LockWaitError`, so
+            Spark retries it instead of the job hanging. ``None`` (default):
+            ``max(120, 3 x checkpoint_interval + 60)``, longer than an upsert
+            batch legitimately waits for the previous batch's commit on the
+            keys they share. ``0``: wait forever.
     """
 
     kind = "postgres"
@@ -72,6 +82,7 @@ class PostgresSink(Sink):
         marker_table: str = "twophase.committed_txns",
         commit_timeout: float = 300.0,
         connect_timeout: float = 10.0,
+        lock_timeout: float | None = None,
     ) -> None:
         if not table:
             raise ConfigError("PostgresSink needs a table name")
@@ -87,6 +98,10 @@ class PostgresSink(Sink):
             raise ConfigError(f"marker_table {marker_table!r} must be 'schema.table'")
         self.commit_timeout = commit_timeout
         self.connect_timeout = connect_timeout
+        if lock_timeout is not None and lock_timeout < 0:
+            raise ConfigError("lock_timeout must be >= 0 seconds (0: wait forever)")
+        self._lock_timeout_given = lock_timeout
+        self.lock_timeout = lock_timeout if lock_timeout is not None else _auto_lock_timeout(0.0)
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
         self._wire: pa.Schema | None = None
 
@@ -120,6 +135,22 @@ class PostgresSink(Sink):
 
     def partition_columns(self) -> list[str] | None:
         return self.key or None
+
+    def check_checkpoint_interval(self, checkpoint_interval_s: float) -> None:
+        """Size the lock timeout for this interval; refuse an upsert whose given
+        lock timeout is shorter than a batch's legitimate wait for the previous
+        batch's commit of the keys they share."""
+        given = self._lock_timeout_given
+        if given is None:
+            self.lock_timeout = _auto_lock_timeout(checkpoint_interval_s)
+        elif self.key and 0 < given <= checkpoint_interval_s:
+            raise PreflightError(
+                f"{self.describe()}: lock_timeout={given}s is not longer than "
+                f"checkpoint_interval={checkpoint_interval_s}s. With key={self.key}, a batch "
+                "writing a key the previous batch wrote waits for that batch's commit at the "
+                "next checkpoint, so its tasks would fail spuriously; leave lock_timeout at "
+                "its default or make it several checkpoint intervals long"
+            )
 
     # -- connections --------------------------------------------------------------
 

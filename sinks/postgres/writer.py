@@ -12,6 +12,7 @@ import pyarrow as pa
 from psycopg import sql
 
 from sinks.base import Committable, SinkWriter, WriteContext
+from sinks.errors import LockWaitError
 
 if TYPE_CHECKING:
     from sinks.postgres.sink import PostgresSink
@@ -48,6 +49,8 @@ class PostgresWriter(SinkWriter):
         sink = self._sink
         self._conn = conn = sink.connect(application_name="twophase-writer")
         self._abort_earlier_attempts(conn)
+        ms = int(sink.lock_timeout * 1000)
+        conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{ms}ms")))
         conn.execute("BEGIN")
         target = sink.table_ident
         if sink.key:
@@ -84,6 +87,12 @@ class PostgresWriter(SinkWriter):
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
             return
+        try:
+            self._write(batch)
+        except psycopg.errors.LockNotAvailable as e:
+            raise self._lock_wait_error() from e
+
+    def _write(self, batch: pa.RecordBatch) -> None:
         if self._conn is None:
             self._begin()
         assert self._encoder is not None
@@ -100,6 +109,21 @@ class PostgresWriter(SinkWriter):
     def prepare(self) -> Committable | None:
         if self._conn is None:
             return None
+        try:
+            return self._prepare()
+        except psycopg.errors.LockNotAvailable as e:
+            raise self._lock_wait_error() from e
+
+    def _lock_wait_error(self) -> LockWaitError:
+        return LockWaitError(
+            f"task {self._gid} waited more than lock_timeout={self._sink.lock_timeout:g}s for "
+            f"rows of {self._sink.describe()} that another transaction holds: prepared work "
+            "of an interrupted earlier execution of this partition, or another writer of the "
+            "same keys (see pg_prepared_xacts and pg_locks). The task fails so that Spark "
+            "retries it; a retry rolls back this job's earlier executions of the partition"
+        )
+
+    def _prepare(self) -> Committable:
         assert self._encoder is not None
         conn, sink = self._conn, self._sink
         self._copy.write(self._encoder.finish())
