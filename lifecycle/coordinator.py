@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from lifecycle.ledger import Checkpoint, FileLedger
@@ -191,15 +191,7 @@ class Coordinator:
                 "this job does not define; add them back so their work can be committed"
             )
         self.checkpoint(kind)
-        for p, batches in self.ledger.pending().items():
-            for b, sinks in sorted(batches.items()):
-                log.info("aborting batch %d of %s: Spark did not complete it and replays it", b, p)
-                self._abort_batch(p, sinks)
-                self.ledger.drop_batches(p, [b])
-        owned = self.ledger.owned_txns()
-        for p, ps in self.pipelines.items():
-            for sid, sink in ps.sinks.items():
-                sink.abort_lingering(JobScope(self.job, p, sid), lambda n: str(n) not in owned)
+        self._abort_uncompleted(self.pipelines, "Spark did not complete it and replays it")
 
     def reset_pipeline(self, pipeline: str) -> None:
         """The query of ``pipeline`` was stopped in this run and is about to start
@@ -209,25 +201,24 @@ class Coordinator:
         blocked by it (keys it holds) and it is never committed. Batches Spark
         completed stay pending for the next checkpoint. Other pipelines, which may
         be mid-batch, are not touched."""
-        ps = self._pipeline(pipeline)
-        latest = ps.commit_log.latest()
         with self._checkpointing:
-            batches = self.ledger.pending().get(pipeline, {})
-            replayed = sorted(b for b in batches if b > latest)
-            for b in replayed:
-                log.info(
-                    "aborting batch %d of %s: its query was stopped before it completed",
-                    b,
-                    pipeline,
-                )
-                self._abort_batch(pipeline, batches[b])
-            if replayed:
-                self.ledger.drop_batches(pipeline, replayed)
-            owned = self.ledger.owned_txns()
-            for sid, sink in ps.sinks.items():
-                sink.abort_lingering(
-                    JobScope(self.job, pipeline, sid), lambda n: str(n) not in owned
-                )
+            self._abort_uncompleted([pipeline], "its query was stopped before it completed")
+
+    def _abort_uncompleted(self, pipelines: Collection[str], why: str) -> None:
+        """Rules 3 and 4 for ``pipelines``: abort and drop their pending batches
+        that Spark has not completed, then every transaction of theirs that no
+        ledger entry owns."""
+        for p in pipelines:
+            latest = self._pipeline(p).commit_log.latest()
+            for b, sinks in sorted(self.ledger.pending().get(p, {}).items()):
+                if b > latest:
+                    log.info("aborting batch %d of %s: %s", b, p, why)
+                    self._abort_batch(p, sinks)
+                    self.ledger.drop_batches(p, [b])
+        owned = self.ledger.owned_txns()
+        for p in pipelines:
+            for sid, sink in self._pipeline(p).sinks.items():
+                sink.abort_lingering(JobScope(self.job, p, sid), lambda n: str(n) not in owned)
 
     # -- helpers ----------------------------------------------------------------------
 
