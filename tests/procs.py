@@ -66,8 +66,11 @@ class JobProcess:
         line = self.output().rsplit("RESULT ", 1)[1].splitlines()[0]
         return json.loads(line)  # type: ignore[no-any-return]
 
-    def tail(self, n: int = 4000) -> str:
-        return self.output()[-n:]
+    def tail(self, n: int = 6000) -> str:
+        """The end of the log, without JVM stack frames (they would crowd out
+        the job's own lines)."""
+        lines = [ln for ln in self.output().splitlines() if not ln.lstrip().startswith("at ")]
+        return "\n".join(lines)[-n:]
 
 
 def run_job(
@@ -93,6 +96,8 @@ def wait_for(
                 f"the job exited ({proc.proc.returncode}) before {what}:\n" + proc.tail()
             )
         time.sleep(0.2)
+    if proc is not None:
+        proc.kill()  # a job left running would hold prepared work past the test
     raise AssertionError(
         f"timed out after {timeout}s waiting for {what}" + (f":\n{proc.tail()}" if proc else "")
     )
