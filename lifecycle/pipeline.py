@@ -37,6 +37,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import TimestampNTZType, TimestampType
 
 from lifecycle.binding import BatchHandler
+from sinks import _faults
 from sinks.base import Sink
 from sinks.errors import ConfigError
 
@@ -174,6 +175,7 @@ class Pipeline:
         if not self._ending_flag.exists():
             self.location.mkdir(parents=True, exist_ok=True)
             self._ending_flag.write_text(json.dumps({"at": time.time(), "drain": drain}))
+        _faults.hit("driver.ending_input")
         if self.event_time:
             self._eoi_dir.mkdir(parents=True, exist_ok=True)
             marker = self._eoi_dir / "end-of-input.json"

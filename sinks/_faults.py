@@ -15,7 +15,8 @@ in ``TWOPHASE_DRIVER_PID``, then go on as a zombie would), ``raise``
 by a stop). In-process tests can instead ``register`` a callback.
 
 Points: ``executor.write``, ``executor.prepared``, ``driver.before_record``,
-``driver.after_record``, ``driver.before_commit``, ``driver.mid_commit``.
+``driver.after_record``, ``driver.before_commit``, ``driver.mid_commit``,
+``driver.ending_input`` (a pipeline has recorded that its input ends).
 """
 
 from __future__ import annotations

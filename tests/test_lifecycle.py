@@ -351,6 +351,34 @@ def test_drain_while_a_batch_is_prepared_in_flight(pg_dsn, tmp_path):  # type: i
     assert job_prepared(pg_dsn, "life") == []
 
 
+@pytest.mark.crash
+def test_crash_during_a_drain_resumes_the_drain(pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    """SIGTERM starts a drain; the driver is SIGKILLed right after the pipeline
+    recorded that its input ends. Started again (no stop asked), the job resumes
+    the drain instead of reading on: it ends with one final checkpoint, exit 0,
+    every row exactly once, even a file that arrived after the crash (the drain
+    processes what is available when it runs)."""
+    n = write_input(tmp_path / "live", 4, 100)
+    create_tables(pg_dsn, "live_t")
+    state = tmp_path / "state"
+    args = _args(pg_dsn, state, f"name=live,input={tmp_path / 'live'},table=live_t,kind=unbounded")
+    log = tmp_path / "job.log"
+    job = JobProcess("lifecycle_job.py", args, log, "driver.ending_input=kill")
+    wait_for(lambda: _count(pg_dsn, "live_t") > 0, 180, "a first commit", job)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(120) == -signal.SIGKILL, job.tail()
+    assert (state / "pipelines" / "live" / "ending_input.json").exists()
+    n += write_input(tmp_path / "live", 1, 50, start=n)
+    again = run_job("lifecycle_job.py", args, log)
+    assert again.proc.returncode == 0, again.tail()
+    assert "was ending its input: resuming that" in again.output()
+    result = again.result()
+    assert result["committed"] and result["pipelines"] == {"live": "FINISHED"}
+    assert_exactly_once(pg_dsn, "live_t", n)
+    assert ledger_kinds(state)[-1] == "final"
+    assert job_prepared(pg_dsn, "life") == []
+
+
 def test_twophase_stop_without_a_running_job_says_so(tmp_path: Path) -> None:
     proc = _twophase("stop", str(tmp_path))
     assert proc.returncode == 2 and "no job is running" in proc.stderr
