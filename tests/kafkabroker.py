@@ -25,16 +25,14 @@ import argparse
 import importlib.util
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import FrameType, TracebackType
 from typing import IO
 
-from tests.pgserver import free_port
+from tests.services import NativeService, free_port, serve
 
 ENV_BINARY = "TWOPHASE_TANSU"
 
@@ -65,7 +63,7 @@ def find_tansu() -> Path:
     return path
 
 
-class KafkaBroker:
+class KafkaBroker(NativeService):
     """A tansu broker subprocess on 127.0.0.1 (memory storage).
 
     ``bootstrap`` is ``"127.0.0.1:PORT"`` once ``start()`` returned.
@@ -197,18 +195,6 @@ class KafkaBroker:
         finally:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> KafkaBroker:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
-
 
 def main(argv: list[str] | None = None) -> None:
     """Start a broker, print its bootstrap address, wait for Ctrl-C or SIGTERM."""
@@ -216,22 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, help="TCP port (default: a free one)")
     args = parser.parse_args(argv)
 
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
     broker = KafkaBroker(port=args.port)
-    try:
-        broker.start()
-        print(broker.bootstrap, flush=True)
-        while broker.is_running():
-            time.sleep(0.5)
-        broker._check_alive()  # it died on its own: say why
-    except KeyboardInterrupt:
-        pass
-    finally:
-        broker.cleanup()
+    serve(broker, lambda: broker.bootstrap, broker._check_alive)
 
 
 if __name__ == "__main__":

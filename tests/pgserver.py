@@ -24,15 +24,14 @@ import os
 import pwd
 import shlex
 import shutil
-import signal
-import socket
 import stat
 import subprocess
 import tempfile
 from pathlib import Path
-from types import FrameType, TracebackType
 from typing import Literal
 from urllib.parse import quote
+
+from tests.services import NativeService, free_port, serve
 
 StopMode = Literal["smart", "fast", "immediate"]
 
@@ -81,19 +80,12 @@ def find_pg_bindir() -> Path:
     )
 
 
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _others_can_traverse(path: Path) -> bool:
     """True if every directory from ``path`` up to ``/`` is world-searchable."""
     return all(os.stat(p).st_mode & stat.S_IXOTH for p in (path, *path.parents))
 
 
-class PostgresServer:
+class PostgresServer(NativeService):
     """A throwaway PostgreSQL cluster, started and stopped with ``pg_ctl``.
 
     ``datadir`` defaults to a fresh temporary directory that ``cleanup()``
@@ -267,17 +259,9 @@ class PostgresServer:
             if self._own_datadir:
                 shutil.rmtree(self.datadir, ignore_errors=True)
 
-    def __enter__(self) -> PostgresServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
+    def why_stopped(self) -> None:
+        """Raise: the server stopped without being asked to."""
+        raise PostgresServerError(f"the server stopped on its own\n{self.log_tail()}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -287,22 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, help="TCP port (default: a free one)")
     args = parser.parse_args(argv)
 
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    # Set both explicitly: a background job may have inherited SIGINT ignored.
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
     server = PostgresServer(datadir=args.datadir, port=args.port)
-    try:
-        server.start()
-        print(server.dsn(), flush=True)
-        while True:
-            signal.pause()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.cleanup()
+    serve(server, server.dsn, server.why_stopped)
 
 
 if __name__ == "__main__":

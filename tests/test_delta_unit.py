@@ -34,7 +34,7 @@ from sinks.delta.sink import app_id
 from sinks.delta.storage import STAGING_DIR, TableStorage
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
 from sinks.naming import TxnName
-from tests.pgserver import free_port
+from tests.services import free_port
 
 UTC = dt.timezone.utc
 SCHEMA = pa.schema(

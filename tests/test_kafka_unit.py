@@ -26,8 +26,9 @@ from sinks.kafka import KafkaSink
 from sinks.kafka.encode import json_rows
 from sinks.kafka.registry import RegistryView
 from sinks.kafka.wire import KafkaWire
-from tests.kafkabroker import KafkaBroker, free_port
+from tests.kafkabroker import KafkaBroker
 from tests.kafkalog import TopicLog, read_topic
+from tests.services import free_port
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string()), ("amount", pa.float64())])
 

@@ -1,0 +1,70 @@
+"""What the natively started test services (``tests/pgserver.py``,
+``tests/kafkabroker.py``) share: a free loopback port, use as a context
+manager, and running one as a program until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import Self
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class NativeService:
+    """A service process started by the tests: ``with Service() as s:`` starts
+    it and ``cleanup()``s it (stops it and deletes its files) on exit."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def is_running(self) -> bool:
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+
+def serve(
+    service: NativeService, address: Callable[[], str], why_stopped: Callable[[], None]
+) -> None:
+    """Start ``service``, print ``address()``, and run until Ctrl-C or SIGTERM
+    (or until the service dies: ``why_stopped()`` then raises saying why);
+    clean up in every case."""
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    # Set both explicitly: a background job may have inherited SIGINT ignored.
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    try:
+        service.start()
+        print(address(), flush=True)
+        while service.is_running():
+            time.sleep(0.5)
+        why_stopped()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        service.cleanup()
