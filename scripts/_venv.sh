@@ -1,11 +1,29 @@
 # Sourced by the scripts: create .venv once and (re)install the project when
 # pyproject.toml changes. Needs python3 (3.10+) with venv, and Java 17 for Spark.
+#
+# .venv must be a real directory of this checkout with a working interpreter.
+# A symlink (for example one copied from another machine) or a directory whose
+# interpreter does not run is broken: it is said so and replaced.
+_venv_broken=""
+if [ -L .venv ]; then
+    _venv_broken=".venv is a symlink (to $(readlink .venv))"
+elif [ -e .venv ] && [ ! -d .venv ]; then
+    _venv_broken=".venv is not a directory"
+elif [ -d .venv ] && ! .venv/bin/python -c 'import sys' >/dev/null 2>&1; then
+    _venv_broken=".venv has no working interpreter"
+fi
+if [ -n "$_venv_broken" ]; then
+    echo "$_venv_broken: replacing it with a new virtual environment" >&2
+    rm -rf .venv
+fi
+unset _venv_broken
 if [ ! -x .venv/bin/python ]; then
+    echo "creating .venv with $(python3 --version 2>&1) ..."
     python3 -m venv .venv
 fi
 if ! .venv/bin/python -c 'import sinks, lifecycle, pytest' >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.installed ]; then
-    echo "installing the project and its dependencies into .venv ..."
+    echo "installing the project and its dependencies into .venv (a few minutes the first time) ..."
     .venv/bin/pip install -q --upgrade pip
     .venv/bin/pip install -q -e '.[dev]'
     touch .venv/.installed
