@@ -20,8 +20,15 @@ JOBS = ROOT / "tests" / "jobs"
 class JobProcess:
     """A job script in its own process (own JVM and Python workers), output in a log."""
 
-    def __init__(self, script: str, args: list[str], log: Path, fault: str | None = None):
-        env = dict(os.environ)
+    def __init__(
+        self,
+        script: str,
+        args: list[str],
+        log: Path,
+        fault: str | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        env = {**os.environ, **(env or {})}
         env.pop("TWOPHASE_FAULT", None)
         if fault:
             env["TWOPHASE_FAULT"] = fault
@@ -31,7 +38,7 @@ class JobProcess:
         self._out.write(f"\n===== {script} {' '.join(args)} (fault: {fault})\n")
         self._out.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, str(JOBS / script), *args],
+            _command(script, args, env),
             env=env,
             stdout=self._out,
             stderr=subprocess.STDOUT,
@@ -58,6 +65,11 @@ class JobProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
 
+    def killed(self) -> bool:
+        """Whether the job's driver died by SIGKILL: the process itself, or the
+        Python driver under ``spark-submit`` (which then exits with 128 + 9)."""
+        return self.proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+
     def output(self) -> str:
         return self.log.read_text()
 
@@ -73,11 +85,36 @@ class JobProcess:
         return "\n".join(lines)[-n:]
 
 
+def _command(script: str, args: list[str], env: dict[str, str]) -> list[str]:
+    """``python SCRIPT ARGS``; on a cluster (``TWOPHASE_TEST_MASTER`` set) the
+    way users launch a job there: ``spark-submit`` in client mode with the
+    executors' environment as an archive (README, "Deploying to a cluster")."""
+    from tests.sparkutil import EXECUTOR_ENV_ENV, MASTER_ENV
+
+    master = env.get(MASTER_ENV)
+    if not master:
+        return [sys.executable, str(JOBS / script), *args]
+    import pyspark
+
+    submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
+    cmd = [str(submit), "--master", master]
+    if env.get(EXECUTOR_ENV_ENV):
+        cmd += ["--archives", f"{env[EXECUTOR_ENV_ENV]}#environment"]
+        cmd += ["--conf", "spark.pyspark.python=./environment/bin/python"]
+    cmd += ["--conf", f"spark.pyspark.driver.python={sys.executable}"]
+    return [*cmd, str(JOBS / script), *args]
+
+
 def run_job(
-    script: str, args: list[str], log: Path, fault: str | None = None, timeout: float = 240
+    script: str,
+    args: list[str],
+    log: Path,
+    fault: str | None = None,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
 ) -> JobProcess:
-    """Run a job script to its end."""
-    jp = JobProcess(script, args, log, fault)
+    """Run a job script to its end (``env``: variables added to the job's)."""
+    jp = JobProcess(script, args, log, fault, env)
     jp.wait(timeout)
     return jp
 

@@ -1,4 +1,20 @@
-"""SparkSession settings for tests and test jobs (small, local, fast)."""
+"""SparkSession settings for tests and test jobs (small, local, fast).
+
+Test jobs run on ``local[2,2]`` unless the cluster tests point them at a
+standalone cluster (``tests/sparkcluster.py``) through the environment:
+
+* ``TWOPHASE_TEST_MASTER``: the master URL (``spark://127.0.0.1:PORT``);
+* ``TWOPHASE_TEST_EXECUTOR_ENV``: the executors' packed Python environment
+  (``tests/executor_env.py``), shipped with ``spark.archives`` and run as
+  ``./environment/bin/python``, as the README's deployment section says.
+
+Test job processes on a cluster are started with ``spark-submit``
+(``tests/procs.py``), which passes master and archive itself.
+
+On a cluster every ``TWOPHASE_*`` variable of the driver (fault injection) is
+passed to the executors with ``spark.executorEnv.*``: executors inherit the
+Worker's environment, not the driver's.
+"""
 
 from __future__ import annotations
 
@@ -24,13 +40,37 @@ INPUT_SCHEMA = StructType(
 )
 
 
+MASTER_ENV = "TWOPHASE_TEST_MASTER"
+EXECUTOR_ENV_ENV = "TWOPHASE_TEST_EXECUTOR_ENV"
+
+
 def make_spark(app: str, master: str = "local[2,2]") -> SparkSession:
-    """A local session; ``local[N,F]`` lets a failed task be retried (F attempts)."""
+    """A local session (``local[N,F]`` lets a failed task be retried F times),
+    or a cluster session when ``TWOPHASE_TEST_MASTER`` is set."""
+    master = os.environ.get(MASTER_ENV) or master
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # launched by spark-submit
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    builder = SparkSession.builder
+    if not submitted:  # spark-submit's --master and --archives stand
+        builder = builder.master(master)
+        archive = os.environ.get(EXECUTOR_ENV_ENV)
+        if archive and master.startswith("spark://"):
+            builder = builder.config("spark.archives", f"{archive}#environment")
+            # the Python of executors (a path inside the unpacked archive); the
+            # driver keeps its own interpreter
+            os.environ["PYSPARK_PYTHON"] = "./environment/bin/python"
+    if master.startswith("spark://"):
+        builder = (
+            builder.config("spark.executor.memory", "1g")
+            .config("spark.executor.cores", "1")
+            .config("spark.task.maxFailures", "4")
+        )
+        for k, v in os.environ.items():
+            if k.startswith("TWOPHASE_") and k not in (MASTER_ENV, EXECUTOR_ENV_ENV):
+                builder = builder.config(f"spark.executorEnv.{k}", v)
     return (
-        SparkSession.builder.master(master)
-        .appName(app)
+        builder.appName(app)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "4")

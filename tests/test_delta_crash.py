@@ -29,91 +29,15 @@ attempts' files while the job runs.
 from __future__ import annotations
 
 import signal
-import uuid
-from pathlib import Path
 
 import psycopg
 import pytest
 
-from lifecycle.coordinator import sink_label
-from lifecycle.ledger import read_ledger
-from sinks.base import JobScope
-from sinks.delta.sink import app_id
 from tests import deltacheck
 from tests.conftest import write_input
-from tests.jobs.multi_sink_job import SINK_IDS
-from tests.kafkacheck import assert_exactly_once as kafka_exactly_once
-from tests.kafkacheck import assert_nothing_open
-from tests.pgcheck import assert_exactly_once as pg_exactly_once
-from tests.pgcheck import job_prepared
-from tests.procs import JobProcess, run_job
+from tests.multisink import LABELS, Run
 
 pytestmark = pytest.mark.crash
-
-ORDER = "delta,pg,kafka"
-LABELS = {kind: sink_label("load", sid) for kind, sid in SINK_IDS.items()}
-
-
-class Run:
-    """One scenario: input, the three targets, state_dir, the job's command line."""
-
-    def __init__(
-        self, tmp: Path, dsn: str | None, bootstrap: str | None, topic: str | None
-    ) -> None:
-        self.tmp = tmp
-        self.dsn = dsn
-        self.bootstrap = bootstrap
-        self.topic = topic
-        self.delta = tmp / "delta" / "orders"
-        self.state = tmp / "state"
-        self.job = f"dc{uuid.uuid4().hex[:8]}"  # the Kafka registry topic is shared
-        self.sinks = ORDER if dsn else "delta"
-
-    def start(
-        self, fault: str | None = None, interval: float = 0.0, files_per_batch: int = 1
-    ) -> JobProcess:
-        opts = {
-            "dsn": self.dsn,
-            "bootstrap": self.bootstrap,
-            "topic": self.topic,
-            "delta": str(self.delta),
-            "state": str(self.state),
-            "input": str(self.tmp / "in"),
-            "job": self.job,
-            "interval": str(interval),
-            "files-per-batch": str(files_per_batch),
-            "sinks": self.sinks,
-        }
-        args = [a for k, v in opts.items() if v is not None for a in (f"--{k}", v)]
-        log = self.tmp / f"job-{'fault' if fault else 'clean'}.log"
-        return run_job("multi_sink_job.py", args, log, fault, timeout=180)
-
-    def check(self, n: int) -> list[deltacheck.Version]:
-        """Exactly once and nothing left behind in every sink; the ledger's
-        checkpoints committed all three sinks together. Returns the Delta
-        versions of the job."""
-        uri = str(self.delta)
-        deltacheck.assert_exactly_once(uri, n)
-        deltacheck.assert_nothing_staged(uri)
-        deltacheck.assert_created_once(uri)
-        labels = [LABELS[kind] for kind in self.sinks.split(",")]
-        if self.dsn:
-            pg_exactly_once(self.dsn, "orders", n)
-            assert job_prepared(self.dsn, self.job) == []
-        if self.bootstrap and self.topic:
-            kafka_exactly_once(self.bootstrap, self.topic, n)
-            assert_nothing_open(self.bootstrap, self.topic, self.job)
-
-        doc = read_ledger(self.state)
-        assert doc is not None and doc["pending"] == {} and doc["decided"] is None
-        assert doc["finished"] == ["load"]
-        assert doc["totals"] == {label: n for label in labels}
-        for cp in doc["history"]:
-            if cp["rows"]:
-                assert sorted(cp["rows"]) == sorted(labels), cp
-                assert len(set(cp["rows"].values())) == 1, f"sinks disagree: {cp}"
-        app = app_id(JobScope(self.job, "load", SINK_IDS["delta"]))
-        return deltacheck.assert_one_version_per_checkpoint(uri, doc, "load", LABELS["delta"], app)
 
 
 def _runs_of_batch(versions: list[deltacheck.Version], batch: int) -> set[int]:

@@ -24,6 +24,28 @@ def start_driver(job: str) -> SparkSession:
     return spark
 
 
+def probe_executors(spark: SparkSession, driver_path: str) -> None:
+    """Print one ``EXECUTORS [json]`` line: for a few tasks, where the executor's
+    Python imported ``sinks`` from, its interpreter and working directory, and
+    whether ``driver_path`` (a path on the driver's disk) is visible to it."""
+
+    def probe(_: object) -> object:
+        import os
+        import sys
+
+        import sinks
+
+        yield {
+            "sinks": sinks.__file__,
+            "python": sys.executable,
+            "cwd": os.getcwd(),
+            "sees_driver_path": os.path.exists(driver_path),
+        }
+
+    rows = spark.sparkContext.parallelize(range(4), 4).mapPartitions(probe).collect()
+    print("EXECUTORS " + json.dumps(rows), flush=True)
+
+
 def finish(spark: SparkSession, result: JobResult) -> int:
     """Print the RESULT line, stop Spark; exit status 0 only if the run committed."""
     summary = {

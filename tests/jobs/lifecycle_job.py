@@ -3,6 +3,8 @@ process by the lifecycle tests (which SIGKILL it, SIGTERM it, or stop it with
 ``twophase stop``).
 
     --pipeline name=load,input=DIR,table=T,kind=bounded|unbounded|windowed[,files=K]
+    --pipeline name=big,input=DIR,sink=delta,path=TABLE_DIR,kind=bounded
+    --pipeline name=mid,input=DIR,sink=kafka,topic=T,kind=bounded   (with --bootstrap)
 
 ``windowed`` is a bounded event-time aggregation: 10-minute windows of rows
 {id, ts, amount} with a 5-minute watermark, flushed at end of input.
@@ -21,7 +23,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from lifecycle import Job
-from sinks import PostgresSink
+from sinks import DeltaSink, KafkaSink, PostgresSink, Sink
 from tests.jobs._driver import finish, start_driver
 from tests.sparkutil import EVENT_SCHEMA, INPUT_SCHEMA
 
@@ -43,7 +45,8 @@ def windowed(df: DataFrame) -> DataFrame:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dsn", required=True)
+    ap.add_argument("--dsn", default=None)
+    ap.add_argument("--bootstrap", default=None)
     ap.add_argument("--state", required=True)
     ap.add_argument("--job", default="life")
     ap.add_argument("--interval", type=float, default=1.0)
@@ -64,7 +67,13 @@ def main() -> int:
         opts = dict(kv.split("=", 1) for kv in spec.split(","))
         kind = opts["kind"]
         files = int(opts.get("files", 1))
-        sink = PostgresSink(args.dsn, opts["table"])
+        sink: Sink
+        if opts.get("sink", "pg") == "delta":
+            sink = DeltaSink(opts["path"])
+        elif opts.get("sink") == "kafka":
+            sink = KafkaSink(args.bootstrap, opts["topic"], key="id")
+        else:
+            sink = PostgresSink(args.dsn, opts["table"])
         if kind == "windowed":
             src = (
                 spark.readStream.schema(EVENT_SCHEMA)

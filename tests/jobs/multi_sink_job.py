@@ -13,9 +13,6 @@ Exit status 0 only when the run committed (``JobResult.committed``).
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import os
 import sys
 from pathlib import Path
 
@@ -25,7 +22,8 @@ from pyspark.sql import functions as F
 
 from lifecycle import Job
 from sinks import DeltaSink, KafkaSink, PostgresSink, Sink
-from tests.sparkutil import INPUT_SCHEMA, make_spark
+from tests.jobs._driver import finish, probe_executors, start_driver
+from tests.sparkutil import INPUT_SCHEMA
 
 SINK_IDS = {"pg": "pg", "kafka": "kafka", "delta": "delta"}
 
@@ -43,13 +41,11 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=0.0)
     ap.add_argument("--files-per-batch", type=int, default=1)
     ap.add_argument("--sinks", default="pg,kafka,delta")
+    ap.add_argument("--probe", default=None, help="a driver-side path executors must not see")
     args = ap.parse_args()
-    os.environ["TWOPHASE_DRIVER_PID"] = str(os.getpid())  # for executor-side faults
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("py4j").setLevel(logging.WARNING)
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-    spark = make_spark(f"job-{args.job}")
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = start_driver(args.job)
+    if args.probe:
+        probe_executors(spark, args.probe)
     df = (
         spark.readStream.schema(INPUT_SCHEMA)
         .option("maxFilesPerTrigger", args.files_per_batch)
@@ -80,21 +76,7 @@ def main() -> int:
             ap.error(f"unknown sink {kind!r}")
     job = Job(spark, args.job, args.state, checkpoint_interval=args.interval)
     job.add_pipeline("load", df, sinks, bounded=True)
-    result = job.run()
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "checkpoints": result.checkpoints,
-                "rows": result.rows_committed,
-                "final": result.final_checkpoint,
-                "committed": result.committed,
-            }
-        ),
-        flush=True,
-    )
-    spark.stop()
-    return 0 if result.committed else 1
+    return finish(spark, job.run())
 
 
 if __name__ == "__main__":

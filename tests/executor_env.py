@@ -1,0 +1,121 @@
+"""The executors' Python environment for the cluster tests, built the way the
+README's "Deploying to a cluster" section tells users to build theirs.
+
+A new virtual environment (``python -m venv --copies``: Spark refuses to
+unpack an archive whose symlinks point outside it) gets the project from a
+wheel built from a copy of the sources (not an editable install, which would
+point back at this checkout) and its dependencies except pyspark (executors
+take PySpark from the Spark installation, here the pip package's
+``python/lib/pyspark.zip``); it is packed as a tar whose entries have no
+leading ``./`` (Spark refuses those too). Jobs pass it with
+``spark.archives=<tar>#environment`` and run executors' Python as
+``./environment/bin/python``. The archive is a ``.tar.gz``: Spark unpacks a
+plain ``.tar`` with Java code that drops the executable bits.
+
+The archive is cached under ``.venv/.cache/`` keyed by the sources, the
+dependencies and the interpreter, so a second test session reuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib.metadata import requires
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("pyproject.toml", "README.md", "sinks", "lifecycle")
+
+
+def _runtime_requirements() -> list[str]:
+    """The project's dependencies, without extras and without pyspark."""
+    out = []
+    for spec in requires("twophase") or []:
+        req = Requirement(spec)
+        if req.marker is not None and "extra" in str(req.marker):
+            continue
+        if req.name.lower() == "pyspark":
+            continue
+        out.append(spec)
+    return out
+
+
+def _key() -> str:
+    h = hashlib.sha256()
+    h.update(sys.version.encode())
+    h.update("\n".join(sorted(_runtime_requirements())).encode())
+    for name in SOURCES:
+        path = ROOT / name
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        for f in files:
+            h.update(str(f.relative_to(ROOT)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _run(*argv: str | Path) -> None:
+    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, argv))} failed:\n{proc.stdout}\n{proc.stderr}")
+
+
+def executor_archive(cache: Path | None = None) -> Path:
+    """Build (or reuse) the executors' environment; return the tar's path."""
+    cache = cache or ROOT / ".venv" / ".cache" / "executor-env"
+    archive = cache / f"executor-env-{_key()}.tar.gz"
+    if archive.exists():
+        return archive
+    if cache.exists():
+        shutil.rmtree(cache)  # older builds
+    cache.mkdir(parents=True)
+    with tempfile.TemporaryDirectory(prefix="twophase-exenv-") as tmp:
+        work = Path(tmp)
+        src = work / "src"
+        src.mkdir()
+        for name in SOURCES:
+            path = ROOT / name
+            if path.is_dir():
+                shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(path, src / name)
+        pip = [sys.executable, "-m", "pip", "-q"]
+        _run(*pip, "wheel", "--no-deps", "-w", work / "dist", src)
+        wheel = next((work / "dist").glob("twophase-*.whl"))
+        env = work / "env"
+        _run(sys.executable, "-m", "venv", "--copies", "--without-pip", env)
+        target = ["--python", env / "bin" / "python"] if _pip_has_python_option() else None
+        if target is None:
+            _run(env / "bin" / "python", "-m", "ensurepip", "-q")
+            pip = [str(env / "bin" / "python"), "-m", "pip", "-q"]
+            target = []
+        _run(*pip, *target, "install", "--no-deps", wheel)
+        _run(*pip, *target, "install", *_runtime_requirements())
+        for cache_dir in env.rglob("__pycache__"):
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        partial = cache / "partial.tar.gz"
+        entries = sorted(p.name for p in env.iterdir())
+        # no "./" entries; gzip -1: the archive is unpacked once per executor
+        _run("tar", "-C", env, "--use-compress-program=gzip -1", "-cf", partial, *entries)
+        partial.rename(archive)
+    return archive
+
+
+def _pip_has_python_option() -> bool:
+    """pip >= 22.3 can install into another environment with ``--python``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "--version"], capture_output=True, text=True
+    )
+    try:
+        major, minor = (int(x) for x in proc.stdout.split()[1].split(".")[:2])
+    except (IndexError, ValueError):
+        return False
+    return (major, minor) >= (22, 3)
+
+
+if __name__ == "__main__":
+    print(executor_archive())
