@@ -235,6 +235,13 @@ class KafkaSink(Sink):
             "acks": "all",
         }
 
+    @property
+    def max_request_size(self) -> int:
+        """The producer's ``max_request_size`` (bytes): kafka-python refuses a
+        record larger than this before sending it."""
+        settings = {**KafkaProducer.DEFAULT_CONFIG, **_PRODUCER_DEFAULTS, **self.producer_config}
+        return int(settings["max_request_size"])
+
     # -- driver-side state (never pickled to executors) ----------------------------------
 
     def _init_driver_state(self) -> None:
