@@ -12,6 +12,7 @@ from lifecycle.errors import (
 )
 from lifecycle.job import Job, JobResult
 from lifecycle.ledger import Checkpoint, FileLedger
+from lifecycle.logs import configure_logging
 from lifecycle.pipeline import PipelineState
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "PipelineState",
     "RecoveryRefusedError",
     "TaskFailedError",
+    "configure_logging",
 ]

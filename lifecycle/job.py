@@ -394,6 +394,7 @@ class Job:
                 coord.settle(kind="savepoint")
                 for p in self._live():
                     p.state = PipelineState.STOPPED
+                    log.info("pipeline %s stopped (resumable)", p.name)
                 self._outcome = "stopped"
                 return None
             if self._stop is True and self._outcome != "drained":
@@ -405,19 +406,24 @@ class Job:
                 if self.final_checkpoint == "per-pipeline":
                     for p in done_logic:  # each its own checkpoint, one after another
                         coord.checkpoint("final", finished=[p.name], only=[p.name])
-                        p.state = PipelineState.FINISHED
+                        self._finished([p])
                 elif done_logic:  # one shared final checkpoint
                     coord.checkpoint("final", finished=[p.name for p in done_logic])
-                    for p in done_logic:
-                        p.state = PipelineState.FINISHED
+                    self._finished(done_logic)
                 consumed = [p.input_done_at for p in self._pipelines.values() if p.input_done_at]
                 return max(consumed) if consumed else None
             now = time.monotonic()
             if interval == 0 or now - last >= interval:
                 last = now
                 coord.checkpoint("periodic", finished=[p.name for p in done_logic])
-                for p in done_logic:
-                    p.state = PipelineState.FINISHED
+                self._finished(done_logic)
+
+    @staticmethod
+    def _finished(pipelines: list[Pipeline]) -> None:
+        """Their data is committed by the checkpoint just taken: FINISHED."""
+        for p in pipelines:
+            p.state = PipelineState.FINISHED
+            log.info("pipeline %s finished: its data is committed", p.name)
 
     def _drain(self, coord: Coordinator) -> None:
         """Unbounded pipelines end their input: stop, then run available-now."""

@@ -396,7 +396,7 @@ class KafkaSink(Sink):
         except Errors.KafkaConnectionError as e:
             # tansu refuses by closing the connection; a broker that is down looks
             # the same. The log tells which (and fails transiently if it is down).
-            log.info("EndTxn(commit) of %s: connection closed (%s); checking the log", tid, e)
+            log.debug("EndTxn(commit) of %s: connection closed (%s); checking the log", tid, e)
             refusal = "the broker closed the connection"
         else:
             if error is Errors.NoError:
@@ -406,7 +406,7 @@ class KafkaSink(Sink):
             refusal = error.__name__
         verdict = outcome.txn_outcome(wire, c)
         if verdict == outcome.COMMITTED:
-            log.info("%s was already committed (EndTxn answered: %s)", tid, refusal)
+            log.debug("%s was already committed (EndTxn answered: %s)", tid, refusal)
             return
         if verdict == outcome.OPEN:
             raise _StillOpen(f"EndTxn(commit) of {tid} refused ({refusal}) while it is open")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pyspark.sql import functions as F
 
-from lifecycle import Job
+from lifecycle import Job, configure_logging
 from sinks import DeltaSink, KafkaSink, PostgresSink, Sink
 from tests.sparkutil import INPUT_SCHEMA, make_spark
 
@@ -45,9 +44,7 @@ def main() -> int:
     ap.add_argument("--sinks", default="pg,kafka,delta")
     args = ap.parse_args()
     os.environ["TWOPHASE_DRIVER_PID"] = str(os.getpid())  # for executor-side faults
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("py4j").setLevel(logging.WARNING)
-    logging.getLogger("kafka").setLevel(logging.WARNING)
+    configure_logging()
     spark = make_spark(f"job-{args.job}")
     spark.sparkContext.setLogLevel("ERROR")
     df = (
