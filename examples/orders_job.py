@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pyspark.sql.types import (  # noqa: E402
     StructType,
 )
 
-from lifecycle import Job  # noqa: E402
+from lifecycle import Job, configure_logging  # noqa: E402
 from lifecycle.cli import format_status  # noqa: E402
 from lifecycle.ledger import read_ledger  # noqa: E402
 from sinks import PostgresSink  # noqa: E402
@@ -65,7 +64,7 @@ def main() -> int:
     ap.add_argument("--state-dir", default=None, help="job state (default: a temp dir)")
     ap.add_argument("--orders", type=int, default=20_000)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure_logging()  # TWOPHASE_LOG_LEVEL / TWOPHASE_VERBOSE=1 for more
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 

@@ -19,6 +19,7 @@ from pyspark import TaskContext
 from pyspark.sql import DataFrame
 
 from lifecycle.coordinator import Coordinator
+from lifecycle.failures import TaskFailure
 from sinks import _faults
 from sinks.base import Committable, JobScope, Sink, WriteContext
 
@@ -81,26 +82,36 @@ def batch_handler(
     pipeline: str,
     sinks: list[Sink],
     schema: pa.Schema,
-    on_batch: Callable[[int], None] | None = None,
+    on_failure: Callable[[TaskFailure], None] | None = None,
 ) -> BatchHandler:
-    """The ``foreachBatch`` function of one pipeline."""
+    """The ``foreachBatch`` function of one pipeline.
+
+    When a batch fails, ``on_failure`` gets the structured failure (which sink,
+    which batch, the cause in the user's terms, the full trace) before the
+    exception goes on to Spark, which ends the query with it."""
 
     def handle(df: DataFrame, batch_id: int) -> None:
-        if on_batch is not None:
-            on_batch(batch_id)
         committables: dict[str, list[Committable]] = {}
         cached = len(sinks) > 1
+        writing: Sink | None = None
         if cached:
             df = df.persist()  # every sink writes the same rows
         try:
             for sink in sinks:
+                writing = sink
                 scope = JobScope(coordinator.job, pipeline, sink.sink_id)
                 committables[sink.sink_id] = precommit(
                     df, sink, scope, coordinator.run, batch_id, schema
                 )
+            writing = None
             _faults.hit("driver.before_record", batch=batch_id)
             coordinator.register(pipeline, batch_id, committables)
-        except BaseException:
+        except BaseException as e:
+            if on_failure is not None and isinstance(e, Exception):
+                try:
+                    on_failure(TaskFailure.of(pipeline, batch_id, writing, e))
+                except Exception:
+                    log.exception("could not describe the failure of batch %d", batch_id)
             coordinator.abort_unregistered(pipeline, committables)
             raise
         finally:

@@ -31,11 +31,12 @@ import threading
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from lifecycle.errors import CheckpointCommitError, RecoveryRefusedError
+from lifecycle.failures import cause_of, full_trace
 from lifecycle.ledger import Checkpoint, FileLedger
 from lifecycle.spark_log import SparkCommitLog
 from sinks import _faults
 from sinks.base import Committable, JobScope, Sink
-from sinks.errors import ConfigError
 from sinks.naming import TxnName
 
 log = logging.getLogger("lifecycle.coordinator")
@@ -132,7 +133,12 @@ class Coordinator:
             return self._commit(cp)
 
     def _commit(self, cp: Checkpoint) -> Checkpoint:
-        """Commit a decided checkpoint. Safe to call again after a crash."""
+        """Commit a decided checkpoint. Safe to call again after a crash.
+
+        Every sink is committed even when one fails (the decision is final, so
+        committing the others is what a restart would do anyway); then
+        :class:`CheckpointCommitError` names the sinks that failed, and the
+        checkpoint stays decided in the ledger for the next start."""
         pending = self.ledger.pending()
         groups: dict[tuple[str, str], list[Committable]] = {}
         for p, last in cp.cut.items():
@@ -140,11 +146,19 @@ class Coordinator:
                 if b <= last:
                     for sid, cs in sinks.items():
                         groups.setdefault((p, sid), []).extend(cs)
+        sinks = {key: self._sink(*key) for key in groups}
         _faults.hit("driver.before_commit", batch=max(cp.cut.values(), default=None))
         rows: dict[str, int] = {}
+        failed: dict[tuple[str, str], Exception] = {}
         for (p, sid), cs in groups.items():
-            self._sink(p, sid).commit(cs)
+            try:
+                sinks[(p, sid)].commit(cs)
+            except Exception as e:
+                failed[(p, sid)] = e
+                continue
             rows[sink_label(p, sid)] = sum(int(c.get("rows", 0)) for c in cs)
+        if failed:
+            raise self._commit_error(cp, failed, sinks)
         done = self.ledger.complete(cp, rows)
         self.checkpoints_taken.append(done)
         log.info("checkpoint %d (%s) committed: cut %s, rows %s", cp.id, cp.kind, cp.cut, rows)
@@ -152,6 +166,18 @@ class Coordinator:
             self._sink(p, sid).forget(cs)
         self._sweep(cp.cut)
         return done
+
+    def _commit_error(
+        self,
+        cp: Checkpoint,
+        failed: dict[tuple[str, str], Exception],
+        sinks: dict[tuple[str, str], Sink],
+    ) -> CheckpointCommitError:
+        causes = {sink_label(*k): cause_of(e, sinks[k]) for k, e in failed.items()}
+        trace = "\n\n".join(f"{sink_label(*k)}:\n{full_trace(e)}" for k, e in failed.items())
+        error = CheckpointCommitError(self.job, cp.id, cp.kind, causes, trace=trace)
+        error.__cause__ = next(iter(failed.values()))
+        return error
 
     def _sweep(self, cut: dict[str, int]) -> None:
         """Abort orphans of batches at or below ``cut`` and of earlier runs."""
@@ -186,7 +212,7 @@ class Coordinator:
         unowned. Used at start (recovery) and when a run ends or fails."""
         unknown = set(self.ledger.pending()) - set(self.pipelines)
         if unknown:
-            raise ConfigError(
+            raise RecoveryRefusedError(
                 f"the ledger holds uncommitted work of pipeline(s) {sorted(unknown)} that "
                 "this job does not define; add them back so their work can be committed"
             )
@@ -226,14 +252,14 @@ class Coordinator:
         try:
             return self.pipelines[p]
         except KeyError:
-            raise ConfigError(
+            raise RecoveryRefusedError(
                 f"pipeline {p!r} has uncommitted work but is not in this job"
             ) from None
 
     def _sink(self, p: str, sid: str) -> Sink:
         sinks = self._pipeline(p).sinks
         if sid not in sinks:
-            raise ConfigError(
+            raise RecoveryRefusedError(
                 f"pipeline {p!r} has uncommitted work for sink {sid!r}, which it no longer has "
                 f"(its sinks: {sorted(sinks)}); add the sink back (same sink_id) to commit it"
             )

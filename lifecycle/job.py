@@ -24,6 +24,8 @@ from pyspark.sql.streaming import StreamingQueryListener
 from lifecycle import control
 from lifecycle.binding import batch_handler
 from lifecycle.coordinator import Coordinator, PipelineSinks, sink_label
+from lifecycle.errors import JobFailedError, PipelineFailedError, RecoveryRefusedError
+from lifecycle.failures import TaskFailure, cause_of, full_trace
 from lifecycle.ledger import FileLedger
 from lifecycle.pipeline import Pipeline, PipelineState, Transform
 from lifecycle.spark_log import SparkCommitLog
@@ -35,11 +37,7 @@ log = logging.getLogger("lifecycle.job")
 
 FINAL_MODES = ("shared", "per-pipeline")
 
-
-class JobFailedError(TwoPhaseError):
-    """A pipeline or a commit failed. Work Spark completed was committed where
-    possible; the ledger keeps every decision, and running the job again with
-    the same ``state_dir`` recovers and resumes."""
+__all__ = ["Job", "JobFailedError", "JobResult"]
 
 
 @dataclass
@@ -136,6 +134,7 @@ class Job:
         self._stop: bool | None = None  # None: no stop asked; else: drain?
         self._outcome = ""  # "", "drained", "stopped"
         self._running = False
+        self._failures: dict[str, TaskFailure] = {}  # pipeline -> its failed batch
 
     def add_pipeline(
         self,
@@ -228,9 +227,16 @@ class Job:
 
     def run(self, *, handle_signals: bool = True) -> JobResult:
         """Recover, run every unfinished pipeline, and return when all have finished
-        or the job was stopped. Raises :class:`JobFailedError` when a pipeline or
-        a commit fails, and :class:`sinks.PreflightError` before any data moves
-        when a sink cannot give exactly-once.
+        or the job was stopped.
+
+        Raises :class:`sinks.PreflightError` before any data moves when a sink
+        cannot give exactly-once, and a :class:`JobFailedError` whose message is
+        one line (the full trace is logged once at ERROR): a
+        :class:`~lifecycle.errors.TaskFailedError` when a task writing a sink
+        failed, a :class:`~lifecycle.errors.CheckpointCommitError` when a
+        checkpoint could not commit, a
+        :class:`~lifecycle.errors.RecoveryRefusedError` when recovery refuses to
+        go on (see :mod:`lifecycle.errors`).
 
         With ``handle_signals`` (and when called from the main thread), SIGTERM
         drains and SIGINT drains / stops / interrupts (see :mod:`lifecycle.control`).
@@ -251,10 +257,15 @@ class Job:
         try:
             with signals:
                 return self._run(ledger)
-        except (JobFailedError, ConfigError, PreflightError):
+        except JobFailedError as e:
+            self._log_failure(e)
+            raise
+        except (ConfigError, PreflightError):
             raise
         except TwoPhaseError as e:
-            raise JobFailedError(f"job {self.name!r} failed: {e}") from e
+            error = JobFailedError(f"job {self.name!r} failed: {e}", trace=full_trace(e))
+            self._log_failure(error)
+            raise error from e
         finally:
             self._running = False
             self._stop = None
@@ -264,6 +275,15 @@ class Job:
                 for s in p.sinks:
                     with contextlib.suppress(Exception):
                         s.close()
+
+    @staticmethod
+    def _log_failure(e: JobFailedError) -> None:
+        """Log a failure once, at ERROR: its one line, then its full trace."""
+        first = str(e).split("\n", 1)[0]
+        if e.trace:
+            log.error("%s\n%s", first, e.trace)
+        else:
+            log.error("%s", first)
 
     def _warn_undecided(self, ledger: FileLedger) -> None:
         pending = ledger.pending()
@@ -316,7 +336,7 @@ class Job:
         self.spark.streams.addListener(listener)
         try:
             for p in self._live():
-                p.start(self.name, batch_handler(coord, p.name, p.sinks, p.schema))
+                self._start(coord, p)
             end_of_input = self._loop(coord)
         except BaseException:
             self._stop_queries()
@@ -324,6 +344,18 @@ class Job:
         finally:
             self.spark.streams.removeListener(listener)
         return self._result(coord, ledger, end_of_input)
+
+    def _start(self, coord: Coordinator, p: Pipeline) -> None:
+        """(Re)start the query of ``p`` with its batch handler."""
+        self._failures.pop(p.name, None)
+        p.start(
+            self.name,
+            batch_handler(coord, p.name, p.sinks, p.schema, on_failure=self._remember),
+        )
+
+    def _remember(self, failure: TaskFailure) -> None:
+        """Called by a batch handler (Spark's thread) when a batch failed."""
+        self._failures[failure.pipeline] = failure
 
     def _live(self) -> list[Pipeline]:
         live = (PipelineState.RUNNING, PipelineState.ENDING_INPUT)
@@ -336,7 +368,7 @@ class Job:
         for p in self._pipelines.values():
             committed = any(k.startswith(p.name + "/") for k in totals)
             if committed and not SparkCommitLog(p.spark_location).exists():
-                raise ConfigError(
+                raise RecoveryRefusedError(
                     f"pipeline {p.name!r} committed output in earlier runs, but its Spark "
                     f"checkpoint {p.spark_location} is missing: starting over would write its "
                     "input twice. Restore the directory, or use a new state_dir (and an empty "
@@ -362,6 +394,7 @@ class Job:
                 coord.settle(kind="savepoint")
                 for p in self._live():
                     p.state = PipelineState.STOPPED
+                    log.info("pipeline %s stopped (resumable)", p.name)
                 self._outcome = "stopped"
                 return None
             if self._stop is True and self._outcome != "drained":
@@ -373,19 +406,24 @@ class Job:
                 if self.final_checkpoint == "per-pipeline":
                     for p in done_logic:  # each its own checkpoint, one after another
                         coord.checkpoint("final", finished=[p.name], only=[p.name])
-                        p.state = PipelineState.FINISHED
+                        self._finished([p])
                 elif done_logic:  # one shared final checkpoint
                     coord.checkpoint("final", finished=[p.name for p in done_logic])
-                    for p in done_logic:
-                        p.state = PipelineState.FINISHED
+                    self._finished(done_logic)
                 consumed = [p.input_done_at for p in self._pipelines.values() if p.input_done_at]
                 return max(consumed) if consumed else None
             now = time.monotonic()
             if interval == 0 or now - last >= interval:
                 last = now
                 coord.checkpoint("periodic", finished=[p.name for p in done_logic])
-                for p in done_logic:
-                    p.state = PipelineState.FINISHED
+                self._finished(done_logic)
+
+    @staticmethod
+    def _finished(pipelines: list[Pipeline]) -> None:
+        """Their data is committed by the checkpoint just taken: FINISHED."""
+        for p in pipelines:
+            p.state = PipelineState.FINISHED
+            log.info("pipeline %s finished: its data is committed", p.name)
 
     def _drain(self, coord: Coordinator) -> None:
         """Unbounded pipelines end their input: stop, then run available-now."""
@@ -395,7 +433,7 @@ class Job:
                 p.stop_query(self.stop_grace)
                 coord.reset_pipeline(p.name)
                 p.begin_ending_input(drain=True)
-                p.start(self.name, batch_handler(coord, p.name, p.sinks, p.schema))
+                self._start(coord, p)
 
     def _advance(self, coord: Coordinator) -> None:
         """Move pipelines whose query terminated to their next state."""
@@ -406,25 +444,38 @@ class Job:
             exc = q.exception()
             if exc is not None or (p.state is PipelineState.RUNNING and not p.bounded):
                 p.state = PipelineState.FAILED
-                self._fail(coord, p, str(exc) if exc else "its query stopped unexpectedly", exc)
+                self._fail(coord, p, exc)
             now = time.monotonic()
             if p.state is PipelineState.RUNNING and p.event_time:
                 log.info("pipeline %s consumed its input; flushing event-time state", p.name)
                 p.input_done_at = now
                 p.begin_ending_input(drain=False)
-                p.start(self.name, batch_handler(coord, p.name, p.sinks, p.schema))
+                self._start(coord, p)
                 continue
             p.input_done_at = p.input_done_at or now
             p.state = PipelineState.FINISHED_LOGIC
             log.info("pipeline %s finished its logic; waiting for a checkpoint", p.name)
 
-    def _fail(self, coord: Coordinator, p: Pipeline, why: str, exc: BaseException | None) -> None:
+    def _fail(self, coord: Coordinator, p: Pipeline, exc: BaseException | None) -> None:
+        """Pipeline ``p``'s query terminated (``exc``: with that error): stop the
+        others, commit what Spark completed, and raise the failure: the batch
+        handler's record of it when there is one, else what the query says."""
+        failure = self._failures.pop(p.name, None)
+        error: PipelineFailedError
+        if failure is not None:
+            error = failure.error(self.name)
+        elif exc is not None:
+            error = PipelineFailedError(
+                self.name, p.name, cause_of(exc, None), trace=full_trace(exc)
+            )
+        else:
+            error = PipelineFailedError(self.name, p.name, "its query stopped unexpectedly")
         self._stop_queries()
         try:
             coord.settle(kind="recovery")
         except Exception:
             log.exception("could not settle after the failure; the next start recovers")
-        raise JobFailedError(f"job {self.name!r}, pipeline {p.name!r} failed: {why}") from exc
+        raise error from None
 
     def _stop_queries(self, grace: float = 0.0) -> None:
         deadline = time.monotonic() + grace

@@ -112,6 +112,10 @@ class Sink(abc.ABC):
         """Columns the input must be hash-partitioned by before writing, if any."""
         return None
 
+    def describe(self) -> str:
+        """What this sink writes to, for messages (e.g. ``PostgreSQL table t at h:p/db``)."""
+        return f"{self.kind} sink {self.sink_id}"
+
     @abc.abstractmethod
     def preflight(self, schema: pa.Schema) -> None:
         """Fail fast, with a message that says what to change, when this sink

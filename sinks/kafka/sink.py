@@ -235,6 +235,13 @@ class KafkaSink(Sink):
             "acks": "all",
         }
 
+    @property
+    def max_request_size(self) -> int:
+        """The producer's ``max_request_size`` (bytes): kafka-python refuses a
+        record larger than this before sending it."""
+        settings = {**KafkaProducer.DEFAULT_CONFIG, **_PRODUCER_DEFAULTS, **self.producer_config}
+        return int(settings["max_request_size"])
+
     # -- driver-side state (never pickled to executors) ----------------------------------
 
     def _init_driver_state(self) -> None:
@@ -389,7 +396,7 @@ class KafkaSink(Sink):
         except Errors.KafkaConnectionError as e:
             # tansu refuses by closing the connection; a broker that is down looks
             # the same. The log tells which (and fails transiently if it is down).
-            log.info("EndTxn(commit) of %s: connection closed (%s); checking the log", tid, e)
+            log.debug("EndTxn(commit) of %s: connection closed (%s); checking the log", tid, e)
             refusal = "the broker closed the connection"
         else:
             if error is Errors.NoError:
@@ -399,7 +406,7 @@ class KafkaSink(Sink):
             refusal = error.__name__
         verdict = outcome.txn_outcome(wire, c)
         if verdict == outcome.COMMITTED:
-            log.info("%s was already committed (EndTxn answered: %s)", tid, refusal)
+            log.debug("%s was already committed (EndTxn answered: %s)", tid, refusal)
             return
         if verdict == outcome.OPEN:
             raise _StillOpen(f"EndTxn(commit) of {tid} refused ({refusal}) while it is open")

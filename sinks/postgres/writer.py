@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 from typing import TYPE_CHECKING, Any
 
 import pgpq
@@ -16,6 +17,15 @@ from sinks.errors import LockWaitError
 
 if TYPE_CHECKING:
     from sinks.postgres.sink import PostgresSink
+
+STAGE_NAME = re.compile(r"\bstage_[0-9a-f]{20}\b")
+"""How an upsert's private staging table is named (in the marker schema): error
+messages about it are rewritten to name the target table (:mod:`sinks.explain`)."""
+
+
+def stage_table(gid: str) -> str:
+    """The name of the staging table of the transaction ``gid`` (upserts)."""
+    return f"stage_{hashlib.sha1(gid.encode()).hexdigest()[:20]}"
 
 
 class PostgresWriter(SinkWriter):
@@ -56,8 +66,7 @@ class PostgresWriter(SinkWriter):
         if sink.key:
             # A regular (unlogged) table: PREPARE TRANSACTION refuses temp objects.
             # Created and dropped in this transaction, so no one else ever sees it.
-            digest = hashlib.sha1(self._gid.encode()).hexdigest()[:20]
-            self._stage = sql.Identifier(sink.marker_schema, f"stage_{digest}")
+            self._stage = sql.Identifier(sink.marker_schema, stage_table(self._gid))
             conn.execute(sql.SQL("CREATE UNLOGGED TABLE {} (LIKE {})").format(self._stage, target))
             target = self._stage
         self._encoder = pgpq.ArrowToPostgresBinaryEncoder(self._wire)

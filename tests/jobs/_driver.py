@@ -4,21 +4,18 @@ and report the result on one ``RESULT {json}`` line that the tests parse."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 from pyspark.sql import SparkSession
 
-from lifecycle import JobResult
+from lifecycle import JobResult, configure_logging
 from tests.sparkutil import make_spark
 
 
 def start_driver(job: str) -> SparkSession:
     """Logging, the driver pid for executor-side faults, and a SparkSession."""
     os.environ["TWOPHASE_DRIVER_PID"] = str(os.getpid())
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for noisy in ("py4j", "kafka"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    configure_logging()
     spark = make_spark(f"job-{job}")
     spark.sparkContext.setLogLevel("ERROR")
     return spark
