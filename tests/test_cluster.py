@@ -275,3 +275,24 @@ def test_drain_on_the_cluster(on_cluster, pg_dsn):  # type: ignore[no-untyped-de
     assert result["drained"] and result["committed"]
     assert_exactly_once(pg_dsn, "live_t", n)
     assert job_prepared(pg_dsn, "life") == []
+
+
+@pytest.mark.smoke
+def test_windowed_pipeline_flushes_every_window_on_the_cluster(on_cluster, pg_dsn):  # type: ignore[no-untyped-def]
+    """An event-time aggregation ends its input on the cluster: the end-of-input
+    marker reaches the query without a file on the driver's disk, and every
+    window is committed. A stateful query's Spark checkpoint holds its state
+    store, which executors write: here ``state_dir`` is on the shared side, as
+    the README says it must be for stateful pipelines."""
+    from tests.test_lifecycle import create_tables, expected_windows, window_rows, write_events
+
+    shared = on_cluster.shared
+    write_events(shared / "ev", 0, 200, files=4)
+    create_tables(pg_dsn, windows=True)
+    spec = f"name=agg,input={shared / 'ev'},table=windows,kind=windowed,files=2"
+    args = ["--dsn", pg_dsn, "--state", str(shared / "state"), "--pipeline", spec]
+    proc = run_job("lifecycle_job.py", args, shared / "job.log", env=on_cluster.env)
+    assert proc.proc.returncode == 0, proc.tail(5000)
+    assert proc.result()["committed"] is True
+    assert window_rows(pg_dsn) == expected_windows(range(200))
+    assert job_prepared(pg_dsn, "life") == []
