@@ -8,10 +8,12 @@ driver processes (``tests/jobs/lifecycle_job.py``); the others run in-process.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -34,9 +36,15 @@ T0 = datetime(2024, 1, 1, 0, 0, 0)
 
 
 def write_events(directory: Path, first: int, count: int, files: int) -> None:
-    """Events every 30 s from T0 + first*30s: ids first..first+count-1."""
+    """Events every 30 s from T0 + first*30s: ids first..first+count-1.
+
+    The files get modification times a second apart, in event order: Spark's
+    file source reads files in modification-time order, ties in any order, and
+    a later file read first would make the earlier files' events late (dropped
+    by the watermark)."""
     directory.mkdir(parents=True, exist_ok=True)
     per = max(1, count // files)
+    now = time.time()
     for f in range(files):
         ids = range(first + f * per, first + (count if f == files - 1 else (f + 1) * per))
         text = "".join(
@@ -48,6 +56,8 @@ def write_events(directory: Path, first: int, count: int, files: int) -> None:
         )
         tmp = directory / f".ev-{first}-{f}.tmp"
         tmp.write_text(text)
+        mtime = now - files + f
+        os.utime(tmp, (mtime, mtime))
         tmp.rename(directory / f"ev-{first}-{f:03d}.json")
 
 
