@@ -11,12 +11,20 @@ States (see the README's diagram)::
 input when its available-now query terminates. Results still held in Spark
 state (event-time windows the watermark has not closed) are then flushed: when
 the pipeline names its ``event_time`` column, one end-of-input marker row with
-that column at 9999-12-31 is fed through an extra source unioned before
-``transform``, and the query runs once more (available-now): the watermark
-passes every window, Spark emits them, and the marker's own window never closes.
-A drained unbounded pipeline is restarted with an available-now trigger the
-same way. A flag file records that input is ending, so a restart resumes the
-drain instead of reading new input.
+that column at 9999-12-31 (other columns null) is fed through an extra source
+unioned before ``transform``, and the query runs once more (available-now): the
+watermark passes every window, Spark emits them, and the marker's own window
+never closes. A drained unbounded pipeline is restarted with an available-now
+trigger the same way. A flag file (``ending_input.json``, read and written only
+by the driver) records that input is ending, so a restart resumes the drain
+instead of reading new input.
+
+The extra source is :mod:`lifecycle.end_of_input`, a Python streaming data
+source, not a file: the driver tells it at query start whether input has
+ended, its offset goes from ``{"marker": 0}`` to ``{"marker": 1}`` in the one
+batch that carries the marker, and that row travels inside the pickled input
+partition. Executors never read the marker (or anything else) from the
+driver's disk, so the same job runs on a cluster.
 """
 
 from __future__ import annotations
@@ -37,13 +45,13 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import TimestampNTZType, TimestampType
 
 from lifecycle.binding import BatchHandler
+from lifecycle.end_of_input import END_OF_TIME, marker_stream
 from sinks import _faults
 from sinks.base import Sink
 from sinks.errors import ConfigError
 
 log = logging.getLogger("lifecycle.pipeline")
 
-END_OF_TIME = "9999-12-31T00:00:00"
 Transform = Callable[[DataFrame], DataFrame]
 
 
@@ -95,10 +103,6 @@ class Pipeline:
         return self.location / "spark"
 
     @property
-    def _eoi_dir(self) -> Path:
-        return self.location / "end_of_input"
-
-    @property
     def _ending_flag(self) -> Path:
         return self.location / "ending_input.json"
 
@@ -120,8 +124,9 @@ class Pipeline:
     def _dataframe(self) -> DataFrame:
         source = self.source
         if self.event_time:
-            self._eoi_dir.mkdir(parents=True, exist_ok=True)
-            marker = source.sparkSession.readStream.schema(source.schema).json(str(self._eoi_dir))
+            # the marker row only in a query started after input ended (module docstring)
+            ended = self.state is PipelineState.ENDING_INPUT
+            marker = marker_stream(source, self.event_time, ended=ended, pipeline=self.name)
             source = source.unionByName(marker)
         return self._output(source)
 
@@ -169,17 +174,10 @@ class Pipeline:
             log.exception("stopping pipeline %s", self.name)
 
     def begin_ending_input(self, *, drain: bool) -> None:
-        """Record that input ends and feed the end-of-input marker (if any).
-        The caller (re)starts the query afterwards."""
+        """Record that input ends. The caller (re)starts the query afterwards;
+        with ``event_time``, the restarted query feeds the end-of-input marker."""
         self.state = PipelineState.ENDING_INPUT
         if not self._ending_flag.exists():
             self.location.mkdir(parents=True, exist_ok=True)
             self._ending_flag.write_text(json.dumps({"at": time.time(), "drain": drain}))
         _faults.hit("driver.ending_input")
-        if self.event_time:
-            self._eoi_dir.mkdir(parents=True, exist_ok=True)
-            marker = self._eoi_dir / "end-of-input.json"
-            if not marker.exists():
-                tmp = self._eoi_dir / ".end-of-input.tmp"
-                tmp.write_text(json.dumps({self.event_time: END_OF_TIME}) + "\n")
-                tmp.rename(marker)  # the file source must never see a partial file

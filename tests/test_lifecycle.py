@@ -8,19 +8,24 @@ driver processes (``tests/jobs/lifecycle_job.py``); the others run in-process.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
 import psycopg
 import pytest
 from deltalake import DeltaTable
+from pyspark.sql import DataFrame
 
-from lifecycle import Job, PipelineState
+from lifecycle import Job, JobResult, PipelineState
 from lifecycle.ledger import read_ledger
+from lifecycle.pipeline import Pipeline
 from sinks import DeltaSink, KafkaSink, PostgresSink
 from tests.conftest import write_input
 from tests.jobs.lifecycle_job import windowed
@@ -34,9 +39,15 @@ T0 = datetime(2024, 1, 1, 0, 0, 0)
 
 
 def write_events(directory: Path, first: int, count: int, files: int) -> None:
-    """Events every 30 s from T0 + first*30s: ids first..first+count-1."""
+    """Events every 30 s from T0 + first*30s: ids first..first+count-1.
+
+    The files get modification times a second apart, in event order: Spark's
+    file source reads files in modification-time order, ties in any order, and
+    a later file read first would make the earlier files' events late (dropped
+    by the watermark)."""
     directory.mkdir(parents=True, exist_ok=True)
     per = max(1, count // files)
+    now = time.time()
     for f in range(files):
         ids = range(first + f * per, first + (count if f == files - 1 else (f + 1) * per))
         text = "".join(
@@ -48,6 +59,8 @@ def write_events(directory: Path, first: int, count: int, files: int) -> None:
         )
         tmp = directory / f".ev-{first}-{f}.tmp"
         tmp.write_text(text)
+        mtime = now - files + f
+        os.utime(tmp, (mtime, mtime))
         tmp.rename(directory / f"ev-{first}-{f:03d}.json")
 
 
@@ -90,6 +103,19 @@ def ledger_kinds(state: Path) -> list[str]:
     return [cp["kind"] for cp in doc["history"]]
 
 
+def run_until(job: Job, stop_when: Callable[[], object], drain: bool) -> JobResult:
+    """Run ``job`` in a thread; once ``stop_when()`` holds, stop it (with or
+    without drain) and return its result."""
+    out: dict[str, JobResult] = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", job.run()), daemon=True)
+    t.start()
+    wait_for(stop_when, 120, "the job to commit its first windows")
+    job.stop(drain=drain)
+    t.join(120)
+    assert not t.is_alive()
+    return out["r"]
+
+
 # -- in-process ------------------------------------------------------------------------
 
 
@@ -116,6 +142,10 @@ def test_windowed_bounded_input_emits_every_window_at_end(spark, pg_dsn, tmp_pat
     assert result.committed and result.pipelines == {"agg": PipelineState.FINISHED}
     assert window_rows(pg_dsn) == expected_windows(range(200))
     assert ledger_kinds(tmp_path / "state")[-1] == "final"
+    # the marker came from no file: the driver's flag and the Spark checkpoint are
+    # all there is under the pipeline's location (no end_of_input/ for executors)
+    location = tmp_path / "state" / "pipelines" / "agg"
+    assert sorted(p.name for p in location.iterdir()) == ["ending_input.json", "spark"]
 
 
 def test_three_pipelines_share_one_final_checkpoint(  # type: ignore[no-untyped-def]
@@ -203,19 +233,9 @@ def test_savepoint_keeps_windows_open_and_resume_drains_them(spark, pg_dsn, tmp_
         )
         return job
 
-    def run_until(job: Job, stop_when, drain: bool):  # type: ignore[no-untyped-def]
-        out: dict[str, object] = {}
-        t = threading.Thread(target=lambda: out.setdefault("r", job.run()), daemon=True)
-        t.start()
-        wait_for(stop_when, 120, "the job to commit its first windows")
-        job.stop(drain=drain)
-        t.join(120)
-        assert not t.is_alive()
-        return out["r"]
-
     first = run_until(make_job(), lambda: len(window_rows(pg_dsn)) >= 4, drain=False)
-    assert first.stopped and first.committed  # type: ignore[attr-defined]
-    assert first.pipelines == {"agg": PipelineState.STOPPED}  # type: ignore[attr-defined]
+    assert first.stopped and first.committed
+    assert first.pipelines == {"agg": PipelineState.STOPPED}
     seen = window_rows(pg_dsn)
     all_windows = expected_windows(range(100))
     last = max(all_windows)
@@ -224,10 +244,58 @@ def test_savepoint_keeps_windows_open_and_resume_drains_them(spark, pg_dsn, tmp_
 
     write_events(tmp_path / "ev", 100, 60, files=1)  # more input while stopped
     second = run_until(make_job(), lambda: True, drain=True)
-    assert second.drained and second.committed  # type: ignore[attr-defined]
+    assert second.drained and second.committed
     assert window_rows(pg_dsn) == expected_windows(range(160))
     assert ledger_kinds(tmp_path / "state")[-1] == "final"
     assert job_prepared(pg_dsn, "save") == []
+
+
+def test_a_savepoint_of_the_file_marker_version_resumes(  # type: ignore[no-untyped-def]
+    spark, pg_dsn, tmp_path, monkeypatch
+):
+    """Versions before the marker source fed the marker from a file stream
+    source on ``<pipeline>/end_of_input/`` at the same place of the union. A
+    savepoint taken by such a version resumes with the marker source: Spark
+    hands it the file source's offset, and the drain emits every window once."""
+    create_tables(pg_dsn, windows=True)
+    write_events(tmp_path / "ev", 0, 100, files=2)
+
+    def file_marker_dataframe(self: Pipeline) -> DataFrame:  # the former _dataframe
+        eoi = self.location / "end_of_input"
+        eoi.mkdir(parents=True, exist_ok=True)
+        marker = self.source.sparkSession.readStream.schema(self.source.schema).json(str(eoi))
+        return self._output(self.source.unionByName(marker))
+
+    def make_job() -> Job:
+        src = spark.readStream.schema(EVENT_SCHEMA).json(str(tmp_path / "ev"))
+        job = Job(spark, "upgrade", tmp_path / "state", checkpoint_interval=0.5)
+        job.add_pipeline(
+            "agg",
+            src,
+            [PostgresSink(pg_dsn, "windows")],
+            trigger_interval=0.5,
+            transform=windowed,
+            event_time="ts",
+        )
+        return job
+
+    with monkeypatch.context() as m:
+        m.setattr(Pipeline, "_dataframe", file_marker_dataframe)
+        first = run_until(make_job(), lambda: len(window_rows(pg_dsn)) >= 4, drain=False)
+    assert first.stopped and first.committed
+    assert max(expected_windows(range(100))) not in window_rows(pg_dsn)  # still in state
+    location = tmp_path / "state" / "pipelines" / "agg"
+    sources = location / "spark" / "offsets"
+    last = max((p for p in sources.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    assert last.read_text().splitlines()[-1] in ("-", '{"logOffset":-1}')  # the file source's
+
+    write_events(tmp_path / "ev", 100, 60, files=1)
+    second = run_until(make_job(), lambda: True, drain=True)
+    assert second.drained and second.committed
+    assert window_rows(pg_dsn) == expected_windows(range(160))
+    assert ledger_kinds(tmp_path / "state")[-1] == "final"
+    assert list((location / "end_of_input").iterdir()) == []  # the new version wrote nothing
+    assert job_prepared(pg_dsn, "upgrade") == []
 
 
 # -- driver processes --------------------------------------------------------------------
@@ -375,6 +443,32 @@ def test_crash_during_a_drain_resumes_the_drain(pg_dsn, tmp_path):  # type: igno
     result = again.result()
     assert result["committed"] and result["pipelines"] == {"live": "FINISHED"}
     assert_exactly_once(pg_dsn, "live_t", n)
+    assert ledger_kinds(state)[-1] == "final"
+    assert job_prepared(pg_dsn, "life") == []
+
+
+@pytest.mark.crash
+def test_crash_while_ending_windowed_input_resumes_and_flushes(pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    """A bounded windowed pipeline consumed its input and recorded that it ends;
+    the driver is SIGKILLed before the end-of-input query ran. The restart (a new
+    driver process, new Python workers) feeds the marker from the driver's flag
+    alone and emits every window exactly once; no end_of_input/ file exists."""
+    write_events(tmp_path / "ev", 0, 200, files=4)
+    create_tables(pg_dsn, windows=True)
+    state = tmp_path / "state"
+    args = _args(pg_dsn, state, f"name=agg,input={tmp_path / 'ev'},table=windows,kind=windowed")
+    log = tmp_path / "job.log"
+    first = run_job("lifecycle_job.py", args, log, fault="driver.ending_input=kill")
+    assert first.proc.returncode == -signal.SIGKILL, first.tail()
+    location = state / "pipelines" / "agg"
+    assert (location / "ending_input.json").exists()
+    assert max(expected_windows(range(200))) not in window_rows(pg_dsn)  # still in state
+    again = run_job("lifecycle_job.py", args, log)
+    assert again.proc.returncode == 0, again.tail()
+    assert "was ending its input: resuming that" in again.output()
+    assert again.result()["pipelines"] == {"agg": "FINISHED"}
+    assert window_rows(pg_dsn) == expected_windows(range(200))
+    assert sorted(p.name for p in location.iterdir()) == ["ending_input.json", "spark"]
     assert ledger_kinds(state)[-1] == "final"
     assert job_prepared(pg_dsn, "life") == []
 
