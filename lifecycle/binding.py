@@ -83,8 +83,10 @@ def batch_handler(
     sinks: list[Sink],
     schema: pa.Schema,
     on_failure: Callable[[TaskFailure], None] | None = None,
+    ending_input: bool = False,
 ) -> BatchHandler:
-    """The ``foreachBatch`` function of one pipeline.
+    """The ``foreachBatch`` function of one pipeline (``ending_input``: of the
+    query that ends the pipeline's input; it only names fault points).
 
     When a batch fails, ``on_failure`` gets the structured failure (which sink,
     which batch, the cause in the user's terms, the full trace) before the
@@ -105,6 +107,8 @@ def batch_handler(
                 )
             writing = None
             _faults.hit("driver.before_record", batch=batch_id)
+            if ending_input:
+                _faults.hit("driver.before_record_ending_input", batch=batch_id)
             coordinator.register(pipeline, batch_id, committables)
         except BaseException as e:
             if on_failure is not None and isinstance(e, Exception):

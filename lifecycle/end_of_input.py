@@ -8,16 +8,15 @@ from 0 to 1 carries one row, and no batch ever carries it again (a restart from
 the Spark checkpoint resumes at the committed offset; a batch Spark replays
 after a crash has the same offsets and the same row).
 
-Where each piece runs:
-
-* ``latestOffset``, ``partitions``: in a Python worker that the driver JVM
-  starts on the driver's host. Whether input has ended comes from the
-  ``ended`` option, which the driver sets when it (re)starts the query: a
-  pipeline's query is always restarted after its input is recorded as ending,
-  so the reader opens no file at all.
-* ``read``: in a Spark task (on an executor). It yields the row its pickled
-  ``InputPartition`` describes and needs nothing else: no file, no path, no
-  access to the driver's disk.
+Where each piece runs: everything in a Python worker that the driver JVM
+starts on the driver's host, with the driver's own interpreter (see
+:func:`register`); no executor runs Python for this source. The source is a
+simple stream reader: its rows are computed on the driver's side and Spark
+ships them to the executors itself, for every batch, a replayed one included
+(:class:`DriverSideReader`). Whether input has ended comes from the ``ended``
+option, which the driver sets when it (re)starts the query: a pipeline's query
+is always restarted after its input is recorded as ending, so the source opens
+no file at all.
 
 The source's own schema is one boolean column; :func:`marker_stream` projects
 it onto the pipeline's source schema in Spark (the event-time column cast from
@@ -34,13 +33,15 @@ and "not yet" otherwise.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
-from pyspark.sql.streaming.datasource import ReadLimit, SupportsTriggerAvailableNow
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, SimpleDataSourceStreamReader
+from pyspark.sql.datasource_internal import _SimpleStreamReaderWrapper
+from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 from pyspark.sql.types import StructType
 
 FORMAT = "twophase_end_of_input"
@@ -63,15 +64,9 @@ def marker_offset(offset: Any) -> int:
     )
 
 
-class MarkerPartition(InputPartition):
-    """The one partition of the batch that carries the marker."""
-
-    def __init__(self) -> None:
-        super().__init__(1)
-
-
-class EndOfInputReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Offsets ``{"marker": 0}`` then ``{"marker": 1}`` (module docstring)."""
+class MarkerRows(SimpleDataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Offsets ``{"marker": 0}`` then ``{"marker": 1}`` (module docstring); the
+    rows of a range are a function of its two offsets alone."""
 
     def __init__(self, ended: bool) -> None:
         self.ended = ended
@@ -79,23 +74,30 @@ class EndOfInputReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def initialOffset(self) -> dict[str, int]:
         return {"marker": 0}
 
-    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
+    def read(self, start: dict[str, Any]) -> tuple[Iterator[tuple[bool]], dict[str, int]]:
         # never moves back, whatever the option says (a restart after the end)
-        return {"marker": max(marker_offset(start), int(self.ended))}
+        end = {"marker": max(marker_offset(start), int(self.ended))}
+        return self.readBetweenOffsets(start, end), end
+
+    def readBetweenOffsets(
+        self, start: dict[str, Any], end: dict[str, Any]
+    ) -> Iterator[tuple[bool]]:
+        return iter([(True,)] if marker_offset(start) < marker_offset(end) else [])
 
     def prepareForTriggerAvailableNow(self) -> None:
         # the target offset is fixed when the query starts: nothing to record
         pass
 
-    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
-        if marker_offset(start) < marker_offset(end):
-            return [MarkerPartition()]
-        return []
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[bool]]:
-        # runs on an executor: the row comes with the partition, nothing is read
-        if isinstance(partition, MarkerPartition):
-            yield (True,)
+class DriverSideReader(_SimpleStreamReaderWrapper):
+    """Hands Spark the rows of every batch from the driver's side, also a batch
+    replayed after a restart (Spark's wrapper would leave that one to a Python
+    worker on an executor: its cache of prefetched rows is empty then). So no
+    executor ever runs Python for this source, and the source may run on the
+    driver's own interpreter (see :func:`register`)."""
+
+    def getCache(self, start: dict[str, Any], end: dict[str, Any]) -> Iterator[tuple[bool]]:
+        return self.simple_reader.readBetweenOffsets(start, end)
 
 
 class EndOfInputSource(DataSource):
@@ -112,19 +114,32 @@ class EndOfInputSource(DataSource):
         ended = str(self.options.get("ended", "false")).lower()
         if ended not in ("true", "false"):
             raise ValueError(f"end-of-input source: option ended must be true or false: {ended!r}")
-        return EndOfInputReader(ended == "true")
+        return DriverSideReader(MarkerRows(ended == "true"))
 
 
 def register(spark: SparkSession) -> None:
-    """Register the source with ``spark`` unless it already is (idempotent)."""
+    """Register the source with ``spark`` unless it already is (idempotent).
+
+    Its Python runs in a worker that the driver JVM starts on the driver's host,
+    with the interpreter registered with the source. That is the driver's own
+    (``sys.executable``), not ``PYSPARK_PYTHON``: on a cluster the latter is
+    often a path valid on executors only (``./environment/bin/python`` from
+    ``spark.archives``), which a worker started by the driver cannot run."""
     try:
         exists = bool(
             spark._jsparkSession.sessionState().dataSourceManager().dataSourceExists(FORMAT)
         )
     except Exception:  # no JVM session to ask (e.g. Spark Connect): registering again is harmless
         exists = False
-    if not exists:
+    if exists:
+        return
+    sc = spark.sparkContext
+    executors_python = sc.pythonExec
+    sc.pythonExec = sys.executable
+    try:
         spark.dataSource.register(EndOfInputSource)
+    finally:
+        sc.pythonExec = executors_python
 
 
 def marker_stream(source: DataFrame, event_time: str, *, ended: bool, pipeline: str) -> DataFrame:

@@ -350,7 +350,14 @@ class Job:
         self._failures.pop(p.name, None)
         p.start(
             self.name,
-            batch_handler(coord, p.name, p.sinks, p.schema, on_failure=self._remember),
+            batch_handler(
+                coord,
+                p.name,
+                p.sinks,
+                p.schema,
+                on_failure=self._remember,
+                ending_input=p.state is PipelineState.ENDING_INPUT,
+            ),
         )
 
     def _remember(self, failure: TaskFailure) -> None:

@@ -31,6 +31,7 @@ pass these variables with ``spark.executorEnv.TWOPHASE_FAULT`` (and
 does so for the test jobs.
 
 Points: ``executor.write``, ``executor.prepared``, ``driver.before_record``,
+``driver.before_record_ending_input`` (the same, in a query ending its input),
 ``driver.after_record``, ``driver.before_commit``, ``driver.mid_commit``,
 ``driver.ending_input`` (a pipeline has recorded that its input ends).
 """

@@ -19,8 +19,8 @@ from pyspark.sql.types import StructType
 
 from lifecycle.end_of_input import (
     END_OF_TIME,
-    EndOfInputReader,
-    MarkerPartition,
+    DriverSideReader,
+    MarkerRows,
     marker_offset,
     marker_stream,
 )
@@ -29,46 +29,58 @@ from tests.sparkutil import EVENT_SCHEMA
 ALL = ReadAllAvailable()
 
 
+def _reader(ended: bool) -> DriverSideReader:
+    return DriverSideReader(MarkerRows(ended))
+
+
+def _rows(reader: DriverSideReader, start: Any, end: Any) -> list[tuple[bool]]:
+    rows = reader.getCache(start, end)
+    assert rows is not None, "a range Spark would leave to an executor's Python"
+    return list(rows)
+
+
 def test_the_marker_is_in_exactly_one_offset_range() -> None:
-    running = EndOfInputReader(ended=False)
+    running = _reader(ended=False)
     start = running.initialOffset()
     assert start == {"marker": 0}
     assert running.latestOffset(start, ALL) == start
-    assert running.partitions(start, start) == []
+    assert _rows(running, start, start) == []
 
-    ended = EndOfInputReader(ended=True)
+    ended = _reader(ended=True)
     end = ended.latestOffset(start, ALL)
     assert end == {"marker": 1}
-    assert len(ended.partitions(start, end)) == 1
+    assert _rows(ended, start, end) == [(True,)]
     assert ended.latestOffset(end, ALL) == end  # then never again
-    assert ended.partitions(end, end) == []
+    assert _rows(ended, end, end) == []
     # an option that says "not ended" after the end never moves the offset back
     assert running.latestOffset(end, ALL) == end
 
 
-def test_an_executor_needs_nothing_but_the_pickled_partition() -> None:
-    """What a Spark task gets is the pickled reader and partition; the reader
-    holds no path, and the row comes out of the partition."""
-    reader = EndOfInputReader(ended=True)
-    assert vars(reader) == {"ended": True}
-    (part,) = reader.partitions({"marker": 0}, {"marker": 1})
-    shipped_reader = pickle.loads(pickle.dumps(reader))
-    shipped_part = pickle.loads(pickle.dumps(part))
-    assert isinstance(shipped_part, MarkerPartition)
-    assert list(shipped_reader.read(shipped_part)) == [(True,)]
+def test_every_range_is_answered_on_the_driver_side() -> None:
+    """Spark asks the driver-side reader for the rows of each batch it plans
+    (``getCache``) and leaves the batch to a Python worker on an executor only
+    when that answer is missing, as Spark's own wrapper's is for a batch
+    replayed after a restart (its cache is empty then). This reader answers
+    every range, a fresh reader included, and holds no path."""
+    fresh = _reader(ended=True)  # as after a restart: nothing read yet
+    assert vars(fresh.simple_reader) == {"ended": True}
+    assert _rows(fresh, {"marker": 0}, {"marker": 1}) == [(True,)]
+    shipped = pickle.loads(pickle.dumps(fresh))
+    assert _rows(shipped, {"marker": 1}, {"marker": 1}) == []
 
 
 @pytest.mark.parametrize(
     ("legacy", "emitted"),
-    [(None, 0), ({"logOffset": -1}, 0), ({"logOffset": 0}, 1), ({"logOffset": 3}, 1)],
+    [({"logOffset": -1}, 0), ({"logOffset": 0}, 1), ({"logOffset": 3}, 1)],
 )
 def test_offsets_of_the_former_file_source_are_understood(legacy: Any, emitted: int) -> None:
     """Checkpoints of earlier versions hold a file source's offset at this
     source's place: a file read there was the marker."""
     assert marker_offset(legacy) == emitted
-    reader = EndOfInputReader(ended=True)
+    assert marker_offset(None) == 0
+    reader = _reader(ended=True)
     assert reader.latestOffset(legacy, ALL) == {"marker": 1}
-    assert len(reader.partitions(legacy, {"marker": 1})) == 1 - emitted
+    assert len(_rows(reader, legacy, {"marker": 1})) == 1 - emitted
     with pytest.raises(ValueError, match="unknown offset"):
         marker_offset({"partition": 7})
 

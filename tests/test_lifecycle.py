@@ -448,17 +448,25 @@ def test_crash_during_a_drain_resumes_the_drain(pg_dsn, tmp_path):  # type: igno
 
 
 @pytest.mark.crash
-def test_crash_while_ending_windowed_input_resumes_and_flushes(pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
-    """A bounded windowed pipeline consumed its input and recorded that it ends;
-    the driver is SIGKILLed before the end-of-input query ran. The restart (a new
-    driver process, new Python workers) feeds the marker from the driver's flag
-    alone and emits every window exactly once; no end_of_input/ file exists."""
+@pytest.mark.parametrize(
+    "fault",
+    ["driver.ending_input=kill", "driver.before_record_ending_input=kill"],
+    ids=["before the end-of-input query", "in the batch carrying the marker"],
+)
+def test_crash_while_ending_windowed_input_resumes_and_flushes(pg_dsn, tmp_path, fault):  # type: ignore[no-untyped-def]
+    """A bounded windowed pipeline consumed its input and recorded
+    that it ends; the driver is SIGKILLed before the end-of-input query ran, or
+    in the first batch of that query, which carries the marker, before it was
+    recorded (Spark then replays that batch from its offset log, with nothing
+    prefetched: the source must still answer from the driver's side). The restart (a new driver
+    process, new Python workers) feeds the marker from the driver's flag alone
+    and emits every window exactly once; no end_of_input/ file exists."""
     write_events(tmp_path / "ev", 0, 200, files=4)
     create_tables(pg_dsn, windows=True)
     state = tmp_path / "state"
     args = _args(pg_dsn, state, f"name=agg,input={tmp_path / 'ev'},table=windows,kind=windowed")
     log = tmp_path / "job.log"
-    first = run_job("lifecycle_job.py", args, log, fault="driver.ending_input=kill")
+    first = run_job("lifecycle_job.py", args, log, fault=fault)
     assert first.proc.returncode == -signal.SIGKILL, first.tail()
     location = state / "pipelines" / "agg"
     assert (location / "ending_input.json").exists()
