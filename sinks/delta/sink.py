@@ -247,7 +247,7 @@ class DeltaSink(Sink):
                 "duplicate rows; use a new sink_id (or job name) for a fresh start"
             )
         if done == version:
-            log.debug("%s: %s v%d is committed already; nothing to do", where, app, version)
+            log.info("%s: %s v%d is committed already; nothing to do", where, app, version)
         else:
             table.check_writable(dt, where)
             layout = table.layout_of(dt)
