@@ -168,7 +168,9 @@ class Job:
                 event-time window still open in Spark state is emitted before the
                 pipeline finishes. The transform must let the marker reach its
                 ``withWatermark`` (apply the watermark before filters); the marker
-                itself never reaches a sink.
+                itself never reaches a sink. Only in ``append`` mode: ``update``
+                and ``complete`` emit every window as data arrives and hold
+                nothing back, so no marker is fed there.
         """
         check_id("pipeline name", name)
         if self._running:

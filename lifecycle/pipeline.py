@@ -124,8 +124,13 @@ class Pipeline:
     def _dataframe(self) -> DataFrame:
         source = self.source
         if self.event_time:
-            # the marker row only in a query started after input ended (module docstring)
-            ended = self.state is PipelineState.ENDING_INPUT
+            # the marker row only in a query started after input ended (module
+            # docstring), and only in append mode: update and complete modes hold
+            # nothing back for the end of input, and there a marker would be
+            # aggregated into a group (a window of 9999-12-31) that reaches the sinks.
+            # The source stays in the union either way, so that a checkpoint keeps
+            # its shape whatever the mode.
+            ended = self.state is PipelineState.ENDING_INPUT and self.output_mode == "append"
             marker = marker_stream(source, self.event_time, ended=ended, pipeline=self.name)
             source = source.unionByName(marker)
         return self._output(source)

@@ -148,6 +148,33 @@ def test_windowed_bounded_input_emits_every_window_at_end(spark, pg_dsn, tmp_pat
     assert sorted(p.name for p in location.iterdir()) == ["ending_input.json", "spark"]
 
 
+@pytest.mark.parametrize("mode", ["update", "complete"])
+def test_no_end_of_input_marker_in_update_or_complete_mode(spark, pg_dsn, tmp_path, mode):  # type: ignore[no-untyped-def]
+    """Update and complete modes emit every changed window as data arrives and
+    hold nothing back for the end of input, so no marker is fed: fed, it was
+    aggregated into a window of 9999-12-31 (n = 1) that reached the sink."""
+    write_events(tmp_path / "ev", 0, 200, files=4)
+    create_tables(pg_dsn, windows=True)
+    src = (
+        spark.readStream.schema(EVENT_SCHEMA)
+        .option("maxFilesPerTrigger", 2)
+        .json(str(tmp_path / "ev"))
+    )
+    job = Job(spark, f"win{mode}", tmp_path / "state", checkpoint_interval=0)
+    job.add_pipeline(
+        "agg",
+        src,
+        [PostgresSink(pg_dsn, "windows", key=["window_start"])],  # windows are re-emitted
+        bounded=True,
+        transform=windowed,
+        event_time="ts",
+        output_mode=mode,
+    )
+    result = job.run()
+    assert result.committed and result.pipelines == {"agg": PipelineState.FINISHED}
+    assert window_rows(pg_dsn) == expected_windows(range(200))  # and no window at 9999
+
+
 def test_three_pipelines_share_one_final_checkpoint(  # type: ignore[no-untyped-def]
     spark, pg_dsn, kafka_bootstrap, kafka_topic, tmp_path
 ):
