@@ -142,17 +142,12 @@ def register(spark: SparkSession) -> None:
         sc.pythonExec = executors_python
 
 
-def marker_stream(source: DataFrame, event_time: str, *, ended: bool, pipeline: str) -> DataFrame:
+def marker_stream(source: DataFrame, event_time: str, *, ended: bool) -> DataFrame:
     """A streaming DataFrame with ``source``'s schema (every column nullable)
     that holds the end-of-input marker row once ``ended`` is true."""
     spark = source.sparkSession
     register(spark)
-    raw = (
-        spark.readStream.format(FORMAT)
-        .option("ended", "true" if ended else "false")
-        .option("pipeline", pipeline)
-        .load()
-    )
+    raw = spark.readStream.format(FORMAT).option("ended", "true" if ended else "false").load()
     cols = [
         (F.lit(END_OF_TIME) if f.name == event_time else F.lit(None)).cast(f.dataType).alias(f.name)
         for f in source.schema.fields

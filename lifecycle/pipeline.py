@@ -22,9 +22,9 @@ instead of reading new input.
 The extra source is :mod:`lifecycle.end_of_input`, a Python streaming data
 source, not a file: the driver tells it at query start whether input has
 ended, its offset goes from ``{"marker": 0}`` to ``{"marker": 1}`` in the one
-batch that carries the marker, and that row travels inside the pickled input
-partition. Executors never read the marker (or anything else) from the
-driver's disk, so the same job runs on a cluster.
+batch that carries the marker, and that row is computed on the driver's side
+and shipped by Spark. Executors never read the marker (or anything else) from
+the driver's disk, so the same job runs on a cluster.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Pipeline:
             # The source stays in the union either way, so that a checkpoint keeps
             # its shape whatever the mode.
             ended = self.state is PipelineState.ENDING_INPUT and self.output_mode == "append"
-            marker = marker_stream(source, self.event_time, ended=ended, pipeline=self.name)
+            marker = marker_stream(source, self.event_time, ended=ended)
             source = source.unionByName(marker)
         return self._output(source)
 

@@ -94,7 +94,7 @@ def test_the_marker_stream_has_the_source_schema(spark, tmp_path: Path) -> None:
     ntz = spark.readStream.schema("k string, at timestamp_ntz, v array<int>").json(str(tmp_path))
     events = spark.readStream.schema(EVENT_SCHEMA).json(str(tmp_path))
     for source, column in ((rate, "timestamp"), (ntz, "at"), (events, "ts")):
-        marker = marker_stream(source, column, ended=True, pipeline="p")
+        marker = marker_stream(source, column, ended=True)
         assert marker.isStreaming
         assert _fields(marker.schema) == _fields(source.schema)
         assert all(f.nullable for f in marker.schema.fields)
@@ -129,7 +129,7 @@ def test_the_marker_row_once_and_never_again(spark, tmp_path: Path) -> None:  # 
     end = F.lit(END_OF_TIME).cast("timestamp")
 
     def marker(ended: bool) -> DataFrame:
-        m = marker_stream(source, "ts", ended=ended, pipeline="p")
+        m = marker_stream(source, "ts", ended=ended)
         return m.select("*", (F.col("ts") == end).alias("at_end"))
 
     checkpoint = tmp_path / "ck"
