@@ -88,13 +88,11 @@ def executor_archive(cache: Path | None = None) -> Path:
         wheel = next((work / "dist").glob("twophase-*.whl"))
         env = work / "env"
         _run(sys.executable, "-m", "venv", "--copies", "--without-pip", env)
-        target = ["--python", env / "bin" / "python"] if _pip_has_python_option() else None
-        if target is None:
-            _run(env / "bin" / "python", "-m", "ensurepip", "-q")
-            pip = [str(env / "bin" / "python"), "-m", "pip", "-q"]
-            target = []
-        _run(*pip, *target, "install", "--no-deps", wheel)
-        _run(*pip, *target, "install", *_runtime_requirements())
+        # this environment's pip installs into the new one (pip >= 22.3; the
+        # scripts keep .venv's pip current)
+        into = [*pip, "--python", env / "bin" / "python", "install"]
+        _run(*into, "--no-deps", wheel)
+        _run(*into, *_runtime_requirements())
         for cache_dir in env.rglob("__pycache__"):
             shutil.rmtree(cache_dir, ignore_errors=True)
         partial = cache / "partial.tar.gz"
@@ -103,18 +101,6 @@ def executor_archive(cache: Path | None = None) -> Path:
         _run("tar", "-C", env, "--use-compress-program=gzip -1", "-cf", partial, *entries)
         partial.rename(archive)
     return archive
-
-
-def _pip_has_python_option() -> bool:
-    """pip >= 22.3 can install into another environment with ``--python``."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "--version"], capture_output=True, text=True
-    )
-    try:
-        major, minor = (int(x) for x in proc.stdout.split()[1].split(".")[:2])
-    except (IndexError, ValueError):
-        return False
-    return (major, minor) >= (22, 3)
 
 
 if __name__ == "__main__":

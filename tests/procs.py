@@ -13,6 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.sparkcluster import SPARK_HOME
+from tests.sparkutil import EXECUTOR_ENV_ENV, MASTER_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "tests" / "jobs"
 
@@ -89,15 +92,10 @@ def _command(script: str, args: list[str], env: dict[str, str]) -> list[str]:
     """``python SCRIPT ARGS``; on a cluster (``TWOPHASE_TEST_MASTER`` set) the
     way users launch a job there: ``spark-submit`` in client mode with the
     executors' environment as an archive (README, "Deploying to a cluster")."""
-    from tests.sparkutil import EXECUTOR_ENV_ENV, MASTER_ENV
-
     master = env.get(MASTER_ENV)
     if not master:
         return [sys.executable, str(JOBS / script), *args]
-    import pyspark
-
-    submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
-    cmd = [str(submit), "--master", master]
+    cmd = [str(SPARK_HOME / "bin" / "spark-submit"), "--master", master]
     if env.get(EXECUTOR_ENV_ENV):
         cmd += ["--archives", f"{env[EXECUTOR_ENV_ENV]}#environment"]
         cmd += ["--conf", "spark.pyspark.python=./environment/bin/python"]

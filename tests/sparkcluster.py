@@ -26,7 +26,7 @@ import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,13 +214,19 @@ class SparkCluster(NativeService):
         except OSError:
             return None
 
-    def _wait(self, ready: object, what: str, p: _Proc, timeout: float = 60) -> None:
+    def _wait(
+        self,
+        ready: Callable[[dict[str, object] | None], bool],
+        what: str,
+        p: _Proc,
+        timeout: float = 60,
+    ) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not p.alive():
                 code = p.proc.returncode if p.proc else None
                 raise SparkClusterError(f"{what} exited ({code}):\n{p.tail()}")
-            if ready(self.state()):  # type: ignore[operator]
+            if ready(self.state()):
                 return
             time.sleep(0.3)
         raise SparkClusterError(f"{what} not ready after {timeout}s:\n{p.tail()}")

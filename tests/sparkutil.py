@@ -8,8 +8,8 @@ standalone cluster (``tests/sparkcluster.py``) through the environment:
   (``tests/executor_env.py``), shipped with ``spark.archives`` and run as
   ``./environment/bin/python``, as the README's deployment section says.
 
-Test job processes on a cluster are started with ``spark-submit``
-(``tests/procs.py``), which passes master and archive itself.
+With those set, ``tests/procs.py`` starts the job with ``spark-submit``, which
+passes master and archive itself; here only the executors' settings are added.
 
 On a cluster every ``TWOPHASE_*`` variable of the driver (fault injection) is
 passed to the executors with ``spark.executorEnv.*``: executors inherit the
@@ -46,21 +46,13 @@ EXECUTOR_ENV_ENV = "TWOPHASE_TEST_EXECUTOR_ENV"
 
 def make_spark(app: str, master: str = "local[2,2]") -> SparkSession:
     """A local session (``local[N,F]`` lets a failed task be retried F times),
-    or a cluster session when ``TWOPHASE_TEST_MASTER`` is set."""
-    master = os.environ.get(MASTER_ENV) or master
-    submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # launched by spark-submit
+    or, in a job ``spark-submit`` started on a cluster, that cluster's session."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = SparkSession.builder
-    if not submitted:  # spark-submit's --master and --archives stand
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:  # else spark-submit's --master stands
         builder = builder.master(master)
-        archive = os.environ.get(EXECUTOR_ENV_ENV)
-        if archive and master.startswith("spark://"):
-            builder = builder.config("spark.archives", f"{archive}#environment")
-            # the Python of executors (a path inside the unpacked archive); the
-            # driver keeps its own interpreter
-            os.environ["PYSPARK_PYTHON"] = "./environment/bin/python"
-    if master.startswith("spark://"):
+    if os.environ.get(MASTER_ENV):
         builder = (
             builder.config("spark.executor.memory", "1g")
             .config("spark.executor.cores", "1")

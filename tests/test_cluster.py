@@ -24,6 +24,7 @@ What these tests hold the project to, beyond the local-mode suite:
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -147,8 +148,6 @@ def test_each_sink_end_to_end_on_the_cluster(  # type: ignore[no-untyped-def]
 
 
 def _probes(proc: JobProcess) -> list[dict[str, object]]:
-    import json
-
     line = proc.output().rsplit("EXECUTORS ", 1)[1].splitlines()[0]
     rows: list[dict[str, object]] = json.loads(line)
     assert rows, "no executor answered the probe"

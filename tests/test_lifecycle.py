@@ -240,27 +240,34 @@ def test_per_pipeline_final_checkpoints_for_comparison(spark, pg_dsn, tmp_path):
         assert_exactly_once(pg_dsn, name, 200)
 
 
+def unbounded_windowed_job(spark, dsn: str, tmp_path: Path, name: str) -> Job:  # type: ignore[no-untyped-def]
+    """Job ``name``: an unbounded pipeline ``agg`` of event windows from
+    ``tmp_path/ev`` into the PostgreSQL table ``windows``."""
+    src = spark.readStream.schema(EVENT_SCHEMA).json(str(tmp_path / "ev"))
+    job = Job(spark, name, tmp_path / "state", checkpoint_interval=0.5)
+    job.add_pipeline(
+        "agg",
+        src,
+        [PostgresSink(dsn, "windows")],
+        bounded=False,
+        trigger_interval=0.5,
+        transform=windowed,
+        event_time="ts",
+    )
+    return job
+
+
 def test_savepoint_keeps_windows_open_and_resume_drains_them(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
     """stop() without drain: complete batches commit, open windows stay in state.
     Running again resumes; stop(drain=True) then emits every window exactly once."""
     create_tables(pg_dsn, windows=True)
     write_events(tmp_path / "ev", 0, 100, files=2)
 
-    def make_job() -> Job:
-        src = spark.readStream.schema(EVENT_SCHEMA).json(str(tmp_path / "ev"))
-        job = Job(spark, "save", tmp_path / "state", checkpoint_interval=0.5)
-        job.add_pipeline(
-            "agg",
-            src,
-            [PostgresSink(pg_dsn, "windows")],
-            bounded=False,
-            trigger_interval=0.5,
-            transform=windowed,
-            event_time="ts",
-        )
-        return job
-
-    first = run_until(make_job(), lambda: len(window_rows(pg_dsn)) >= 4, drain=False)
+    first = run_until(
+        unbounded_windowed_job(spark, pg_dsn, tmp_path, "save"),
+        lambda: len(window_rows(pg_dsn)) >= 4,
+        drain=False,
+    )
     assert first.stopped and first.committed
     assert first.pipelines == {"agg": PipelineState.STOPPED}
     seen = window_rows(pg_dsn)
@@ -270,7 +277,9 @@ def test_savepoint_keeps_windows_open_and_resume_drains_them(spark, pg_dsn, tmp_
     assert ledger_kinds(tmp_path / "state")[-1] == "savepoint"
 
     write_events(tmp_path / "ev", 100, 60, files=1)  # more input while stopped
-    second = run_until(make_job(), lambda: True, drain=True)
+    second = run_until(
+        unbounded_windowed_job(spark, pg_dsn, tmp_path, "save"), lambda: True, drain=True
+    )
     assert second.drained and second.committed
     assert window_rows(pg_dsn) == expected_windows(range(160))
     assert ledger_kinds(tmp_path / "state")[-1] == "final"
@@ -293,22 +302,13 @@ def test_a_savepoint_of_the_file_marker_version_resumes(  # type: ignore[no-unty
         marker = self.source.sparkSession.readStream.schema(self.source.schema).json(str(eoi))
         return self._output(self.source.unionByName(marker))
 
-    def make_job() -> Job:
-        src = spark.readStream.schema(EVENT_SCHEMA).json(str(tmp_path / "ev"))
-        job = Job(spark, "upgrade", tmp_path / "state", checkpoint_interval=0.5)
-        job.add_pipeline(
-            "agg",
-            src,
-            [PostgresSink(pg_dsn, "windows")],
-            trigger_interval=0.5,
-            transform=windowed,
-            event_time="ts",
-        )
-        return job
-
     with monkeypatch.context() as m:
         m.setattr(Pipeline, "_dataframe", file_marker_dataframe)
-        first = run_until(make_job(), lambda: len(window_rows(pg_dsn)) >= 4, drain=False)
+        first = run_until(
+            unbounded_windowed_job(spark, pg_dsn, tmp_path, "upgrade"),
+            lambda: len(window_rows(pg_dsn)) >= 4,
+            drain=False,
+        )
     assert first.stopped and first.committed
     assert max(expected_windows(range(100))) not in window_rows(pg_dsn)  # still in state
     location = tmp_path / "state" / "pipelines" / "agg"
@@ -317,7 +317,9 @@ def test_a_savepoint_of_the_file_marker_version_resumes(  # type: ignore[no-unty
     assert last.read_text().splitlines()[-1] in ("-", '{"logOffset":-1}')  # the file source's
 
     write_events(tmp_path / "ev", 100, 60, files=1)
-    second = run_until(make_job(), lambda: True, drain=True)
+    second = run_until(
+        unbounded_windowed_job(spark, pg_dsn, tmp_path, "upgrade"), lambda: True, drain=True
+    )
     assert second.drained and second.committed
     assert window_rows(pg_dsn) == expected_windows(range(160))
     assert ledger_kinds(tmp_path / "state")[-1] == "final"

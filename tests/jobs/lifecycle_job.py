@@ -68,9 +68,10 @@ def main() -> int:
         kind = opts["kind"]
         files = int(opts.get("files", 1))
         sink: Sink
-        if opts.get("sink", "pg") == "delta":
+        target = opts.get("sink", "pg")
+        if target == "delta":
             sink = DeltaSink(opts["path"])
-        elif opts.get("sink") == "kafka":
+        elif target == "kafka":
             sink = KafkaSink(args.bootstrap, opts["topic"], key="id")
         else:
             sink = PostgresSink(args.dsn, opts["table"])
