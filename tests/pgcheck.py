@@ -19,6 +19,14 @@ def job_prepared(dsn: str, job: str) -> list[str]:
     return [r[0] for r in rows]
 
 
+def rollback_prepared(dsn: str, job: str) -> None:
+    """Roll back every prepared transaction of ``job``: someone else's hand,
+    for tests of a transaction lost before its commit."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        for gid in job_prepared(dsn, job):
+            c.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+
+
 def assert_exactly_once(dsn: str, table: str, n: int, start: int = 0) -> None:
     """Every id in [start, start+n) is in ``table`` exactly once, and nothing else."""
     with psycopg.connect(dsn) as c:

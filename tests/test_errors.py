@@ -27,7 +27,7 @@ from lifecycle.failures import cause_of
 from sinks import ConfigError, KafkaSink, PostgresSink, TransactionLostError, _faults
 from sinks.base import JobScope, WriteContext
 from tests.conftest import write_input
-from tests.pgcheck import job_prepared
+from tests.pgcheck import job_prepared, rollback_prepared
 from tests.sparkutil import INPUT_SCHEMA
 
 
@@ -108,12 +108,7 @@ def test_the_kinds_are_told_apart(spark, pg_dsn, tmp_path):  # type: ignore[no-u
         job.add_pipeline("load", df, [sink], bounded=True)
         return job
 
-    def sabotage() -> None:
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            for gid in job_prepared(pg_dsn, "kinds"):
-                c.execute(f"ROLLBACK PREPARED '{gid}'")
-
-    _faults.register("driver.before_commit", sabotage)
+    _faults.register("driver.before_commit", lambda: rollback_prepared(pg_dsn, "kinds"))
     try:
         with pytest.raises(JobFailedError) as commit:
             make("lost").run()

@@ -16,7 +16,7 @@ from lifecycle import Job, JobFailedError
 from lifecycle.ledger import read_ledger
 from sinks import LockWaitError, PostgresSink, PreflightError, TransactionLostError, _faults
 from tests.conftest import write_input
-from tests.pgcheck import assert_exactly_once, job_prepared
+from tests.pgcheck import assert_exactly_once, job_prepared, rollback_prepared
 from tests.pgserver import PostgresServer
 from tests.sparkutil import INPUT_SCHEMA
 
@@ -72,12 +72,7 @@ def test_a_lost_transaction_is_an_error_never_silence(spark, pg_dsn, tmp_path): 
     write_input(tmp_path / "in", files=2, rows_per_file=50)
     _create(pg_dsn)
 
-    def sabotage() -> None:
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            for gid in job_prepared(pg_dsn, "lost"):
-                c.execute(f"ROLLBACK PREPARED '{gid}'")
-
-    _faults.register("driver.before_commit", sabotage)
+    _faults.register("driver.before_commit", lambda: rollback_prepared(pg_dsn, "lost"))
     try:
         with pytest.raises(JobFailedError, match="gone without having been committed") as e:
             _job(spark, pg_dsn, tmp_path, "lost").run()
