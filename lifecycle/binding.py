@@ -93,6 +93,8 @@ def batch_handler(
     exception goes on to Spark, which ends the query with it."""
 
     def handle(df: DataFrame, batch_id: int) -> None:
+        if not coordinator.admit(pipeline, batch_id):
+            return  # committed before: Spark may now write its commit-log entry
         committables: dict[str, list[Committable]] = {}
         cached = len(sinks) > 1
         writing: Sink | None = None
@@ -101,7 +103,7 @@ def batch_handler(
         try:
             for sink in sinks:
                 writing = sink
-                scope = JobScope(coordinator.job, pipeline, sink.sink_id)
+                scope = coordinator.scope(pipeline, sink.sink_id)
                 committables[sink.sink_id] = precommit(
                     df, sink, scope, coordinator.run, batch_id, schema
                 )

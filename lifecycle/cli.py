@@ -2,6 +2,8 @@
 
     twophase status STATE_DIR [--json]               what a job's ledger holds
     twophase stop [--drain] [--timeout S] STATE_DIR  stop a running job, wait for it
+    twophase start-over STATE_DIR --from ID          the next run takes the sinks over
+                                                     from incarnation ID (state lost)
     twophase version
 
 ``twophase stop`` exits 0 when the job stopped with its final (``--drain``) or
@@ -22,6 +24,8 @@ from typing import Any
 
 from lifecycle import control
 from lifecycle.ledger import is_locked, read_ledger
+from sinks.errors import ConfigError
+from sinks.naming import check_incarnation
 
 
 def _when(ts: float | None) -> str:
@@ -30,7 +34,11 @@ def _when(ts: float | None) -> str:
 
 def format_status(doc: dict[str, Any]) -> str:
     """A readable view of a ledger document."""
-    out = [f"job {doc['job']}  (run {doc['run']}, next checkpoint {doc['next_checkpoint']})"]
+    inc = doc.get("incarnation") or "-"
+    out = [
+        f"job {doc['job']}  incarnation {inc}  (run {doc['run']}, next checkpoint "
+        f"{doc['next_checkpoint']})"
+    ]
     finished = doc.get("finished") or []
     out.append(f"finished pipelines: {', '.join(finished) if finished else '-'}")
     decided = doc.get("decided")
@@ -106,6 +114,30 @@ def stop(state_dir: str, *, drain: bool, timeout: float) -> int:
     return 1
 
 
+def start_over(state_dir: str, incarnation: str) -> int:
+    """Record the operator's choice to start over from ``incarnation``."""
+    try:
+        check_incarnation(incarnation)
+    except ConfigError as e:
+        print(f"twophase: {e}", file=sys.stderr)
+        return 2
+    doc = read_ledger(state_dir)
+    if doc is not None and doc.get("incarnation") == incarnation:
+        print(
+            f"twophase: {incarnation} is the incarnation of {state_dir} itself; starting "
+            "over from it needs a new state_dir",
+            file=sys.stderr,
+        )
+        return 2
+    control.request_start_over(state_dir, incarnation, source=f"twophase (pid {os.getpid()})")
+    print(
+        f"the next run with state_dir {state_dir} takes every sink over from incarnation "
+        f"{incarnation}: it aborts what that incarnation left prepared, keeps what it "
+        "committed, and records the choice in each sink"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="twophase", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -120,10 +152,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="end every pipeline's input and commit one final checkpoint",
     )
     sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (600)")
+    so = sub.add_parser(
+        "start-over",
+        help="let the next run on STATE_DIR take the sinks over from a lost incarnation",
+    )
+    so.add_argument("state_dir")
+    so.add_argument(
+        "--from",
+        dest="incarnation",
+        required=True,
+        help="the incarnation id the job's refusal named",
+    )
     sub.add_parser("version", help="print the version")
     args = ap.parse_args(argv)
     if args.cmd == "stop":
         return stop(args.state_dir, drain=args.drain, timeout=args.timeout)
+    if args.cmd == "start-over":
+        return start_over(args.state_dir, args.incarnation)
     if args.cmd == "version":
         try:
             print(version("twophase"))

@@ -9,6 +9,11 @@
   SIGTERM drains; the first SIGINT (Ctrl-C) drains, the second stops without
   draining (a savepoint), the third interrupts at once, leaving what is
   pre-committed undecided for the next start to settle (and saying so).
+
+Starting over is asked the same way: ``twophase start-over STATE_DIR --from ID``
+writes ``STATE_DIR/control/start_over.json``; the next ``Job.run`` on that
+state_dir takes every sink's claim over from incarnation ``ID`` (see
+:mod:`sinks.progress`) and removes the file.
 """
 
 from __future__ import annotations
@@ -48,6 +53,32 @@ def write_request(state_dir: str | os.PathLike[str], *, drain: bool, source: str
     tmp.write_text(json.dumps(req.__dict__))
     tmp.rename(path)
     return req
+
+
+def start_over_path(state_dir: str | os.PathLike[str]) -> Path:
+    return Path(state_dir) / "control" / "start_over.json"
+
+
+def request_start_over(state_dir: str | os.PathLike[str], incarnation: str, source: str) -> None:
+    """Ask the next run on ``state_dir`` to start over from ``incarnation``."""
+    path = start_over_path(state_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"from": incarnation, "at": time.time(), "source": source}))
+    tmp.rename(path)
+
+
+def start_over_request(state_dir: str | os.PathLike[str]) -> str | None:
+    """The incarnation a ``twophase start-over`` asked the next run to take over."""
+    try:
+        return str(json.loads(start_over_path(state_dir).read_text())["from"])
+    except FileNotFoundError:
+        return None
+
+
+def clear_start_over(state_dir: str | os.PathLike[str]) -> None:
+    """Remove a start-over request once the claims are taken."""
+    start_over_path(state_dir).unlink(missing_ok=True)
 
 
 def take_request(state_dir: str | os.PathLike[str]) -> StopRequest | None:

@@ -38,6 +38,7 @@ from lifecycle.spark_log import SparkCommitLog
 from sinks import _faults
 from sinks.base import Committable, JobScope, Sink
 from sinks.naming import TxnName
+from sinks.progress import SinkProgress, claim_order, conflict
 
 log = logging.getLogger("lifecycle.coordinator")
 
@@ -64,16 +65,114 @@ class Coordinator:
         self.ledger = ledger
         self.pipelines = {p.name: p for p in pipelines}
         self.run = ledger.run
+        self.incarnation = ledger.incarnation
         self._checkpointing = threading.Lock()  # one checkpoint at a time
         self.checkpoints_taken: list[Checkpoint] = []
 
+    def scope(self, pipeline: str, sink_id: str) -> JobScope:
+        """The scope of a sink of this job, in this incarnation."""
+        return JobScope(self.job, pipeline, sink_id, self.incarnation)
+
+    # -- claims (at start, before any data moves) -----------------------------------
+
+    def claim_sinks(self, start_over_from: str | None = None) -> None:
+        """Make this incarnation the owner of every sink's scope, in the target
+        systems, before anything is written or committed (see :mod:`sinks.progress`).
+
+        Every sink is read first: when one is held by another incarnation (and
+        it is not ``start_over_from``), the job refuses and nothing is claimed,
+        written or committed. Claims are then taken in one global order. A
+        start-over aborts what the old incarnation left prepared in the sink."""
+        order = sorted(
+            ((p, sid, sink) for p, ps in self.pipelines.items() for sid, sink in ps.sinks.items()),
+            key=lambda t: claim_order(t[2].describe(), self.scope(t[0], t[1]).key()),
+        )
+        for p, sid, sink in order:
+            scope = self.scope(p, sid)
+            found = sink.progress(scope)
+            if found.owner not in (None, self.incarnation, start_over_from):
+                raise conflict(sink.describe(), scope.key(), found, self.incarnation)
+        for p, sid, sink in order:
+            scope = self.scope(p, sid)
+            claimed = sink.claim(scope, start_over_from=start_over_from)
+            if claimed.previous is not None and claimed.previous == start_over_from:
+                old = JobScope(self.job, p, sid, start_over_from)
+                aborted = sink.abort_lingering(old, lambda n: n.incarnation == start_over_from)
+                log.warning(
+                    "%s: started over from incarnation %s (an operator's choice, recorded "
+                    "in the target); aborted %d transaction(s) it left prepared",
+                    sink.describe(),
+                    start_over_from,
+                    len(aborted),
+                )
+
+    def check_sinks_behind_ledger(self) -> None:
+        """After recovery, no sink may hold more of this incarnation's batches
+        than the ledger recorded as committed: if one does, the ledger is older
+        than the target (restored from an older copy) and would replay batches
+        the target holds."""
+        for p, ps in self.pipelines.items():
+            cut = self.ledger.committed_cut(p)
+            for sid, sink in ps.sinks.items():
+                found: SinkProgress = sink.progress(self.scope(p, sid))
+                if found.held_by(self.incarnation) and found.batch > cut:
+                    raise RecoveryRefusedError(
+                        f"{sink.describe()} holds batch {found.batch} of pipeline {p!r} "
+                        f"committed by this job's incarnation {self.incarnation}, but the "
+                        f"ledger records commits only up to batch {cut}: the state_dir (or "
+                        "ledger) was restored from an older copy, and Spark would replay "
+                        "batches the target holds. Restore the newest state, or start over "
+                        "with a new state_dir and Job(start_over_from="
+                        f"{self.incarnation!r})."
+                    )
+
     # -- registration (batch handler threads) -------------------------------------
+
+    def admit(self, pipeline: str, batch_id: int) -> bool:
+        """Whether Spark's batch ``batch_id`` of ``pipeline`` is new work.
+
+        False when this job committed the batch already and Spark plans it again
+        with the same offsets (its ``commits/N`` was lost, or an older Spark
+        checkpoint was restored): the batch is recognised as done and not
+        written. Raises :class:`RecoveryRefusedError` when the batch was
+        committed with other offsets, or its offsets are no longer known."""
+        cut = self.ledger.committed_cut(pipeline)
+        if batch_id > cut:
+            return True
+        planned = self._pipeline(pipeline).commit_log.offsets_digest(batch_id)
+        recorded = self.ledger.committed_digest(pipeline, batch_id)
+        if recorded is not None and planned == recorded:
+            log.warning(
+                "batch %d of %s was committed before (Spark lost its commit-log entry, or "
+                "an older Spark checkpoint was restored) and is planned with the same "
+                "offsets: recognised as done, not written again",
+                batch_id,
+                pipeline,
+            )
+            return False
+        why = (
+            "with other source offsets than the committed one"
+            if recorded is not None
+            else "and the ledger no longer knows its offsets to compare"
+        )
+        raise RecoveryRefusedError(
+            f"Spark plans batch {batch_id} of pipeline {pipeline!r} again, {why}, but this "
+            f"job committed batches up to {cut} already: its Spark checkpoint was restored "
+            "from an older copy or replaced. Writing it would duplicate or mix output. "
+            "Restore the pipeline's newest Spark checkpoint (under the state_dir), or start "
+            "over with a new state_dir."
+        )
 
     def register(
         self, pipeline: str, batch_id: int, committables: dict[str, list[Committable]]
     ) -> None:
         """Durably record every committable of (pipeline, batch) before the batch
         handler returns, i.e. before Spark writes ``commits/<batch_id>``."""
+        if batch_id <= self.ledger.committed_cut(pipeline):
+            raise RecoveryRefusedError(
+                f"batch {batch_id} of {pipeline!r} is at or below the last committed batch "
+                f"({self.ledger.committed_cut(pipeline)}); it is never registered again"
+            )
         stale = self.ledger.pending().get(pipeline, {}).get(batch_id)
         if stale:
             # Spark re-ran a batch we already registered: the earlier attempt's
@@ -82,7 +181,8 @@ class Coordinator:
                 "batch %d of %s re-run by Spark: aborting its earlier attempt", batch_id, pipeline
             )
             self._abort_batch(pipeline, stale)
-        self.ledger.record_batch(pipeline, batch_id, committables)
+        digest = self._pipeline(pipeline).commit_log.offsets_digest(batch_id)
+        self.ledger.record_batch(pipeline, batch_id, committables, digest)
 
     def abort_unregistered(self, pipeline: str, committables: dict[str, list[Committable]]) -> None:
         """Abort work of a batch that failed before registration (best effort)."""
@@ -190,7 +290,7 @@ class Coordinator:
                 return str(n) not in owned and (n.run < run or n.batch_id <= last)
 
             for sid, sink in ps.sinks.items():
-                sink.abort_lingering(JobScope(self.job, p, sid), is_orphan)
+                sink.abort_lingering(self.scope(p, sid), is_orphan)
 
     # -- recovery ---------------------------------------------------------------------
 
@@ -244,7 +344,7 @@ class Coordinator:
         owned = self.ledger.owned_txns()
         for p in pipelines:
             for sid, sink in self._pipeline(p).sinks.items():
-                sink.abort_lingering(JobScope(self.job, p, sid), lambda n: str(n) not in owned)
+                sink.abort_lingering(self.scope(p, sid), lambda n: str(n) not in owned)
 
     # -- helpers ----------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from lifecycle.pipeline import Pipeline, PipelineState, Transform
 from lifecycle.spark_log import SparkCommitLog
 from sinks.base import Sink
 from sinks.errors import ConfigError, PreflightError, TwoPhaseError
-from sinks.naming import check_id
+from sinks.naming import check_id, check_incarnation
 
 log = logging.getLogger("lifecycle.job")
 
@@ -105,6 +105,12 @@ class Job:
             in flight to finish before interrupting it. Nothing is lost either
             way: an interrupted batch's pre-committed work is rolled back and
             Spark replays the batch.
+        start_over_from: the incarnation id of a lost or abandoned state of this
+            job whose claim on the sinks this state takes over (an operator's
+            explicit choice, recorded in every sink; see :mod:`sinks.progress`).
+            Without it, a job whose sinks hold output of another incarnation
+            refuses before any data moves. ``twophase start-over STATE_DIR
+            --from ID`` makes the same choice for the next run.
     """
 
     def __init__(
@@ -116,6 +122,7 @@ class Job:
         *,
         final_checkpoint: str = "shared",
         stop_grace: float = 10.0,
+        start_over_from: str | None = None,
     ) -> None:
         if checkpoint_interval < 0:
             raise ConfigError("checkpoint_interval must be >= 0 seconds")
@@ -129,6 +136,9 @@ class Job:
         self.checkpoint_interval = float(checkpoint_interval)
         self.final_checkpoint = final_checkpoint
         self.stop_grace = float(stop_grace)
+        self.start_over_from = (
+            check_incarnation(start_over_from) if start_over_from is not None else None
+        )
         self._pipelines: dict[str, Pipeline] = {}
         self._wake = threading.Event()
         self._stop: bool | None = None  # None: no stop asked; else: drain?
@@ -318,7 +328,11 @@ class Job:
             for s in p.sinks:
                 s.check_checkpoint_interval(self.checkpoint_interval)
                 s.preflight(p.schema)
+        start_over = self._start_over_choice(ledger)
+        coord.claim_sinks(start_over)
+        control.clear_start_over(self.state_dir)
         coord.recover()
+        coord.check_sinks_behind_ledger()
         stale = control.take_request(self.state_dir)
         if stale is not None:
             log.warning("ignoring a stop request made while the job was not running")
@@ -346,6 +360,23 @@ class Job:
         finally:
             self.spark.streams.removeListener(listener)
         return self._result(coord, ledger, end_of_input)
+
+    def _start_over_choice(self, ledger: FileLedger) -> str | None:
+        """The incarnation to start over from: the argument, or a ``twophase
+        start-over`` request for this state_dir."""
+        requested = control.start_over_request(self.state_dir)
+        if requested and self.start_over_from and requested != self.start_over_from:
+            raise ConfigError(
+                f"Job(start_over_from={self.start_over_from!r}) and `twophase start-over "
+                f"--from {requested}` disagree: keep one"
+            )
+        choice = self.start_over_from or requested
+        if choice == ledger.incarnation:
+            raise ConfigError(
+                f"start_over_from={choice!r} is this state's own incarnation: starting over "
+                "from it needs a new state_dir"
+            )
+        return choice
 
     def _start(self, coord: Coordinator, p: Pipeline) -> None:
         """(Re)start the query of ``p`` with its batch handler."""

@@ -27,6 +27,7 @@ import copy
 import fcntl
 import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -133,6 +134,9 @@ class FileLedger:
                 "history": [],
                 "finished": [],
                 "totals": {},
+                "incarnation": secrets.token_hex(6),
+                "committed_cut": {},
+                "digests": {},
             }
         doc = json.loads(self.path.read_text())
         if doc.get("format") != FORMAT:
@@ -141,6 +145,9 @@ class FileLedger:
             raise ConfigError(
                 f"{self.path} belongs to job {doc['job']!r}, not {job!r}: use another state_dir"
             )
+        doc.setdefault("incarnation", secrets.token_hex(6))
+        doc.setdefault("committed_cut", {})
+        doc.setdefault("digests", {})
         doc["pending"] = {
             p: {int(b): sinks for b, sinks in batches.items()}
             for p, batches in doc["pending"].items()
@@ -167,6 +174,18 @@ class FileLedger:
     @property
     def job(self) -> str:
         return str(self._doc["job"])
+
+    @property
+    def incarnation(self) -> str:
+        return str(self._doc["incarnation"])
+
+    def committed_cut(self, pipeline: str) -> int:
+        with self._mutex:
+            return int(self._doc["committed_cut"].get(pipeline, -1))
+
+    def committed_digest(self, pipeline: str, batch_id: int) -> str | None:
+        with self._mutex:
+            return self._doc["digests"].get(pipeline, {}).get(str(batch_id))
 
     @property
     def run(self) -> int:
@@ -213,10 +232,16 @@ class FileLedger:
         return self.run
 
     def record_batch(
-        self, pipeline: str, batch_id: int, committables: dict[str, list[Committable]]
+        self,
+        pipeline: str,
+        batch_id: int,
+        committables: dict[str, list[Committable]],
+        digest: str | None = None,
     ) -> None:
         with self._change() as doc:
             doc["pending"].setdefault(pipeline, {})[batch_id] = committables
+            if digest is not None:
+                doc["digests"].setdefault(pipeline, {})[str(batch_id)] = digest
 
     def drop_batches(self, pipeline: str, batch_ids: list[int]) -> None:
         with self._change() as doc:
@@ -251,6 +276,7 @@ class FileLedger:
             if decided is None or decided["id"] != cp.id:
                 raise RuntimeError(f"checkpoint {cp.id} is not the decided one")
             for p, last in cp.cut.items():
+                doc["committed_cut"][p] = max(last, doc["committed_cut"].get(p, -1))
                 batches = doc["pending"].get(p, {})
                 for b in [b for b in batches if b <= last]:
                     del batches[b]

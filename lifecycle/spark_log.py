@@ -8,6 +8,7 @@ the answer is the same during a run and after a crash.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -34,3 +35,13 @@ class SparkCommitLog:
 
     def completed(self, batch_id: int) -> bool:
         return batch_id <= self.latest()
+
+    def offsets_digest(self, batch_id: int) -> str | None:
+        """A digest of the source offsets Spark planned for ``batch_id`` (its
+        ``offsets/<batch_id>`` entry without the metadata line, which holds
+        times), or None when Spark has not planned the batch."""
+        try:
+            lines = (self.location / "offsets" / str(batch_id)).read_text().splitlines()
+        except FileNotFoundError:
+            return None
+        return hashlib.sha256("\n".join(lines[2:]).encode()).hexdigest()[:32]

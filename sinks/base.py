@@ -26,7 +26,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from sinks.naming import TxnName
+from sinks.naming import TxnName, scope_prefix
+from sinks.progress import SinkProgress
 
 Committable = dict[str, Any]
 """What ``prepare`` returns: small, JSON-serialisable, self-describing.
@@ -37,15 +38,30 @@ Every committable carries at least ``"txn"`` (its transaction name, see
 
 @dataclass(frozen=True)
 class JobScope:
-    """Identifies the job, pipeline and sink a sink instance writes for."""
+    """Identifies the job, pipeline and sink a sink instance writes for, and the
+    incarnation (the ledger's random id) that writes. ``incarnation`` is None
+    only for work named before incarnations existed."""
 
     job: str
     pipeline: str
     sink_id: str
+    incarnation: str | None = None
 
     def txn_prefix(self) -> str:
-        """The prefix shared by every transaction name of this scope."""
-        return TxnName.scope_prefix(self.job, self.pipeline, self.sink_id)
+        """The prefix shared by every transaction name of this scope (this
+        incarnation's names only)."""
+        return scope_prefix(self.job, self.pipeline, self.sink_id, self.incarnation)
+
+    def own_prefixes(self) -> tuple[str, ...]:
+        """The prefixes of every name this incarnation may sweep: its own, and
+        those of the first format (work prepared before an upgrade, which the
+        upgraded ledger owns)."""
+        legacy = scope_prefix(self.job, self.pipeline, self.sink_id, None)
+        return (self.txn_prefix(),) if self.incarnation is None else (self.txn_prefix(), legacy)
+
+    def key(self) -> str:
+        """``job/pipeline/sink``: the scope in progress records and messages."""
+        return f"{self.job}/{self.pipeline}/{self.sink_id}"
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,7 @@ class WriteContext:
             batch_id=self.batch_id,
             partition=self.partition,
             attempt=self.attempt,
+            incarnation=self.scope.incarnation,
         )
 
 
@@ -140,6 +157,23 @@ class Sink(abc.ABC):
     def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
         """Abort every prepared transaction of ``scope`` for which ``is_orphan``
         is true; return the names aborted."""
+
+    def progress(self, scope: JobScope) -> SinkProgress:
+        """Read, from the target system, the progress record of ``scope``: which
+        incarnation holds the claim and the highest batch it has committed (see
+        :mod:`sinks.progress`). The default is a sink that remembers nothing."""
+        return SinkProgress(owner=None)
+
+    def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
+        """Atomically make ``scope.incarnation`` the owner of ``scope`` in the
+        target (before any data moves) and return the record as claimed.
+
+        Raises :class:`sinks.progress.IncarnationConflictError` when another
+        incarnation holds it, unless it is ``start_over_from`` (an operator's
+        explicit choice to start over, recorded in the target). Every commit
+        afterwards checks that the claim is still this incarnation's, and never
+        commits a batch at or below what the sink holds committed."""
+        return SinkProgress(owner=scope.incarnation)
 
     def check_checkpoint_interval(self, checkpoint_interval_s: float) -> None:  # noqa: B027
         """Raise :class:`sinks.errors.PreflightError` when prepared work could expire

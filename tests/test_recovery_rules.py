@@ -15,6 +15,7 @@ import pyarrow as pa
 import pytest
 
 from lifecycle.coordinator import Coordinator, PipelineSinks
+from lifecycle.errors import RecoveryRefusedError
 from lifecycle.ledger import FileLedger
 from lifecycle.spark_log import SparkCommitLog
 from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
@@ -58,14 +59,17 @@ class RecordingSink(Sink):
         gone = []
         for name in sorted(self.prepared):
             n = TxnName.parse(name)
-            if n and name.startswith(scope.txn_prefix()) and is_orphan(n):
+            if n and name.startswith(scope.own_prefixes()) and is_orphan(n):
                 gone.append(name)
         self.abort([{"txn": g} for g in gone])
         return gone
 
 
-def txn(batch: int, part: int = 0, run: int = 1, attempt: int = 0) -> str:
-    return str(TxnName("j", "p", "s", run, batch, part, attempt))
+INCARNATION = "0123456789ab"
+
+
+def txn(batch: int, part: int = 0, run: int = 1, attempt: int = 0, inc: str = INCARNATION) -> str:
+    return str(TxnName("j", "p", "s", run, batch, part, attempt, inc))
 
 
 def spark_completed(loc: Path, upto: int) -> None:
@@ -101,6 +105,7 @@ class World:
 @pytest.fixture
 def world(tmp_path: Path) -> World:
     ledger = FileLedger(tmp_path / "ledger", "j")
+    ledger._doc["incarnation"] = INCARNATION  # names in these tests are built with it
     ledger.begin_run()
     return World(RecordingSink(), ledger, tmp_path / "spark")
 
@@ -145,6 +150,19 @@ def test_unowned_prepared_work_is_swept(world: World) -> None:
     assert sink.prepared == set()
 
 
+def test_the_sweep_never_touches_another_incarnation(world: World) -> None:
+    """Two copies of a job (two state_dirs) writing one server: neither sweeps the
+    other's prepared work; first-format work (before an upgrade) is this ledger's."""
+    sink = world.sink
+    other = [txn(0, 0, inc="ba9876543210"), txn(5, 1, run=0, inc="ba9876543210")]
+    legacy = str(TxnName("j", "p", "s", 0, 0, 0, 0))
+    sink.prepared.update([*other, legacy])
+    world.spark_completed(0)
+    world.coordinator().recover()
+    assert sorted(sink.aborted) == [legacy]
+    assert sink.prepared == set(other)
+
+
 def test_checkpoint_sweeps_only_at_or_below_its_cut(world: World) -> None:
     sink = world.sink
     world.register(0)
@@ -181,3 +199,34 @@ def test_reregistered_batch_aborts_the_earlier_attempt(world: World) -> None:
     coord.register("p", 0, {"s": [{"txn": again[0], "rows": 1}]})
     assert sorted(sink.aborted) == sorted(first)
     assert ledger.owned_txns() == set(again)
+
+
+def spark_planned(loc: Path, batch: int, offsets: str) -> None:
+    (loc / "offsets").mkdir(parents=True, exist_ok=True)
+    (loc / "offsets" / str(batch)).write_text(f'v1\n{{"batchTimestampMs":{batch}}}\n{offsets}')
+
+
+def test_a_batch_committed_before_is_recognised_by_its_offsets(world: World) -> None:
+    """Spark lost commits/1 (or an older Spark checkpoint was restored) and plans
+    batch 1 again: same offsets, it is done and not written; other offsets refuse."""
+    spark_planned(world.loc, 0, '{"logOffset":0}')
+    spark_planned(world.loc, 1, '{"logOffset":1}')
+    coord = world.coordinator()
+    assert coord.admit("p", 0) and coord.admit("p", 1)
+    for b in (0, 1):
+        names = [txn(b, 0)]
+        world.sink.prepared.update(names)
+        coord.register("p", b, {"s": [{"txn": n, "rows": 1} for n in names]})
+    world.spark_completed(1)
+    coord.checkpoint()
+    assert world.ledger.committed_cut("p") == 1
+    (world.loc / "commits" / "1").unlink()  # the commit-log entry is lost
+    (world.loc / "offsets" / "1").write_text('v1\n{"batchTimestampMs":99}\n{"logOffset":1}')
+    assert coord.admit("p", 1) is False  # same offsets, another plan time: done
+    with pytest.raises(RecoveryRefusedError, match="at or below the last committed"):
+        coord.register("p", 1, {"s": []})
+    spark_planned(world.loc, 1, '{"logOffset":7}')
+    with pytest.raises(RecoveryRefusedError, match="other source offsets"):
+        coord.admit("p", 1)
+    assert coord.admit("p", 2)
+    assert sorted(world.sink.committed) == [txn(0, 0), txn(1, 0)]

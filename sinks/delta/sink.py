@@ -6,7 +6,8 @@ staged file of one ``commit`` call (one checkpoint of one pipeline) as ONE Delta
 version, through deltalake's ``create_write_transaction``, carrying an
 application transaction ``txn(appId, version)``:
 
-* ``appId`` is ``tp1.<job>.<pipeline>.<sink_id>`` (the scope of the transaction names);
+* ``appId`` is ``tp2.<job>.<pipeline>.<sink_id>.i<incarnation>`` (the scope of
+  the transaction names, :func:`sinks.delta.progress.progress_app`);
 * ``version`` is the highest Spark batch id among the committables. Spark batch
   ids of a pipeline only grow (a batch with a commit-log entry is never
   replayed, one without is replayed with the same id), and each commit call
@@ -14,12 +15,15 @@ application transaction ``txn(appId, version)``:
   a sink carry increasing versions: the scheme of delta-spark's own streaming
   sink (``txn(queryId, batchId)``), and it needs nothing from the coordinator.
 
-Idempotence: before committing, the table's latest ``txn`` version of the app id
-is read. Equal: this commit went through before (a crash or retry after the
-Delta commit): skip. Greater: the table holds later commits of this very
-job/pipeline/sink, so the job's state was reset or another job uses the same
-ids: refuse loudly rather than skip or duplicate. A concurrent commit of the
-same app id fails the delta-rs conflict check and is retried, which then skips.
+The table also records which incarnation owns the scope (the claim, see
+:mod:`sinks.delta.progress`). Before committing, on the snapshot the commit is
+built on: another incarnation owning the scope refuses the commit
+(:class:`~sinks.progress.IncarnationConflictError`); the incarnation's app
+version at or above this commit's means the batches are committed already
+(this very commit went through before a crash, or Spark replayed batches this
+incarnation committed): nothing is committed, and staged files left over are
+swept as orphans. The commit itself is made with ``max_commit_retries=0``:
+when another writer committed first, the checks run again on the new snapshot.
 
 Before anything is committed every staged file is checked: present (else
 :class:`TransactionLostError`), the size and row count recorded at prepare, no
@@ -54,7 +58,7 @@ from deltalake.transaction import AddAction
 from sinks import _faults
 from sinks._retry import retry_transient
 from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
-from sinks.delta import table
+from sinks.delta import progress, table
 from sinks.delta.layout import DeltaSchemaError, Layout, delta_type_name, incompatibility
 from sinks.delta.storage import (
     DATA_SUFFIX,
@@ -67,6 +71,7 @@ from sinks.delta.storage import (
 from sinks.delta.writer import DeltaWriter
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
 from sinks.naming import TxnName, check_id
+from sinks.progress import SinkProgress, conflict, may_claim
 
 log = logging.getLogger("sinks.delta")
 
@@ -75,7 +80,7 @@ _TRANSIENT = (CommitFailedError, OSError)
 
 def app_id(scope: JobScope) -> str:
     """The Delta application id under which a scope's commits are recorded."""
-    return scope.txn_prefix().rstrip(".")
+    return progress.progress_app(scope)
 
 
 class DeltaSink(Sink):
@@ -133,6 +138,8 @@ class DeltaSink(Sink):
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
         self._storage = TableStorage(self.table_uri, self.storage_options)
         self._layout: Layout | None = None
+        # (job, pipeline, sink id) -> the incarnation this instance claimed it for
+        self._owners: dict[tuple[str, str, str], str] = {}
 
     def _default_id(self) -> str:
         digest = hashlib.sha1(self.table_uri.encode()).hexdigest()[:6]
@@ -187,6 +194,14 @@ class DeltaSink(Sink):
             if dt is None:
                 raise DeltaSchemaError(f"{where} vanished right after it was created")
         table.check_writable(dt, where)
+        retention = dt.metadata().configuration.get(progress.RETENTION_PROPERTY)
+        if retention is not None:
+            raise DeltaSchemaError(
+                f"{where} sets {progress.RETENTION_PROPERTY}={retention}: Delta would expire "
+                "the app transactions in which this sink remembers what it committed, and "
+                "then a replayed batch could be committed twice. Unset the property "
+                "(ALTER TABLE ... UNSET TBLPROPERTIES)"
+            )
         layout = table.layout_of(dt)
         if self.partition_by is not None and list(layout.partition_by) != self.partition_by:
             raise DeltaSchemaError(
@@ -207,6 +222,39 @@ class DeltaSink(Sink):
 
     # -- driver side: commit ---------------------------------------------------------
 
+    # -- progress and claims -----------------------------------------------------------
+
+    def progress(self, scope: JobScope) -> SinkProgress:
+        dt = self._load()
+        return progress.read(dt, scope) if dt is not None else SinkProgress(owner=None)
+
+    def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
+        ours = scope.incarnation
+        assert ours is not None
+
+        def claim_once() -> SinkProgress:
+            dt = self._load()
+            if dt is None:
+                raise PreflightError(f"{self.describe()} does not exist (preflight creates it)")
+            found = progress.read(dt, scope)
+            if not may_claim(found, ours, start_over_from):
+                raise conflict(self.describe(), scope.key(), found, ours)
+            if found.owner == ours:
+                return found
+            progress.commit_claim(dt, scope, previous=found.owner)  # compare-and-set
+            return SinkProgress(owner=ours, batch=-1, previous=found.owner)
+
+        found = retry_transient(
+            claim_once,
+            what=f"claim of {scope.key()} in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+        self._owners[(scope.job, scope.pipeline, scope.sink_id)] = ours
+        return found
+
+    # -- driver side: commit ---------------------------------------------------------
+
     def commit(self, committables: Sequence[Committable]) -> None:
         """Commit every staged file of ``committables`` as one Delta version with
         ``txn(app id, highest batch id)``; skip when the table has that version."""
@@ -214,40 +262,50 @@ class DeltaSink(Sink):
         if not cs:
             return
         names = [_parse(c["txn"]) for c in cs]
-        scopes = {JobScope(n.job, n.pipeline, n.sink_id) for n in names}
+        scopes = {JobScope(n.job, n.pipeline, n.sink_id, n.incarnation) for n in names}
         if len(scopes) != 1 or next(iter(scopes)).sink_id != self.sink_id:
             raise ValueError(
-                f"{self!r} got committables of {sorted(map(str, scopes))}; one commit call "
-                f"takes the committables of one pipeline's sink {self.sink_id!r}"
+                f"{self!r} got committables of {sorted(s.key() for s in scopes)}; one commit "
+                f"call takes the committables of one pipeline's sink {self.sink_id!r} and "
+                "one incarnation"
             )
-        app = app_id(scopes.pop())
+        scope = scopes.pop()
         version = max(n.batch_id for n in names)
+        app = app_id(scope)
         retry_transient(
-            lambda: self._commit_once(cs, app, version),
+            lambda: self._commit_once(cs, scope, version),
             what=f"commit of {len(cs)} staged transaction(s) as {app} v{version} "
             f"to {self.describe()}",
             transient=_TRANSIENT,
             deadline=self.commit_timeout,
         )
 
-    def _commit_once(self, cs: list[Committable], app: str, version: int) -> None:
+    def _commit_once(self, cs: list[Committable], scope: JobScope, version: int) -> None:
         where = self.describe()
+        app = app_id(scope)
         dt = self._load()
         if dt is None:
             raise TransactionLostError(
                 f"{where} does not exist any more; the staged files of {len(cs)} "
                 "transaction(s) cannot be committed"
             )
+        owner = self._owners.get((scope.job, scope.pipeline, scope.sink_id), scope.incarnation)
+        found = progress.read(dt, scope)
+        if found.owner is not None and owner is not None and found.owner != owner:
+            raise conflict(where, scope.key(), found, owner, at_commit=True)
         done = dt.transaction_version(app)
-        if done is not None and done > version:
-            raise ConfigError(
-                f"{where} already holds commits of {app} up to batch {done}, later than "
-                f"batch {version} being committed now: the job's state (state_dir) was reset "
-                "or another job uses the same job, pipeline and sink ids. Committing would "
-                "duplicate rows; use a new sink_id (or job name) for a fresh start"
+        if done is not None and done >= version:
+            log.info(
+                "%s: %s holds batches up to %d committed, this commit's are up to %d: "
+                "committed already (files of a replay, if any, are deleted)",
+                where,
+                app,
+                done,
+                version,
             )
-        if done == version:
-            log.info("%s: %s v%d is committed already; nothing to do", where, app, version)
+            # This very commit's files are in the table (kept); a replay's are not.
+            self._delete_staged([a["path"] for c in cs for a in c["adds"]])
+            return
         else:
             table.check_writable(dt, where)
             layout = table.layout_of(dt)
@@ -260,6 +318,7 @@ class DeltaSink(Sink):
                 commit_properties=CommitProperties(
                     app_transactions=[Transaction(app, version, int(time.time() * 1000))],
                     custom_metadata={"twophaseApp": app, "twophaseBatch": version},
+                    max_commit_retries=0,  # compare-and-set: the checks above held
                 ),
             )
             log.debug(
@@ -352,10 +411,10 @@ class DeltaSink(Sink):
         )
 
     def _sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        prefix = scope.txn_prefix()
+        prefixes = scope.own_prefixes()
         orphans: dict[str, list[str]] = {}
         for stem in self._storage.list_files(STAGING_DIR):
-            parts = split_stem(stem) if stem.startswith(prefix) else None
+            parts = split_stem(stem) if stem.startswith(prefixes) else None
             name = TxnName.parse(parts[0]) if parts else None
             if name is not None and is_orphan(name):
                 orphans.setdefault(str(name), []).append(stem)

@@ -101,12 +101,23 @@ class TableStorage:
     # -- writing ---------------------------------------------------------------
 
     def open_output(self, rel: str) -> pa.NativeFile:
-        """Create (or truncate) ``rel`` for streaming writes."""
+        """Create ``rel`` for streaming writes, exclusively: when a file of that
+        name exists, raise :class:`FileExistsError` (never truncate it). Names
+        carry the job's incarnation, run and task attempt, so a collision means
+        something reused a name, which must never overwrite a committed file.
+
+        Local disks: ``O_CREAT | O_EXCL``. Object stores: the name is checked
+        before the upload starts (a check, not an atomic create-if-absent)."""
         if self.root is not None:
-            os.makedirs(os.path.dirname(self.path(rel)), exist_ok=True)
-            return self.fs.open_output_stream(self.path(rel))
+            path = self.path(rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.close(fd)  # ours now; the stream below only truncates our empty file
+            return self.fs.open_output_stream(path)
         if self._store is None:
             _ = self.fs
+        if self.info(rel) is not None:
+            raise FileExistsError(f"{self.table_uri}/{rel} exists already; not overwriting it")
         return pa.PythonFile(_ObjectOutput(self._store.open_output_stream(rel, None)), mode="w")
 
     def put(self, rel: str, data: bytes) -> None:

@@ -26,8 +26,10 @@ from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, Writ
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
 from sinks.naming import TxnName, check_id
 from sinks.postgres import catalog
+from sinks.postgres.progress import PROGRESS_DDL, ProgressTable
 from sinks.postgres.types import wire_type
 from sinks.postgres.writer import PostgresWriter
+from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.postgres")
 
@@ -104,6 +106,8 @@ class PostgresSink(Sink):
         self.lock_timeout = lock_timeout if lock_timeout is not None else _auto_lock_timeout(0.0)
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
         self._wire: pa.Schema | None = None
+        # (job, pipeline, sink id) -> the incarnation this instance claimed it for
+        self._owners: dict[tuple[str, str, str], str] = {}
 
     # -- identity ---------------------------------------------------------------
 
@@ -124,6 +128,15 @@ class PostgresSink(Sink):
     @property
     def marker_ident(self) -> sql.Composable:
         return sql.Identifier(self.marker_schema, self.marker_name)
+
+    @property
+    def progress_table(self) -> ProgressTable:
+        return ProgressTable(
+            sql.Identifier(self.marker_schema, "progress"),
+            self.marker_ident,
+            f"{self.schema}.{self.table}",
+            self.describe(),
+        )
 
     def describe(self) -> str:
         info = conninfo_to_dict(self.dsn)
@@ -206,6 +219,7 @@ class PostgresSink(Sink):
         for stmt in (
             sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.marker_schema)),
             sql.SQL(catalog.MARKER_DDL).format(marker=self.marker_ident),
+            sql.SQL(PROGRESS_DDL).format(progress=sql.Identifier(self.marker_schema, "progress")),
         ):
             try:
                 conn.execute(stmt)
@@ -244,6 +258,46 @@ class PostgresSink(Sink):
             "ORDER BY {keys}, ctid DESC ON CONFLICT ({keys}) {action}"
         ).format(t=self.table_ident, cols=cols, keys=keys, s=stage, action=action)
 
+    # -- progress and claims -----------------------------------------------------------
+
+    def progress(self, scope: JobScope) -> SinkProgress:
+        def read() -> SinkProgress:
+            with self.connect(application_name="twophase-progress") as conn:
+                return self.progress_table.read(conn, scope)
+
+        return retry_transient(
+            read,
+            what=f"read of the progress of {scope.key()} in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+
+    def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
+        def claim() -> SinkProgress:
+            with self.connect(application_name="twophase-claim") as conn:
+                self._ensure_markers(conn)
+                return self.progress_table.claim(conn, scope, start_over_from)
+
+        found = retry_transient(
+            claim,
+            what=f"claim of {scope.key()} in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+        assert scope.incarnation is not None
+        self._owners[(scope.job, scope.pipeline, scope.sink_id)] = scope.incarnation
+        return found
+
+    def _owner_scopes(self, gids: list[str]) -> dict[JobScope, list[str]]:
+        """Group ``gids`` by the scope (with the owning incarnation) they commit in:
+        the incarnation this instance claimed, else the one in the name."""
+        groups: dict[JobScope, list[str]] = {}
+        for gid in gids:
+            n = _parse(gid)
+            owner = self._owners.get((n.job, n.pipeline, n.sink_id), n.incarnation)
+            groups.setdefault(JobScope(n.job, n.pipeline, n.sink_id, owner), []).append(gid)
+        return groups
+
     # -- driver side: commit, abort, sweep --------------------------------------------
 
     def _prepared(self, conn: psycopg.Connection, gids: list[str]) -> set[str]:
@@ -270,9 +324,25 @@ class PostgresSink(Sink):
             missing = [g for g in gids if g not in prepared]
             if missing:
                 self._check_committed(conn, missing)
+            replays: list[str] = []
+            for scope, names in self._owner_scopes(sorted(prepared)).items():
+                if scope.incarnation is None:
+                    continue  # first-format work of a ledger that never claimed
+                self.progress_table.check_owner(conn, scope)
+                settled = self.progress_table.settled_batch(conn, scope)
+                replays += [g for g in names if _parse(g).batch_id <= settled]
+            if replays:
+                log.warning(
+                    "%s: %d transaction(s) re-write batches this sink holds committed "
+                    "already (a replay); rolling them back instead of committing: %s",
+                    self.describe(),
+                    len(replays),
+                    replays[:5],
+                )
+                self._rollback(replays)
             done = 0
             for gid in gids:
-                if gid not in prepared:
+                if gid not in prepared or gid in replays:
                     continue
                 try:
                     conn.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
@@ -317,8 +387,8 @@ class PostgresSink(Sink):
             with self.connect(application_name="twophase-recover") as conn:
                 rows = conn.execute(
                     "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
-                    " AND starts_with(gid, %s)",
-                    (scope.txn_prefix(),),
+                    " AND EXISTS (SELECT FROM unnest(%s::text[]) p WHERE starts_with(gid, p))",
+                    (list(scope.own_prefixes()),),
                 ).fetchall()
             orphans = []
             for (gid,) in rows:
@@ -340,18 +410,26 @@ class PostgresSink(Sink):
         return aborted
 
     def forget(self, committables: Sequence[Committable]) -> None:
+        """Record the committed batches in the progress row and delete their markers."""
         gids = [c["txn"] for c in committables]
         if not gids:
             return
         try:
             with self.connect(application_name="twophase-cleanup") as conn:
-                conn.execute(
-                    sql.SQL("DELETE FROM {} WHERE gid = ANY(%s)").format(self.marker_ident),
-                    (gids,),
-                )
-        except psycopg.OperationalError as e:  # harmless: markers are only bookkeeping
+                for scope, names in self._owner_scopes(gids).items():
+                    batch = max(_parse(g).batch_id for g in names)
+                    self.progress_table.settle(conn, scope, batch, names)
+        except psycopg.OperationalError as e:  # harmless: the markers still say it
             log.warning(
-                "could not delete %d commit markers (%s); they are harmless bookkeeping rows",
+                "could not record the progress of %d committed transactions (%s); their "
+                "commit markers stay and say the same",
                 len(gids),
                 e,
             )
+
+
+def _parse(gid: str) -> TxnName:
+    name = TxnName.parse(gid)
+    if name is None:
+        raise ValueError(f"{gid!r} is not a transaction name of this project")
+    return name

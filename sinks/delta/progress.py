@@ -1,0 +1,102 @@
+"""The Delta sink's memory of its own progress (see :mod:`sinks.progress`).
+
+Everything lives in Delta **app transactions** (``txn`` actions), which are
+part of the table's state: every Delta checkpoint carries the latest ``txn`` of
+each app id, so they survive log cleanup, unlike commit info. (A table
+property ``delta.setTransactionRetentionDuration`` would expire them; preflight
+refuses such a table.) Per scope (job, pipeline, sink):
+
+* ``tp2.<job>.<pipeline>.<sink>.owner``: its version is the owner incarnation
+  (12 hex digits read as a 48-bit number);
+* ``tp2.<job>.<pipeline>.<sink>.previous``: the incarnation a start-over took
+  the claim from;
+* ``tp2.<job>.<pipeline>.<sink>.i<incarnation>`` (:func:`progress_app`): its
+  version is the highest batch that incarnation committed. It is written by the
+  very commit that adds the batch's files, so the table holds the rows and the
+  record of them, or neither.
+
+A claim and every data commit are compare-and-set: the commit is built on the
+snapshot that was checked and made with ``max_commit_retries=0``, so when
+another writer committed in between, delta-rs does not rebase it: it fails,
+and the check runs again on the new snapshot. Two jobs claiming at the same
+instant both try to create the same log version; one wins, the other re-reads
+and finds the winner's claim.
+"""
+
+from __future__ import annotations
+
+import time
+
+from deltalake import CommitProperties, DeltaTable, Transaction
+
+from sinks.base import JobScope
+from sinks.naming import scope_prefix
+from sinks.progress import SinkProgress
+
+RETENTION_PROPERTY = "delta.setTransactionRetentionDuration"
+
+
+def _base(scope: JobScope) -> str:
+    return f"tp2.{scope.job}.{scope.pipeline}.{scope.sink_id}"
+
+
+def owner_app(scope: JobScope) -> str:
+    return _base(scope) + ".owner"
+
+
+def previous_app(scope: JobScope) -> str:
+    return _base(scope) + ".previous"
+
+
+def progress_app(scope: JobScope) -> str:
+    """The app id under which ``scope.incarnation``'s commits are recorded
+    (``tp1.<job>.<pipeline>.<sink>`` for first-format work)."""
+    return scope_prefix(scope.job, scope.pipeline, scope.sink_id, scope.incarnation).rstrip(".")
+
+
+def _number(incarnation: str) -> int:
+    return int(incarnation, 16)
+
+
+def _incarnation(number: int | None) -> str | None:
+    return None if number is None else format(number, "012x")
+
+
+def read(dt: DeltaTable, scope: JobScope) -> SinkProgress:
+    """The progress record of ``scope`` in the snapshot ``dt``."""
+    owner = _incarnation(dt.transaction_version(owner_app(scope)))
+    if owner is None:
+        return SinkProgress(owner=None)
+    mine = JobScope(scope.job, scope.pipeline, scope.sink_id, owner)
+    batch = dt.transaction_version(progress_app(mine))
+    return SinkProgress(
+        owner=owner,
+        batch=-1 if batch is None else batch,
+        previous=_incarnation(dt.transaction_version(previous_app(scope))),
+    )
+
+
+def claim_transactions(scope: JobScope, previous: str | None) -> list[Transaction]:
+    """The ``txn`` actions that make ``scope.incarnation`` the owner."""
+    assert scope.incarnation is not None
+    now = int(time.time() * 1000)
+    txns = [Transaction(owner_app(scope), _number(scope.incarnation), now)]
+    if previous is not None:
+        txns.append(Transaction(previous_app(scope), _number(previous), now))
+    return txns
+
+
+def commit_claim(dt: DeltaTable, scope: JobScope, previous: str | None) -> None:
+    """Commit a claim on top of exactly the snapshot ``dt`` (raises
+    ``CommitFailedError`` when another commit came first)."""
+    dt.create_write_transaction(
+        [],
+        mode="append",
+        schema=dt.schema(),
+        partition_by=dt.metadata().partition_columns or None,
+        commit_properties=CommitProperties(
+            app_transactions=claim_transactions(scope, previous),
+            custom_metadata={"twophaseClaim": scope.key(), "twophaseOwner": scope.incarnation},
+            max_commit_retries=0,
+        ),
+    )
