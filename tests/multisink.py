@@ -54,6 +54,7 @@ class Run:
         interval: float = 0.0,
         files_per_batch: int = 1,
         extra: list[str] | None = None,
+        wait: bool = True,
     ) -> JobProcess:
         opts = {
             "dsn": self.dsn,
@@ -69,6 +70,8 @@ class Run:
         }
         args = [a for k, v in opts.items() if v is not None for a in (f"--{k}", v)]
         log = self.tmp / f"job-{'fault' if fault else 'clean'}.log"
+        if not wait:
+            return JobProcess("multi_sink_job.py", [*args, *(extra or [])], log, fault, self.env)
         return run_job(
             "multi_sink_job.py", [*args, *(extra or [])], log, fault, timeout=240, env=self.env
         )
@@ -100,5 +103,5 @@ class Run:
                 assert len(set(cp["rows"].values())) == 1, f"sinks disagree: {cp}"
         if "delta" not in self.sinks:
             return []
-        app = app_id(JobScope(self.job, "load", SINK_IDS["delta"]))
+        app = app_id(JobScope(self.job, "load", SINK_IDS["delta"], doc["incarnation"]))
         return deltacheck.assert_one_version_per_checkpoint(uri, doc, "load", LABELS["delta"], app)

@@ -13,8 +13,8 @@ def job_prepared(dsn: str, job: str) -> list[str]:
     with psycopg.connect(dsn) as c:
         rows = c.execute(
             "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
-            " AND starts_with(gid, %s)",
-            (TxnName.job_prefix(job),),
+            " AND (starts_with(gid, %s) OR starts_with(gid, %s))",
+            TxnName.job_prefixes(job),
         ).fetchall()
     return [r[0] for r in rows]
 

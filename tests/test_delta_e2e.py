@@ -68,13 +68,17 @@ def test_bounded_job_exactly_once_one_version_per_checkpoint(spark, tmp_path, in
     assert rows.num_rows == n
 
     # one Delta version per checkpoint that committed rows, carrying txn(app, cut)
-    app = app_id(JobScope("de2e", "load", "orders"))
     ledger = read_ledger(tmp_path / "state")
     assert ledger is not None and ledger["pending"] == {} and ledger["decided"] is None
+    app = app_id(JobScope("de2e", "load", "orders", ledger["incarnation"]))
     vs = deltacheck.assert_created_once(uri)
     assert vs[0].operation == "CREATE TABLE"  # created by the sink's preflight
+    # version 1: the claim (only the owner's app transaction, no data)
+    assert vs[1].files == [] and vs[1].app_txns == {
+        "tp2.de2e.load.orders.owner": int(ledger["incarnation"], 16)
+    }
     ours = deltacheck.assert_one_version_per_checkpoint(uri, ledger, "load", label, app)
-    assert [v.version for v in ours] == list(range(1, len(vs)))  # nothing else wrote
+    assert [v.version for v in ours] == list(range(2, len(vs)))  # nothing else wrote
     assert DeltaTable(uri).transaction_version(app) == 4  # the last of 5 batches
     assert set().union(*(v.batches() for v in ours)) == set(range(5))
     if interval == 0:
@@ -260,10 +264,10 @@ def test_jobs_racing_to_create_the_table(spark, tmp_path, monkeypatch, caplog): 
     assert dt.metadata().partition_columns == ["kind"]
     assert [f.name for f in dt.schema().fields] == ["id", "name", "amount", "kind"]
     for name in starts:
-        app = app_id(JobScope(name, "load", "orders"))
-        assert dt.transaction_version(app) == 1  # 2 batches each
         ledger = read_ledger(tmp_path / f"state-{name}")
         assert ledger is not None
+        app = app_id(JobScope(name, "load", "orders", ledger["incarnation"]))
+        assert dt.transaction_version(app) == 1  # 2 batches each
         deltacheck.assert_one_version_per_checkpoint(
             uri, ledger, "load", sink_label("load", "orders"), app
         )

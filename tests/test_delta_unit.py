@@ -32,11 +32,13 @@ from sinks.base import Committable, JobScope, WriteContext
 from sinks.delta import DeltaSchemaError, DeltaSink
 from sinks.delta.sink import app_id
 from sinks.delta.storage import STAGING_DIR, TableStorage
-from sinks.errors import ConfigError, PreflightError, TransactionLostError
+from sinks.errors import PreflightError, TransactionLostError
 from sinks.naming import TxnName
+from sinks.progress import IncarnationConflictError
 from tests.services import free_port
 
 UTC = dt.timezone.utc
+INCARNATION = "0123456789ab"
 SCHEMA = pa.schema(
     [
         ("id", pa.int64()),
@@ -125,7 +127,7 @@ def uri(tmp_path: Path) -> str:
 
 @pytest.fixture
 def scope() -> JobScope:
-    return JobScope("job1", "live", "orders")
+    return JobScope("job1", "live", "orders", INCARNATION)
 
 
 @pytest.fixture
@@ -195,12 +197,22 @@ def test_later_checkpoints_get_new_versions_and_an_older_one_is_refused(
     assert DeltaTable(uri).transaction_version(app_id(scope)) == 3
     assert ids(uri) == list(range(30))
 
-    # work of batch 2 showing up after batch 3 was committed: a reset state_dir or
-    # another job with the same ids. Neither skipped silently nor duplicated.
+    # work of batch 2 showing up after batch 3 was committed by this incarnation (a
+    # replay): recognised as done, not committed again, its staged file deleted.
     stale = [stage(sink, scope, 2, 1, [rows(30, 5)], run=2)]
-    with pytest.raises(ConfigError, match="later than batch 2"):
-        sink.commit(stale)
+    sink.commit(stale)
     assert version(uri) == 2
+    assert ids(uri) == list(range(30))
+    assert not os.path.exists(os.path.join(uri, stale[0]["adds"][0]["path"]))
+
+    # the same batches written by another incarnation (a lost state_dir) are not
+    # this incarnation's progress: they commit under their own app id only if it
+    # holds the claim, else the commit refuses
+    sink.claim(scope)
+    other = JobScope(scope.job, scope.pipeline, scope.sink_id, "ba9876543210")
+    foreign = [stage(sink, other, 2, 1, [rows(30, 5)], run=1)]
+    with pytest.raises(IncarnationConflictError, match="another start took the claim over"):
+        sink.commit(foreign)
     assert ids(uri) == list(range(30))
 
 
@@ -236,7 +248,7 @@ def test_two_sinks_committing_concurrently_both_land(uri: str) -> None:
 
     def run(i: int) -> None:
         s = sinks[i]
-        sc = JobScope("job1", "live", s.sink_id)
+        sc = JobScope("job1", "live", s.sink_id, INCARNATION)
         try:
             for b in range(5):
                 start = i * 1000 + b * 10
@@ -253,7 +265,8 @@ def test_two_sinks_committing_concurrently_both_land(uri: str) -> None:
     assert ids(uri) == sorted([*range(0, 50), *range(1000, 1050)])
     assert version(uri) == 10
     t = DeltaTable(uri)
-    assert [t.transaction_version(f"tp1.job1.live.s{i}") for i in range(2)] == [4, 4]
+    apps = [f"tp2.job1.live.s{i}.i{INCARNATION}" for i in range(2)]
+    assert [t.transaction_version(a) for a in apps] == [4, 4]
 
 
 def test_large_partitions_roll_row_groups_and_files(
@@ -358,14 +371,14 @@ def test_abort_lingering_deletes_orphans_never_committed_files(
     # an earlier attempt of the same partition that died after writing (no close)
     w = sink.open_writer(WriteContext(scope, 1, 1, 0, 9), SCHEMA)
     w.write(rows(1000, 10))
-    dead = "tp1.job1.live.orders.r1.b1.p0.a9"
+    dead = f"tp2.job1.live.orders.i{INCARNATION}.r1.b1.p0.a9"
     # a prepared task of batch 2 the ledger owns, and one of batch 3 still running
     owned = stage(sink, scope, 2, 0, [rows(10, 10)])
     running = stage(sink, scope, 3, 0, [rows(20, 10)])
     # another sink's orphan in the same table is not this scope's business
     other = DeltaSink(uri, partition_by=["kind"], sink_id="other")
     other.preflight(SCHEMA)
-    foreign = stage(other, JobScope("job1", "live", "other"), 1, 0, [rows(5000, 5)])
+    foreign = stage(other, JobScope("job1", "live", "other", INCARNATION), 1, 0, [rows(5000, 5)])
 
     seen: list[TxnName] = []
 
@@ -745,7 +758,7 @@ def test_s3_commit_abort_and_sweep(s3_options: dict[str, str], scope: JobScope) 
     sink.abort([dropped])
     assert all(store.info(a["path"]) is None for a in dropped["adds"])
     swept = sink.abort_lingering(scope, lambda n: True)
-    assert swept == ["tp1.job1.live.orders.r1.b1.p3.a999"]
+    assert swept == [f"tp2.job1.live.orders.i{INCARNATION}.r1.b1.p3.a999"]
     assert store.list_files(STAGING_DIR) == []
     assert sorted(table().to_pyarrow_table(columns=["id"]).column("id").to_pylist()) == list(
         range(3000)

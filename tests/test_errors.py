@@ -98,14 +98,16 @@ def test_too_large_kafka_record_names_the_limit_and_the_setting(  # type: ignore
 def test_the_kinds_are_told_apart(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
     """A commit failure spans a checkpoint; a recovery refusal stops the start."""
     with psycopg.connect(pg_dsn, autocommit=True) as c:
-        c.execute("CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8)")
+        for t in ("lost", "ok"):  # each state_dir (incarnation) its own table
+            c.execute(f"CREATE TABLE {t} (id bigint PRIMARY KEY, name text, amount float8)")
     write_input(tmp_path / "in", files=1, rows_per_file=20)
-    sink = PostgresSink(pg_dsn, "orders", commit_timeout=5)
+    sinks = {t: PostgresSink(pg_dsn, t, commit_timeout=5, sink_id="orders") for t in ("lost", "ok")}
+    sink = sinks["lost"]
 
     def make(state: str) -> Job:
         job = Job(spark, "kinds", tmp_path / state, checkpoint_interval=0)
         df = spark.readStream.schema(INPUT_SCHEMA).json(str(tmp_path / "in"))
-        job.add_pipeline("load", df, [sink], bounded=True)
+        job.add_pipeline("load", df, [sinks[state]], bounded=True)
         return job
 
     _faults.register("driver.before_commit", lambda: rollback_prepared(pg_dsn, "kinds"))

@@ -289,7 +289,7 @@ class DeltaSink(Sink):
                 f"{where} does not exist any more; the staged files of {len(cs)} "
                 "transaction(s) cannot be committed"
             )
-        owner = self._owners.get((scope.job, scope.pipeline, scope.sink_id), scope.incarnation)
+        owner = scope.incarnation or self._owners.get((scope.job, scope.pipeline, scope.sink_id))
         found = progress.read(dt, scope)
         if found.owner is not None and owner is not None and found.owner != owner:
             raise conflict(where, scope.key(), found, owner, at_commit=True)
@@ -304,7 +304,12 @@ class DeltaSink(Sink):
                 version,
             )
             # This very commit's files are in the table (kept); a replay's are not.
-            self._delete_staged([a["path"] for c in cs for a in c["adds"]])
+            committed = table.committed_paths(dt)
+            for c in cs:
+                for a in c["adds"]:
+                    if a["path"] not in committed:
+                        self._storage.delete(a["path"])
+                    self._storage.delete(marker_path(a["path"]))
             return
         else:
             table.check_writable(dt, where)

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 STAGING_DIR = "_twophase/staged"
 DATA_SUFFIX = ".snappy.parquet"
-_STEM = re.compile(r"^(?P<txn>tp1\..+\.a\d+)-(?P<seq>\d+)$")
+_STEM = re.compile(r"^(?P<txn>tp[12]\..+\.a\d+)-(?P<seq>\d+)$")
 
 
 def file_stem(txn: str, seq: int) -> str:

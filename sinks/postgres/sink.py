@@ -290,11 +290,12 @@ class PostgresSink(Sink):
 
     def _owner_scopes(self, gids: list[str]) -> dict[JobScope, list[str]]:
         """Group ``gids`` by the scope (with the owning incarnation) they commit in:
-        the incarnation this instance claimed, else the one in the name."""
+        the incarnation in the name; for first-format names, the one this
+        instance claimed the scope for."""
         groups: dict[JobScope, list[str]] = {}
         for gid in gids:
             n = _parse(gid)
-            owner = self._owners.get((n.job, n.pipeline, n.sink_id), n.incarnation)
+            owner = n.incarnation or self._owners.get((n.job, n.pipeline, n.sink_id))
             groups.setdefault(JobScope(n.job, n.pipeline, n.sink_id, owner), []).append(gid)
         return groups
 

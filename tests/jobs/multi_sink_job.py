@@ -41,6 +41,7 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=0.0)
     ap.add_argument("--files-per-batch", type=int, default=1)
     ap.add_argument("--sinks", default="pg,kafka,delta")
+    ap.add_argument("--start-over-from", default=None)
     ap.add_argument("--probe", default=None, help="a driver-side path executors must not see")
     args = ap.parse_args()
     spark = start_driver(args.job)
@@ -74,7 +75,13 @@ def main() -> int:
             sinks.append(DeltaSink(args.delta, partition_by=["part"], sink_id=SINK_IDS["delta"]))
         else:
             ap.error(f"unknown sink {kind!r}")
-    job = Job(spark, args.job, args.state, checkpoint_interval=args.interval)
+    job = Job(
+        spark,
+        args.job,
+        args.state,
+        checkpoint_interval=args.interval,
+        start_over_from=args.start_over_from,
+    )
     job.add_pipeline("load", df, sinks, bounded=True)
     return finish(spark, job.run())
 
