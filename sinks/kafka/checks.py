@@ -112,3 +112,50 @@ def check_transaction_timeout(wire: KafkaWire, sink: KafkaSink) -> None:
             "check the TransactionalId ACLs (WRITE and DESCRIBE on the "
             "transactional_id_prefix) and IdempotentWrite on the cluster"
         )
+
+
+def min_safe_timeout_ms(
+    checkpoint_interval_s: float,
+    *,
+    batch_duration_s: float = 60.0,
+    commit_timeout_s: float = 300.0,
+    restart_s: float = 300.0,
+) -> int:
+    """The smallest ``transaction_timeout_ms`` that cannot abort a prepared
+    transaction before its commit.
+
+    A transaction opens at a task's first write of batch N and is committed
+    by the first checkpoint after Spark completed N: it stays open for up to
+    the batch's duration, plus one checkpoint interval, plus the commit's
+    retries (``commit_timeout``), plus the time to restart a crashed driver
+    (recovery commits it). If it is open longer, Apache Kafka aborts it and
+    its rows are lost (the commit then raises TransactionLostError)."""
+    total = batch_duration_s + max(0.0, checkpoint_interval_s) + commit_timeout_s + restart_s
+    return int(total * 1000)
+
+
+def check_checkpoint_interval(
+    sink: KafkaSink,
+    checkpoint_interval_s: float,
+    *,
+    batch_duration_s: float = 60.0,
+    restart_s: float = 300.0,
+) -> None:
+    """Raise :class:`PreflightError` when the sink's ``transaction_timeout_ms`` is
+    smaller than :func:`min_safe_timeout_ms` for this checkpoint interval."""
+    need = min_safe_timeout_ms(
+        checkpoint_interval_s,
+        batch_duration_s=batch_duration_s,
+        commit_timeout_s=sink.commit_timeout,
+        restart_s=restart_s,
+    )
+    if sink.transaction_timeout_ms < need:
+        raise PreflightError(
+            f"{sink.describe()}: transaction_timeout_ms={sink.transaction_timeout_ms} is "
+            f"too small for checkpoint_interval={checkpoint_interval_s:g}s: a prepared "
+            f"transaction may wait up to {need} ms (batch {batch_duration_s:g}s + interval "
+            f"+ commit_timeout {sink.commit_timeout:g}s + restart {restart_s:g}s) for its "
+            "commit, and Kafka aborts it after transaction_timeout_ms, losing its rows. "
+            f"Raise transaction_timeout_ms to at least {need} (and the brokers' "
+            "transaction.max.timeout.ms with it), or checkpoint more often"
+        )

@@ -7,34 +7,11 @@ flushes it and returns the committable ``{txn, transactional_id, producer_id,
 epoch, rows, topic, partitions: {partition: [first offset, last offset]}}``
 without committing or aborting.
 
-Commit (driver): the transaction is *resumed* by sending EndTxn(transactional
-id, producer id, epoch, commit) to its transaction coordinator
-(FindCoordinator, key type transaction), never with ``init_transactions()``,
-which would abort it. Retried (tenacity) on retriable errors and dropped
-connections, bounded by ``commit_timeout``. Idempotence:
-
-* Apache Kafka answers NONE to a commit of a transaction that is already
-  committed with that epoch, CONCURRENT_TRANSACTIONS while its markers are
-  being written (retried), INVALID_TXN_STATE if it ended in an abort,
-  PRODUCER_FENCED if its epoch was bumped (fenced by InitProducerId, or
-  aborted by the broker after ``transaction.timeout.ms``) and
-  INVALID_PRODUCER_ID_MAPPING if the id is unknown (expired after
-  ``transactional.id.expiration.ms``).
-* tansu answers NONE to EndTxn for any already completed transaction of that
-  epoch (commit or abort alike, writing no second marker) and closes the
-  connection for a wrong epoch or producer id.
-
-Any answer but NONE (or a retriable error), and a dropped connection, is
-settled by reading the log (:mod:`sinks.kafka.outcome`): the control marker of
-the transaction's producer id after its last record says COMMIT (already
-committed: fine) or ABORT (:class:`TransactionLostError`); no marker means it is
-still open (retried). Limit: on tansu, a commit after an abort *with the same
-epoch* (only ``close(failed=True)`` on an executor does that, and its
-committable never reaches the driver) answers NONE and is not detected.
-
-Abort (driver) fences: InitProducerId with the transaction's id bumps its epoch,
-which aborts the open transaction and fences any zombie still writing with it.
-Aborting what is already aborted or committed is harmless.
+Commit and abort (driver, :mod:`sinks.kafka.txn`): the transaction is resumed
+by EndTxn (never ``init_transactions()``, which aborts), idempotently; any
+refusal is settled from the control markers in the log. Abort fences
+(InitProducerId). Retried (tenacity) on retriable errors and dropped
+connections, bounded by ``commit_timeout``.
 
 Lingering transactions (``abort_lingering``): the driver cannot list them from
 Kafka portably (ListTransactions needs Kafka 3.0+ and DESCRIBE rights; tansu
@@ -73,8 +50,8 @@ from kafka import KafkaProducer
 from sinks import _faults
 from sinks._retry import retry_transient
 from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
-from sinks.errors import ConfigError, PreflightError, TransactionLostError
-from sinks.kafka import checks, encode, outcome
+from sinks.errors import ConfigError, PreflightError
+from sinks.kafka import checks, encode, txn
 from sinks.kafka.registry import DEFAULT_TOPIC, TOPIC_CONFIG, RegistryView, write_tombstones
 from sinks.kafka.wire import KafkaWire
 from sinks.kafka.writer import KafkaWriter
@@ -97,10 +74,6 @@ _RESERVED = {
     "value_serializer": "values are sent as bytes",
 }
 _PRODUCER_DEFAULTS: dict[str, Any] = {"linger_ms": 5, "batch_size": 256 * 1024}
-
-
-class _StillOpen(Errors.RetriableError):
-    """EndTxn was refused but the transaction has no marker yet: try again."""
 
 
 class KafkaSink(Sink):
@@ -323,16 +296,13 @@ class KafkaSink(Sink):
         restart_s: float = 300.0,
     ) -> int:
         """The smallest ``transaction_timeout_ms`` that cannot abort a prepared
-        transaction before its commit.
-
-        A transaction opens at a task's first write of batch N and is committed
-        by the first checkpoint after Spark completed N: it stays open for up to
-        the batch's duration, plus one checkpoint interval, plus the commit's
-        retries (``commit_timeout``), plus the time to restart a crashed driver
-        (recovery commits it). If it is open longer, Apache Kafka aborts it and
-        its rows are lost (the commit then raises TransactionLostError)."""
-        total = batch_duration_s + max(0.0, checkpoint_interval_s) + commit_timeout_s + restart_s
-        return int(total * 1000)
+        transaction before its commit (see :func:`sinks.kafka.checks.min_safe_timeout_ms`)."""
+        return checks.min_safe_timeout_ms(
+            checkpoint_interval_s,
+            batch_duration_s=batch_duration_s,
+            commit_timeout_s=commit_timeout_s,
+            restart_s=restart_s,
+        )
 
     def check_checkpoint_interval(
         self,
@@ -343,22 +313,9 @@ class KafkaSink(Sink):
     ) -> None:
         """Raise :class:`PreflightError` when ``transaction_timeout_ms`` is smaller
         than :meth:`min_safe_timeout_ms` for this checkpoint interval."""
-        need = self.min_safe_timeout_ms(
-            checkpoint_interval_s,
-            batch_duration_s=batch_duration_s,
-            commit_timeout_s=self.commit_timeout,
-            restart_s=restart_s,
+        checks.check_checkpoint_interval(
+            self, checkpoint_interval_s, batch_duration_s=batch_duration_s, restart_s=restart_s
         )
-        if self.transaction_timeout_ms < need:
-            raise PreflightError(
-                f"{self.describe()}: transaction_timeout_ms={self.transaction_timeout_ms} is "
-                f"too small for checkpoint_interval={checkpoint_interval_s:g}s: a prepared "
-                f"transaction may wait up to {need} ms (batch {batch_duration_s:g}s + interval "
-                f"+ commit_timeout {self.commit_timeout:g}s + restart {restart_s:g}s) for its "
-                "commit, and Kafka aborts it after transaction_timeout_ms, losing its rows. "
-                f"Raise transaction_timeout_ms to at least {need} (and the brokers' "
-                "transaction.max.timeout.ms with it), or checkpoint more often"
-            )
 
     # -- executor side -------------------------------------------------------------------
 
@@ -377,7 +334,13 @@ class KafkaSink(Sink):
             with self._client() as wire:
                 coordinators = wire.find_coordinators(sorted(pending))
                 for tid in sorted(pending):
-                    self._commit_one(wire, coordinators[tid], pending[tid])
+                    txn.commit(
+                        wire,
+                        coordinators[tid],
+                        pending[tid],
+                        where=self.describe(),
+                        timeout_ms=self.transaction_timeout_ms,
+                    )
                     del pending[tid]
                     if len(pending) == total - 1 and total > 1:
                         _faults.hit("driver.mid_commit")
@@ -389,55 +352,10 @@ class KafkaSink(Sink):
             deadline=self.commit_timeout,
         )
 
-    def _commit_one(self, wire: KafkaWire, coordinator: Any, c: Committable) -> None:
-        tid = c["transactional_id"]
-        try:
-            error = wire.end_txn(coordinator, tid, int(c["producer_id"]), int(c["epoch"]), True)
-        except Errors.KafkaConnectionError as e:
-            # tansu refuses by closing the connection; a broker that is down looks
-            # the same. The log tells which (and fails transiently if it is down).
-            log.debug("EndTxn(commit) of %s: connection closed (%s); checking the log", tid, e)
-            refusal = "the broker closed the connection"
-        else:
-            if error is Errors.NoError:
-                return
-            if issubclass(error, Errors.RetriableError):
-                raise error(f"EndTxn(commit) of {tid}")
-            refusal = error.__name__
-        verdict = outcome.txn_outcome(wire, c)
-        if verdict == outcome.COMMITTED:
-            log.debug("%s was already committed (EndTxn answered: %s)", tid, refusal)
-            return
-        if verdict == outcome.OPEN:
-            raise _StillOpen(f"EndTxn(commit) of {tid} refused ({refusal}) while it is open")
-        what = (
-            "was aborted instead of being committed, so its rows are not in the topic"
-            if verdict == outcome.ABORTED
-            else "cannot be shown to be committed (its records or marker are gone from the log)"
-        )
-        raise TransactionLostError(
-            f"{self.describe()}: Kafka transaction {tid} (producer id {c['producer_id']}, "
-            f"epoch {c['epoch']}, {c.get('rows', '?')} rows) {what} (EndTxn answered: "
-            f"{refusal}). Typical causes: transaction_timeout_ms ({self.transaction_timeout_ms} "
-            "ms) expired before the checkpoint committed it, or another producer used the same "
-            "transactional id. The job stops rather than lose rows silently; re-run the "
-            "affected batches from source to restore them."
-        )
-
     # -- driver side: abort, sweep, forget ------------------------------------------------
 
     def _fence(self, wire: KafkaWire, transactional_ids: list[str]) -> None:
-        """InitProducerId for each id: aborts its open transaction, fences zombies.
-
-        Ids are removed from the list as they are done, so a retry goes on
-        where a transient error stopped it."""
-        coordinators = wire.find_coordinators(transactional_ids)
-        while transactional_ids:
-            tid = transactional_ids[0]
-            error, _, _ = wire.init_producer_id(coordinators[tid], tid, self.transaction_timeout_ms)
-            if error is not Errors.NoError:  # CONCURRENT_TRANSACTIONS while the abort completes
-                raise error(f"InitProducerId (abort) of {tid}")
-            transactional_ids.pop(0)
+        txn.fence(wire, transactional_ids, self.transaction_timeout_ms)
 
     def abort(self, committables: Sequence[Committable]) -> None:
         ids = sorted({c["transactional_id"] for c in committables})
