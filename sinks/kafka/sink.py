@@ -2,7 +2,8 @@
 
 Executor side (:mod:`sinks.kafka.writer`): each Spark task writes its partition
 in its own Kafka transaction whose ``transactional.id`` is the task's
-transaction name (``[prefix]tp1.<job>.<pipeline>.<sink>.r<run>.b<batch>.p<part>.a<attempt>``),
+transaction name (:mod:`sinks.naming`: ``tp2.<job>.<pipeline>.<sink>.i<incarnation>
+.r<run>.b<batch>.p<part>.a<attempt>``, after ``transactional_id_prefix``),
 flushes it and returns the committable ``{txn, transactional_id, producer_id,
 epoch, rows, topic, partitions: {partition: [first offset, last offset]}}``
 without committing or aborting.
@@ -18,13 +19,50 @@ Kafka portably (ListTransactions needs Kafka 3.0+ and DESCRIBE rights; tansu
 lacks it) nor derive them (Spark task attempt ids are not enumerable). Every
 writer therefore announces its transactional id in a registry topic before it
 writes data (:mod:`sinks.kafka.registry`); the sweep reads the registry
-incrementally, asks ``is_orphan`` about each announced id of the scope, fences
-the orphans and tombstones them. Limits: ``registry_topic=None`` disables the
-sweep (Apache Kafka then aborts orphans only after ``transaction.timeout.ms``;
-until then they hold back read_committed consumers); every transactional id
-leaves coordinator state for ``transactional.id.expiration.ms`` (7 days by
-default), one per task and batch. A future option on Apache Kafka >= 3.0:
-ListTransactions (state Ongoing) as a second source of candidates.
+incrementally, asks ``is_orphan`` about each id announced for this topic under
+``scope.own_prefixes()`` (this incarnation's, and first-format names: never
+another incarnation's, unless the coordinator passes that incarnation's scope
+after a start-over), fences the orphans and tombstones them once the registry
+shows them aborted. Limits: ``registry_topic=None`` disables the sweep (Apache
+Kafka then aborts orphans only after ``transaction.timeout.ms``; until then
+they hold back read_committed consumers) and the memory of progress below;
+every transactional id leaves coordinator state for
+``transactional.id.expiration.ms`` (7 days by default), one per task and batch.
+A future option on Apache Kafka >= 3.0: ListTransactions (state Ongoing) as a
+second source of candidates.
+
+What the sink remembers (:mod:`sinks.kafka.progress`), all in the registry
+topic, per (target topic, job, pipeline, sink id):
+
+* the **claim**: which incarnation may commit. ``claim()`` (at start, before any
+  data moves) appends a claim record on registry partition 0 unless this
+  incarnation holds it already; the owner is decided by replaying the claim
+  records in log order (a claim wins iff the owner so far is nobody, itself or
+  its ``start_over_from``), so of two jobs claiming at the same instant the
+  first in the log wins and the other refuses with
+  :class:`~sinks.progress.IncarnationConflictError`;
+* **what is committed**: a writer's announcement is the first record of its own
+  transaction, so its COMMIT marker proves the batch committed, atomically with
+  the data. ``forget`` (after the ledger recorded the commit) first appends a
+  progress record ``{incarnation, batch}`` (acks=all, waited for), then
+  tombstones the announcements. The highest committed batch is the max of the
+  owner's progress record and its committed announcements still there.
+
+Guarantees across a crash at any instant: a batch's data and its announcement
+commit together; the progress record is durable before its announcements are
+tombstoned, so one of them always says the batch committed (a sweep that finds
+a committed announcement left by a missed ``forget`` records its progress
+before tombstoning it). Before each commit the claim is re-read (incrementally):
+another owner refuses the commit (``at_commit``), and committables of a batch
+at or below this incarnation's progress record are replays: fenced, never
+committed (a retried commit of the same transactions stays idempotent, since the
+progress record is written only after the commit completed). Limits: the
+registry must keep its records: compaction is safe (claims have unique keys,
+progress keys keep their latest record, announcements go only after their
+progress record), but ``cleanup.policy=delete`` with a retention would forget
+claims and progress, and deleting the registry topic forgets everything
+(``registry_topic=None`` likewise keeps nothing). The check before a commit and
+the EndTxn are two steps: a takeover between them is caught at the next commit.
 
 Transaction timeout: a prepared transaction must be committed before
 ``transaction_timeout_ms`` has passed since its first write, or Apache Kafka
@@ -40,6 +78,7 @@ import hashlib
 import logging
 import re
 import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -52,10 +91,19 @@ from sinks._retry import retry_transient
 from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
 from sinks.errors import ConfigError, PreflightError
 from sinks.kafka import checks, encode, txn
-from sinks.kafka.registry import DEFAULT_TOPIC, TOPIC_CONFIG, RegistryView, write_tombstones
+from sinks.kafka.progress import ProgressStore
+from sinks.kafka.registry import (
+    ABORTED,
+    COMMITTED,
+    DEFAULT_TOPIC,
+    TOPIC_CONFIG,
+    Announcement,
+    write_tombstones,
+)
 from sinks.kafka.wire import KafkaWire
 from sinks.kafka.writer import KafkaWriter
 from sinks.naming import TxnName, check_id
+from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.kafka")
 
@@ -74,6 +122,7 @@ _RESERVED = {
     "value_serializer": "values are sent as bytes",
 }
 _PRODUCER_DEFAULTS: dict[str, Any] = {"linger_ms": 5, "batch_size": 256 * 1024}
+_REGISTRY_TIMEOUT_S = 30.0
 
 
 class KafkaSink(Sink):
@@ -220,12 +269,16 @@ class KafkaSink(Sink):
     def _init_driver_state(self) -> None:
         self._lock = threading.RLock()
         self._wire: KafkaWire | None = None
-        self._tombstoner: KafkaProducer | None = None
-        self._registry = RegistryView(self.registry_topic) if self.registry_topic else None
+        self._plain: KafkaProducer | None = None  # claims, progress records, tombstones
+        self._store = (
+            ProgressStore(self.registry_topic, self.topic, self.id_prefix, self.describe())
+            if self.registry_topic
+            else None
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for k in ("_lock", "_wire", "_tombstoner", "_registry"):
+        for k in ("_lock", "_wire", "_plain", "_store"):
             state.pop(k, None)
         return state
 
@@ -251,11 +304,33 @@ class KafkaSink(Sink):
                     wire.close()
                 raise
 
+    @contextlib.contextmanager
+    def _producer(self) -> Iterator[KafkaProducer]:
+        """The driver's plain (non-transactional, acks=all) producer for the
+        registry; dropped (and rebuilt next time) on a Kafka error."""
+        with self._lock:
+            if self._plain is None:
+                self._plain = KafkaProducer(
+                    **{
+                        **self.producer_config,
+                        "bootstrap_servers": self.bootstrap_servers,
+                        "acks": "all",
+                    }
+                )
+            try:
+                yield self._plain
+            except Errors.KafkaError:
+                producer, self._plain = self._plain, None
+                if producer is not None:
+                    with contextlib.suppress(Exception):
+                        producer.close(timeout=0)
+                raise
+
     def close(self) -> None:
         """Release the driver's connections (optional; they are daemon threads)."""
         with self._lock:
             wire, self._wire = self._wire, None
-            producer, self._tombstoner = self._tombstoner, None
+            producer, self._plain = self._plain, None
         if wire is not None:
             wire.close()
         if producer is not None:
@@ -322,6 +397,51 @@ class KafkaSink(Sink):
     def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
         return KafkaWriter(self, ctx, schema)
 
+    # -- progress and claims (sinks.kafka.progress) --------------------------------------
+
+    def progress(self, scope: JobScope) -> SinkProgress:
+        store = self._store
+        if store is None:
+            return SinkProgress(owner=None)
+
+        def read() -> SinkProgress:
+            with self._client() as wire:
+                return store.read(wire, scope)
+
+        return retry_transient(
+            read,
+            what=f"read of the progress of {scope.key()} in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+
+    def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
+        ours = scope.incarnation
+        assert ours is not None
+        store = self._store
+        if store is None:
+            log.warning(
+                "%s: registry_topic=None, so this sink keeps no progress and holds no claim: "
+                "nothing stops another copy of job %s writing the same topic",
+                self.describe(),
+                scope.job,
+            )
+            return SinkProgress(owner=ours)
+        nonce = uuid.uuid4().hex[:16]  # one per claim: a retry appends the same claim
+
+        def claim() -> SinkProgress:
+            with self._client() as wire, self._producer() as producer:
+                return store.claim(
+                    wire, producer, scope, start_over_from, nonce, _REGISTRY_TIMEOUT_S
+                )
+
+        return retry_transient(
+            claim,
+            what=f"claim of {scope.key()} in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+
     # -- driver side: commit --------------------------------------------------------------
 
     def commit(self, committables: Sequence[Committable]) -> None:
@@ -329,9 +449,25 @@ class KafkaSink(Sink):
         if not pending:
             return
         total = len(pending)
+        replayed: list[str] = []
+        done = 0
 
         def attempt() -> None:
+            nonlocal done
             with self._client() as wire:
+                replays = self._store.replays(wire, pending) if self._store else []
+                if replays:
+                    log.warning(
+                        "%s: %d transaction(s) re-write batches this sink holds committed "
+                        "already (a replay); aborting them instead of committing: %s",
+                        self.describe(),
+                        len(replays),
+                        replays[:5],
+                    )
+                    self._fence(wire, list(replays))
+                    for tid in replays:
+                        del pending[tid]
+                    replayed.extend(replays)
                 coordinators = wire.find_coordinators(sorted(pending))
                 for tid in sorted(pending):
                     txn.commit(
@@ -342,7 +478,8 @@ class KafkaSink(Sink):
                         timeout_ms=self.transaction_timeout_ms,
                     )
                     del pending[tid]
-                    if len(pending) == total - 1 and total > 1:
+                    done += 1
+                    if done == 1 and total > 1:
                         _faults.hit("driver.mid_commit")
 
         retry_transient(
@@ -351,6 +488,7 @@ class KafkaSink(Sink):
             transient=_TRANSIENT,
             deadline=self.commit_timeout,
         )
+        self._tombstone(replayed)
 
     # -- driver side: abort, sweep, forget ------------------------------------------------
 
@@ -376,55 +514,83 @@ class KafkaSink(Sink):
         self._tombstone(ids)
 
     def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        view = self._registry
-        if view is None:
-            return []
-        prefix = self.id_prefix + scope.txn_prefix()
+        """Fence the orphans among the ids of ``scope.own_prefixes()`` announced
+        for this topic; tombstone them once the registry shows them aborted.
 
-        def sweep() -> dict[str, TxnName]:
+        An orphan found committed (its ``forget`` was missed: a crash between the
+        ledger's record and ``forget``) is not fenced: its progress is recorded,
+        then it is tombstoned, as ``forget`` would have done."""
+        store = self._store
+        if store is None:
+            return []
+        prefixes = tuple(self.id_prefix + p for p in scope.own_prefixes())
+
+        def sweep() -> tuple[list[TxnName], dict[str, Announcement]]:
             with self._client() as wire:
-                live = view.refresh(wire)
+                live = store.view.refresh(wire)
                 orphans: dict[str, TxnName] = {}
-                for tid in sorted(live):
-                    if not tid.startswith(prefix):
+                for tid, found in sorted(live.items()):
+                    if not tid.startswith(prefixes) or found.topic != self.topic:
                         continue
                     name = TxnName.parse(tid[len(self.id_prefix) :])
                     if name is not None and is_orphan(name):
                         orphans[tid] = name
-                if orphans:
-                    self._fence(wire, sorted(orphans))  # fenced twice after a retry: harmless
-                return orphans
+                fenced = [tid for tid in sorted(orphans) if live[tid].state != COMMITTED]
+                if fenced:
+                    self._fence(wire, list(fenced))  # fenced twice after a retry: harmless
+                live = store.view.refresh(wire)  # the markers of the fenced ones
+                return [orphans[t] for t in fenced], {t: live[t] for t in orphans if t in live}
 
-        orphans = retry_transient(
+        fenced, found = retry_transient(
             sweep,
             what=f"sweep of lingering transactions in {self.describe()}",
             transient=_TRANSIENT,
             deadline=self.commit_timeout,
         )
-        if orphans:
-            self._tombstone(sorted(orphans))
-            log.info("aborted %d lingering Kafka transaction(s): %s", len(orphans), sorted(orphans))
-        return sorted(str(n) for n in orphans.values())
+        committed = [t for t, a in found.items() if a.state == COMMITTED]
+        if committed and self._record_committed(committed):
+            self._tombstone(committed)
+        self._tombstone(sorted(t for t, a in found.items() if a.state == ABORTED))
+        aborted = sorted(str(n) for n in fenced)
+        if aborted:
+            log.info("aborted %d lingering Kafka transaction(s): %s", len(aborted), aborted)
+        return aborted
 
     def forget(self, committables: Sequence[Committable]) -> None:
-        self._tombstone(sorted({c["transactional_id"] for c in committables}))
+        """Record the committed batches in a progress record, then tombstone
+        their announcements (which said the same until then)."""
+        ids = sorted({c["transactional_id"] for c in committables})
+        if ids and self._record_committed(ids):
+            self._tombstone(ids)
+
+    def _record_committed(self, ids: list[str]) -> bool:
+        """Append the progress records of the committed ``ids``; False (and the
+        announcements must stay) when they could not be written."""
+        store = self._store
+        if store is None:
+            return True
+        try:
+            with self._client() as wire, self._producer() as producer:
+                store.record_committed(wire, producer, ids, _REGISTRY_TIMEOUT_S)
+        except Exception as e:
+            log.warning(
+                "could not record the progress of %d committed transaction(s) in registry %s "
+                "(%r); their announcements stay and say the same",
+                len(ids),
+                self.registry_topic,
+                e,
+            )
+            return False
+        return True
 
     def _tombstone(self, ids: list[str]) -> None:
         """Mark ids resolved in the registry. Best effort: a missed tombstone only
-        makes a later sweep fence an already finished id again (harmless)."""
-        if not ids or not self.registry_topic:
+        makes a later sweep see an already finished id again (harmless)."""
+        if not ids or self._store is None:
             return
         try:
-            with self._lock:
-                if self._tombstoner is None:
-                    self._tombstoner = KafkaProducer(
-                        **{
-                            **self.producer_config,
-                            "bootstrap_servers": self.bootstrap_servers,
-                            "acks": "all",
-                        }
-                    )
-                write_tombstones(self._tombstoner, self.registry_topic, ids, timeout_s=30.0)
+            with self._producer() as producer:
+                write_tombstones(producer, self._store.registry, ids, timeout_s=_REGISTRY_TIMEOUT_S)
         except Exception as e:
             log.warning(
                 "could not tombstone %d id(s) in registry %s (%r); harmless, a later sweep retries",
@@ -432,11 +598,5 @@ class KafkaSink(Sink):
                 self.registry_topic,
                 e,
             )
-            with self._lock:
-                producer, self._tombstoner = self._tombstoner, None
-            if producer is not None:
-                with contextlib.suppress(Exception):
-                    producer.close(timeout=0)
             return
-        if self._registry is not None:
-            self._registry.forget(ids)
+        self._store.view.forget(ids)
