@@ -107,7 +107,7 @@ def txn_outcomes(
 
 
 def _outcomes(bootstrap: str, job: str, registry: str) -> dict[str, str]:
-    prefix = TxnName.job_prefix(job)
+    prefix = TxnName.job_prefixes(job)
     log = read_topic(bootstrap, registry)
     out: dict[str, str] = {}
     for verdict, records in (
