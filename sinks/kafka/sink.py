@@ -89,7 +89,7 @@ from kafka import KafkaProducer
 from sinks import _faults
 from sinks._retry import retry_transient
 from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
-from sinks.errors import ConfigError, PreflightError
+from sinks.errors import PreflightError
 from sinks.kafka import checks, encode, txn
 from sinks.kafka.progress import ProgressStore
 from sinks.kafka.registry import (
@@ -111,16 +111,6 @@ log = logging.getLogger("sinks.kafka")
 # CONCURRENT_TRANSACTIONS...; UnknownBrokerIdError: a broker not yet in our
 # metadata (the connection is rebuilt, with fresh metadata, on the next attempt).
 _TRANSIENT: tuple[type[BaseException], ...] = (Errors.RetriableError, Errors.UnknownBrokerIdError)
-_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_RESERVED = {
-    "bootstrap_servers": "pass it as the first argument",
-    "transactional_id": "it is derived from the task (see transactional_id_prefix)",
-    "transaction_timeout_ms": "pass transaction_timeout_ms=",
-    "enable_idempotence": "transactions need it",
-    "acks": "transactions need acks='all'",
-    "key_serializer": "keys are sent as bytes",
-    "value_serializer": "values are sent as bytes",
-}
 _PRODUCER_DEFAULTS: dict[str, Any] = {"linger_ms": 5, "batch_size": 256 * 1024}
 _REGISTRY_TIMEOUT_S = 30.0
 
@@ -183,24 +173,15 @@ class KafkaSink(Sink):
         flush_timeout: float = 120.0,
         connect_timeout: float = 15.0,
     ) -> None:
-        if not bootstrap_servers:
-            raise ConfigError("KafkaSink needs bootstrap_servers, e.g. 'broker:9092'")
-        for what, name in (("topic", topic), ("registry_topic", registry_topic or "x")):
-            if not isinstance(name, str) or not _TOPIC.match(name) or name in (".", ".."):
-                raise ConfigError(
-                    f"{what} {name!r} is not a valid Kafka topic name "
-                    "(1-249 characters from A-Z a-z 0-9 . _ -)"
-                )
-        if not isinstance(transaction_timeout_ms, int) or transaction_timeout_ms <= 0:
-            raise ConfigError("transaction_timeout_ms must be a positive integer (milliseconds)")
-        if partitions < 1 or replication_factor < 1:
-            raise ConfigError("partitions and replication_factor must be at least 1")
-        bad = sorted(set(producer_config or {}) & set(_RESERVED))
-        if bad:
-            raise ConfigError(
-                f"producer_config may not set {bad}: "
-                + "; ".join(f"{k}: {_RESERVED[k]}" for k in bad)
-            )
+        checks.check_settings(
+            bootstrap_servers,
+            topic,
+            registry_topic,
+            transaction_timeout_ms,
+            partitions,
+            replication_factor,
+            producer_config,
+        )
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.key = key
