@@ -386,3 +386,24 @@ def test_the_sweep_leaves_another_incarnations_transactions_alone(
     assert log.n_open == 5 and log.n_aborted == 5
     assert sink.abort_lingering(scope(job, A), lambda n: True) == [theirs["txn"]]
     assert read_topic(bootstrap, topic).n_open == 0
+
+
+def test_a_start_over_after_a_missed_forget_leaves_the_new_progress_alone(
+    bootstrap: str, new_sink: Callable[..., KafkaSink]
+) -> None:
+    """The old incarnation committed batch 3 and died before forget; the sweep of
+    its scope after a start-over settles that under the old incarnation, never
+    under the new one (whose batch ids start again at 0)."""
+    topic = make_topic(bootstrap)
+    job = job_name()
+    old = new_sink(topic)
+    old.claim(scope(job, A))
+    commit_batch(old, job, A, 3, forget=False)
+    new = new_sink(topic)
+    assert new.claim(scope(job, B), start_over_from=A).previous == A
+    assert new.abort_lingering(scope(job, A), lambda n: n.incarnation == A) == []
+    assert new.progress(scope(job, B)) == SinkProgress(owner=B, batch=-1, previous=A)
+    commit_batch(new, job, B, 0)  # not taken for a replay of the old batch 3
+    assert new.progress(scope(job, B)) == SinkProgress(owner=B, batch=0, previous=A)
+    log = read_topic(bootstrap, topic)
+    assert committed_ids(log) == sorted([*range(30, 40), *range(10)]) and log.n_aborted == 0

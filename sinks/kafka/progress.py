@@ -250,11 +250,11 @@ class ProgressStore:
     def check_owner(self, scope: JobScope) -> None:
         """Raise when another incarnation holds the claim (at commit time; call
         after a refresh)."""
-        found = self._current(scope)
+        owner, _ = self.book.owner(scope)
         ours = scope.incarnation
         assert ours is not None
-        if found.owner is not None and found.owner != ours:
-            raise conflict(self.where, scope.key(), found, ours, at_commit=True)
+        if owner is not None and owner != ours:
+            raise conflict(self.where, scope.key(), self._current(scope), ours, at_commit=True)
 
     # -- progress ---------------------------------------------------------------------
 
@@ -284,12 +284,30 @@ class ProgressStore:
         self.book.apply(PARTITION, progress_key(self.target, scope).decode(), _json(value))
 
     def record_committed(
-        self, wire: KafkaWire, producer: KafkaProducer, ids: Iterable[str], timeout_s: float
+        self,
+        wire: KafkaWire,
+        producer: KafkaProducer,
+        ids: Iterable[str],
+        timeout_s: float,
+        *,
+        as_named: bool = False,
     ) -> None:
         """Append the progress record of every scope among the committed
-        transactional ``ids`` (before their announcements are tombstoned)."""
-        names = [TxnName.parse(t[len(self.id_prefix) :]) for t in ids]
-        for scope, group in self.owner_scopes(n for n in names if n is not None).items():
+        transactional ``ids`` (before their announcements are tombstoned).
+
+        ``as_named``: record each under the incarnation in its name (a sweep
+        settling what another incarnation committed, e.g. after a start-over),
+        not the one this sink claimed; first-format names then record nothing."""
+        names = [n for n in (TxnName.parse(t[len(self.id_prefix) :]) for t in ids) if n]
+        groups: dict[JobScope, list[TxnName]] = {}
+        if as_named:
+            for n in names:
+                groups.setdefault(JobScope(n.job, n.pipeline, n.sink_id, n.incarnation), []).append(
+                    n
+                )
+        else:
+            groups = self.owner_scopes(names)
+        for scope, group in groups.items():
             if scope.incarnation is not None:  # first-format work: no progress to record
                 batch = max(n.batch_id for n in group)
                 self.record_settled(wire, producer, scope, batch, timeout_s)

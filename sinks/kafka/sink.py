@@ -499,8 +499,9 @@ class KafkaSink(Sink):
         for this topic; tombstone them once the registry shows them aborted.
 
         An orphan found committed (its ``forget`` was missed: a crash between the
-        ledger's record and ``forget``) is not fenced: its progress is recorded,
-        then it is tombstoned, as ``forget`` would have done."""
+        ledger's record and ``forget``) is not fenced: its progress is recorded
+        under the incarnation in its name (never the one this sink claimed: after
+        a start-over they differ), then it is tombstoned."""
         store = self._store
         if store is None:
             return []
@@ -529,7 +530,7 @@ class KafkaSink(Sink):
             deadline=self.commit_timeout,
         )
         committed = [t for t, a in found.items() if a.state == COMMITTED]
-        if committed and self._record_committed(committed):
+        if committed and self._record_committed(committed, as_named=True):
             self._tombstone(committed)
         self._tombstone(sorted(t for t, a in found.items() if a.state == ABORTED))
         aborted = sorted(str(n) for n in fenced)
@@ -544,15 +545,16 @@ class KafkaSink(Sink):
         if ids and self._record_committed(ids):
             self._tombstone(ids)
 
-    def _record_committed(self, ids: list[str]) -> bool:
-        """Append the progress records of the committed ``ids``; False (and the
-        announcements must stay) when they could not be written."""
+    def _record_committed(self, ids: list[str], *, as_named: bool = False) -> bool:
+        """Append the progress records of the committed ``ids`` (see
+        :meth:`ProgressStore.record_committed`); False (and the announcements
+        must stay) when they could not be written."""
         store = self._store
         if store is None:
             return True
         try:
             with self._client() as wire, self._producer() as producer:
-                store.record_committed(wire, producer, ids, _REGISTRY_TIMEOUT_S)
+                store.record_committed(wire, producer, ids, _REGISTRY_TIMEOUT_S, as_named=as_named)
         except Exception as e:
             log.warning(
                 "could not record the progress of %d committed transaction(s) in registry %s "
