@@ -21,8 +21,9 @@ announces its transactional id before it writes any data, in a small topic
   the raw log, never with a read_committed consumer (tansu's returns aborted
   records too).
 * Once an id is resolved (committed and recorded by the ledger, or aborted),
-  the driver writes a tombstone (null value) for its key; compaction then
-  drops both, so the registry stays small.
+  the driver writes a tombstone (null value) for its key (a committed one only
+  after the progress record that replaces it, :mod:`sinks.kafka.progress`);
+  compaction then drops both, so the registry stays small.
 
 The registry also holds the sink's own non-transactional records (claims and
 progress, :mod:`sinks.kafka.progress`); the view hands them, in log order, to
