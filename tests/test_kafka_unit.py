@@ -24,13 +24,15 @@ from sinks.base import Committable, JobScope, WriteContext
 from sinks.errors import CommitError, ConfigError, PreflightError, TransactionLostError
 from sinks.kafka import KafkaSink
 from sinks.kafka.encode import json_rows
-from sinks.kafka.registry import RegistryView
+from sinks.kafka.registry import DEFAULT_TOPIC, RegistryView
 from sinks.kafka.wire import KafkaWire
 from tests.kafkabroker import KafkaBroker
 from tests.kafkalog import TopicLog, read_topic
 from tests.services import free_port
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string()), ("amount", pa.float64())])
+INC = "a1b2c3d4e5f6"
+"""the incarnation (a ledger's random id) the tests write as, unless they say otherwise"""
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +92,19 @@ def ctx(
     run: int = 1,
     pipeline: str = "p",
     sink_id: str = "k",
+    incarnation: str | None = INC,
 ) -> WriteContext:
     return WriteContext(
-        JobScope(job, pipeline, sink_id),
+        JobScope(job, pipeline, sink_id, incarnation),
         run=run,
         batch_id=batch,
         partition=partition,
         attempt=attempt if attempt is not None else 100 + partition,
     )
+
+
+def scope(job: str, pipeline: str = "p", sink_id: str = "k", incarnation: str = INC) -> JobScope:
+    return JobScope(job, pipeline, sink_id, incarnation)
 
 
 def write_task(
@@ -365,17 +372,18 @@ def test_abort_lingering_aborts_only_unowned_of_the_scope(
     late_batch = write_task(sink, ctx(job, 0, batch=5), [rows(20, 10)])
     other_pipeline = write_task(sink, ctx(job, 0, pipeline="q"), [rows(30, 10)])
     empty = write_task(sink, ctx(job, 3), [rows(0, 0)])
-    assert None not in (owned, failed_attempt, retry, late_batch, other_pipeline)
+    legacy = write_task(sink, ctx(job, 0, batch=6, incarnation=None), [rows(40, 10)])  # tp1.
+    other_inc = write_task(sink, ctx(job, 0, batch=6, incarnation="00000000ffff"), [rows(50, 10)])
+    assert None not in (owned, failed_attempt, retry, late_batch, other_pipeline, legacy)
+    assert other_inc is not None
     assert empty is None
     keep = {owned["txn"], retry["txn"]}  # type: ignore[index]
 
-    aborted = sink.abort_lingering(
-        JobScope(job, "p", "k"), lambda n: str(n) not in keep and n.batch_id <= 0
-    )
+    aborted = sink.abort_lingering(scope(job), lambda n: str(n) not in keep and n.batch_id <= 0)
     assert aborted == [failed_attempt["txn"]]  # type: ignore[index]
     log = read_topic(bootstrap, topic)
     assert log.n_aborted == 10 and committed_ids(log) == []
-    assert log.n_open == 40  # owned, retry, the later batch, the other pipeline
+    assert log.n_open == 60  # owned, retry, the later batch, the other pipeline, tp1, other inc
 
     # an empty partition opened nothing: no id was announced for it
     with KafkaWire(bootstrap) as wire:
@@ -384,25 +392,27 @@ def test_abort_lingering_aborts_only_unowned_of_the_scope(
     assert str(ctx(job, 1, attempt=8).txn_name()) in announced
 
     assert (
-        sink.abort_lingering(
-            JobScope(job, "p", "k"), lambda n: str(n) not in keep and n.batch_id <= 0
-        )
-        == []
+        sink.abort_lingering(scope(job), lambda n: str(n) not in keep and n.batch_id <= 0) == []
     )  # tombstoned: not seen again
     sink.commit([owned, retry])  # type: ignore[list-item]
     sink.forget([owned, retry])  # type: ignore[list-item]
     # recovery: everything of the scope that the ledger does not own
-    aborted = sink.abort_lingering(JobScope(job, "p", "k"), lambda n: True)
-    assert aborted == [late_batch["txn"]]  # type: ignore[index]
+    # (first-format names of the scope too; never another incarnation's)
+    aborted = sink.abort_lingering(scope(job), lambda n: True)
+    assert aborted == [legacy["txn"], late_batch["txn"]]  # type: ignore[index]
+    assert legacy["txn"].startswith("tp1.")  # type: ignore[index]
     log = read_topic(bootstrap, topic)
     assert committed_ids(log) == list(range(20))
-    assert log.n_aborted == 20 and log.n_open == 10  # only the other pipeline is left
-    assert sink.abort_lingering(JobScope(job, "q", "k"), lambda n: True) == [
+    assert log.n_aborted == 30 and log.n_open == 20  # the other pipeline, the other incarnation
+    assert sink.abort_lingering(scope(job, incarnation="00000000ffff"), lambda n: True) == [
+        other_inc["txn"]
+    ]
+    assert sink.abort_lingering(scope(job, "q"), lambda n: True) == [
         other_pipeline["txn"]  # type: ignore[index]
     ]
     # a fresh driver (new sink object) rescans the registry from the start
     fresh = new_sink(topic, key="id", sink_id="k")
-    assert fresh.abort_lingering(JobScope(job, "p", "k"), lambda n: True) == []
+    assert fresh.abort_lingering(scope(job), lambda n: True) == []
 
 
 def test_two_sinks_two_topics_prefixed_ids(
@@ -420,15 +430,18 @@ def test_two_sinks_two_topics_prefixed_ids(
     assert ca["transactional_id"] == "app1-" + ca["txn"]
     a.commit([ca])
     assert read_topic(bootstrap, t2).n_open == 10  # b untouched
-    assert b.abort_lingering(JobScope(job, "p", "a"), lambda n: True) == []  # not b's scope
+    assert b.abort_lingering(scope(job, sink_id="a"), lambda n: True) == []  # not b's scope
     b.commit([cb])
     assert committed_ids(read_topic(bootstrap, t1)) == list(range(10))
     assert read_topic(bootstrap, t2).values() == [f"name-{i}".encode() for i in range(10)]
-    # committed but not yet forgotten: a sweep fences it again, which is harmless
-    assert a.abort_lingering(JobScope(job, "p", "a"), lambda n: True) == [ca["txn"]]
+    # committed but not yet forgotten (a crash before forget): the sweep does not fence
+    # it; it records its progress and tombstones it, as forget would have done
+    assert a.abort_lingering(scope(job, sink_id="a"), lambda n: True) == []
     assert committed_ids(read_topic(bootstrap, t1)) == list(range(10))
+    with KafkaWire(bootstrap) as wire:
+        assert ca["transactional_id"] not in RegistryView(DEFAULT_TOPIC).refresh(wire)
     b.forget([cb])
-    assert b.abort_lingering(JobScope(job, "p", "b"), lambda n: True) == []
+    assert b.abort_lingering(scope(job, sink_id="b"), lambda n: True) == []
 
 
 # -- preflight and configuration ---------------------------------------------------------------
@@ -484,10 +497,10 @@ import os, signal, sys
 import pyarrow as pa
 from sinks.base import JobScope, WriteContext
 from sinks.kafka import KafkaSink
-bootstrap, topic, job, partition, prepare = sys.argv[1:6]
+bootstrap, topic, job, partition, prepare, incarnation = sys.argv[1:7]
 schema = pa.schema([("id", pa.int64()), ("name", pa.string()), ("amount", pa.float64())])
 sink = KafkaSink(bootstrap, topic, sink_id="k")
-ctx = WriteContext(JobScope(job, "p", "k"), 1, 0, int(partition), 500 + int(partition))
+ctx = WriteContext(JobScope(job, "p", "k", incarnation), 1, 0, int(partition), 500 + int(partition))
 w = sink.open_writer(ctx, schema)
 ids = list(range(int(partition) * 10, int(partition) * 10 + 10))
 w.write(pa.record_batch([pa.array(ids), pa.array([str(i) for i in ids]),
@@ -514,7 +527,12 @@ def test_sweep_aborts_the_work_of_killed_tasks(
     job = job_name()
     for partition, prepare in ((0, "1"), (1, "0")):
         proc = subprocess.run(
-            [sys.executable, "-c", _KILLED_TASK, bootstrap, topic, job, str(partition), prepare],
+            [
+                sys.executable,
+                "-c",
+                _KILLED_TASK,
+                *(bootstrap, topic, job, str(partition), prepare, INC),
+            ],
             capture_output=True,
             text=True,
             timeout=120,
@@ -523,7 +541,7 @@ def test_sweep_aborts_the_work_of_killed_tasks(
         assert proc.returncode == -9, proc.stderr
     log = read_topic(bootstrap, topic)
     assert log.n_open == 20 and log.committed == []
-    aborted = sink.abort_lingering(JobScope(job, "p", "k"), lambda n: True)
+    aborted = sink.abort_lingering(scope(job), lambda n: True)
     assert aborted == [str(ctx(job, p, attempt=500 + p).txn_name()) for p in (0, 1)]
     log = read_topic(bootstrap, topic)
     assert log.n_open == 0 and log.n_aborted == 20 and log.committed == []

@@ -1,14 +1,15 @@
-"""Preflight checks of the Kafka sink: topics and the transaction timeout."""
+"""Checks of the Kafka sink: its settings, topics and the transaction timeout."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import re
+from typing import TYPE_CHECKING, Any
 
 import kafka.errors as Errors
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 
-from sinks.errors import PreflightError
+from sinks.errors import ConfigError, PreflightError
 from sinks.kafka.registry import DEFAULT_TOPIC
 from sinks.kafka.wire import KafkaWire
 
@@ -16,6 +17,46 @@ if TYPE_CHECKING:
     from sinks.kafka.sink import KafkaSink
 
 log = logging.getLogger("sinks.kafka")
+
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_RESERVED = {
+    "bootstrap_servers": "pass it as the first argument",
+    "transactional_id": "it is derived from the task (see transactional_id_prefix)",
+    "transaction_timeout_ms": "pass transaction_timeout_ms=",
+    "enable_idempotence": "transactions need it",
+    "acks": "transactions need acks='all'",
+    "key_serializer": "keys are sent as bytes",
+    "value_serializer": "values are sent as bytes",
+}
+
+
+def check_settings(
+    bootstrap_servers: str | list[str],
+    topic: str,
+    registry_topic: str | None,
+    transaction_timeout_ms: int,
+    partitions: int,
+    replication_factor: int,
+    producer_config: dict[str, Any] | None,
+) -> None:
+    """Raise :class:`ConfigError` for settings of ``KafkaSink`` that cannot work."""
+    if not bootstrap_servers:
+        raise ConfigError("KafkaSink needs bootstrap_servers, e.g. 'broker:9092'")
+    for what, name in (("topic", topic), ("registry_topic", registry_topic or "x")):
+        if not isinstance(name, str) or not _TOPIC.match(name) or name in (".", ".."):
+            raise ConfigError(
+                f"{what} {name!r} is not a valid Kafka topic name "
+                "(1-249 characters from A-Z a-z 0-9 . _ -)"
+            )
+    if not isinstance(transaction_timeout_ms, int) or transaction_timeout_ms <= 0:
+        raise ConfigError("transaction_timeout_ms must be a positive integer (milliseconds)")
+    if partitions < 1 or replication_factor < 1:
+        raise ConfigError("partitions and replication_factor must be at least 1")
+    bad = sorted(set(producer_config or {}) & set(_RESERVED))
+    if bad:
+        raise ConfigError(
+            f"producer_config may not set {bad}: " + "; ".join(f"{k}: {_RESERVED[k]}" for k in bad)
+        )
 
 
 def ensure_topic(
@@ -111,4 +152,51 @@ def check_transaction_timeout(wire: KafkaWire, sink: KafkaSink) -> None:
             f"{sink.describe()}: the broker refused a transaction ({error.__name__}); "
             "check the TransactionalId ACLs (WRITE and DESCRIBE on the "
             "transactional_id_prefix) and IdempotentWrite on the cluster"
+        )
+
+
+def min_safe_timeout_ms(
+    checkpoint_interval_s: float,
+    *,
+    batch_duration_s: float = 60.0,
+    commit_timeout_s: float = 300.0,
+    restart_s: float = 300.0,
+) -> int:
+    """The smallest ``transaction_timeout_ms`` that cannot abort a prepared
+    transaction before its commit.
+
+    A transaction opens at a task's first write of batch N and is committed
+    by the first checkpoint after Spark completed N: it stays open for up to
+    the batch's duration, plus one checkpoint interval, plus the commit's
+    retries (``commit_timeout``), plus the time to restart a crashed driver
+    (recovery commits it). If it is open longer, Apache Kafka aborts it and
+    its rows are lost (the commit then raises TransactionLostError)."""
+    total = batch_duration_s + max(0.0, checkpoint_interval_s) + commit_timeout_s + restart_s
+    return int(total * 1000)
+
+
+def check_checkpoint_interval(
+    sink: KafkaSink,
+    checkpoint_interval_s: float,
+    *,
+    batch_duration_s: float = 60.0,
+    restart_s: float = 300.0,
+) -> None:
+    """Raise :class:`PreflightError` when the sink's ``transaction_timeout_ms`` is
+    smaller than :func:`min_safe_timeout_ms` for this checkpoint interval."""
+    need = min_safe_timeout_ms(
+        checkpoint_interval_s,
+        batch_duration_s=batch_duration_s,
+        commit_timeout_s=sink.commit_timeout,
+        restart_s=restart_s,
+    )
+    if sink.transaction_timeout_ms < need:
+        raise PreflightError(
+            f"{sink.describe()}: transaction_timeout_ms={sink.transaction_timeout_ms} is "
+            f"too small for checkpoint_interval={checkpoint_interval_s:g}s: a prepared "
+            f"transaction may wait up to {need} ms (batch {batch_duration_s:g}s + interval "
+            f"+ commit_timeout {sink.commit_timeout:g}s + restart {restart_s:g}s) for its "
+            "commit, and Kafka aborts it after transaction_timeout_ms, losing its rows. "
+            f"Raise transaction_timeout_ms to at least {need} (and the brokers' "
+            "transaction.max.timeout.ms with it), or checkpoint more often"
         )

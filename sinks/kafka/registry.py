@@ -13,13 +13,26 @@ announces its transactional id before it writes any data, in a small topic
   data is always in the registry (an announcement is visible to a raw,
   read_uncommitted reader even while its transaction is open or after it was
   aborted).
+* The announcement ends with the transaction: the COMMIT or ABORT marker of
+  its producer id that follows it on its registry partition resolves it, as
+  it resolves the data records (the registry partition is part of the
+  transaction). A committed announcement thus proves that its transaction,
+  hence its batch, committed; the view resolves it from the control markers in
+  the raw log, never with a read_committed consumer (tansu's returns aborted
+  records too).
 * Once an id is resolved (committed and recorded by the ledger, or aborted),
-  the driver writes a tombstone (null value) for its key; compaction then
-  drops both, so the registry stays small.
+  the driver writes a tombstone (null value) for its key (a committed one only
+  after the progress record that replaces it, :mod:`sinks.kafka.progress`);
+  compaction then drops both, so the registry stays small.
+
+The registry also holds the sink's own non-transactional records (claims and
+progress, :mod:`sinks.kafka.progress`); the view hands them, in log order, to
+a :class:`RecordHandler`.
 
 The driver scans the registry incrementally: :class:`RegistryView` remembers
-the next offset per partition and the ids announced and not yet tombstoned,
-so each sweep reads only what was appended since the last one.
+the next offset per partition, the ids announced and not yet tombstoned and
+how each one ended, so each refresh reads only what was appended since the
+last one.
 """
 
 from __future__ import annotations
@@ -28,7 +41,8 @@ import json
 import logging
 import threading
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import kafka.errors as Errors
 from kafka import KafkaProducer
@@ -40,23 +54,51 @@ log = logging.getLogger("sinks.kafka")
 DEFAULT_TOPIC = "_twophase_kafka_txns"
 TOPIC_CONFIG = {"cleanup.policy": "compact", "segment.ms": "3600000"}
 
+OPEN = "open"
+COMMITTED = "committed"
+ABORTED = "aborted"
+
 
 def announcement(topic: str) -> bytes:
     """The value of a registry record announcing a transactional id."""
     return json.dumps({"topic": topic, "v": 1}).encode()
 
 
+@dataclass
+class Announcement:
+    """An announced transactional id, as the registry's log tells it."""
+
+    topic: str | None
+    """the target topic named in the announcement (None if unreadable)"""
+    partition: int
+    producer_id: int
+    state: str = OPEN
+    """OPEN, COMMITTED or ABORTED: the marker that followed it, if any"""
+
+
+class RecordHandler(Protocol):
+    """Receives the registry's non-transactional records with a value, in log
+    order per partition (claims and progress records)."""
+
+    def apply(self, partition: int, key: str, value: bytes) -> None: ...
+
+    def reset(self) -> None: ...
+
+
 class RegistryView:
     """Driver-side, incrementally refreshed view of one registry topic."""
 
-    def __init__(self, topic: str) -> None:
+    def __init__(self, topic: str, handler: RecordHandler | None = None) -> None:
         self.topic = topic
+        self._handler = handler
         self._next: dict[int, int] = {}
-        self._live: set[str] = set()
+        self._live: dict[str, Announcement] = {}
+        self._pending: dict[tuple[int, int], set[str]] = {}  # (partition, pid) -> open ids
         self._lock = threading.Lock()
 
-    def refresh(self, wire: KafkaWire) -> set[str]:
-        """Read what was appended since the last refresh; return the live ids."""
+    def refresh(self, wire: KafkaWire) -> dict[str, Announcement]:
+        """Read what was appended since the last refresh; return the live ids
+        (announced, not tombstoned) and how their transactions ended so far."""
         with self._lock:
             try:
                 self._read(wire)
@@ -65,34 +107,84 @@ class RegistryView:
                 log.warning("registry topic %s restarted; rescanning it", self.topic)
                 self._next.clear()
                 self._live.clear()
+                self._pending.clear()
+                if self._handler is not None:
+                    self._handler.reset()
                 self._read(wire)
-            return set(self._live)
+            return dict(self._live)
+
+    def live(self) -> dict[str, Announcement]:
+        """The live ids as of the last refresh (no I/O)."""
+        with self._lock:
+            return dict(self._live)
+
+    def next_offset(self, partition: int) -> int:
+        """The offset up to which ``partition`` has been read."""
+        with self._lock:
+            return self._next.get(partition, 0)
 
     def _read(self, wire: KafkaWire) -> None:
         leaders = wire.partition_leaders(self.topic)
         for partition, leader in sorted((leaders or {}).items()):
             start = self._next.get(partition, 0)
-            # (records replayed after an error are harmless: the same adds and discards)
+            # (records replayed after an error are harmless: the same adds and discards;
+            # the handler ignores a claim it has seen)
             for batch in wire.batches(leader, self.topic, partition, start):
-                if not batch.is_control_batch:
-                    self._apply(batch, start)
+                if batch.is_control_batch:
+                    self._resolve(partition, batch)
+                else:
+                    self._apply(partition, batch, start)
                 start = batch.next_offset
-            self._next[partition] = start
+                self._next[partition] = start
 
-    def _apply(self, batch: Any, start: int) -> None:
+    def _resolve(self, partition: int, batch: Any) -> None:
+        ids = self._pending.pop((partition, batch.producer_id), set())
+        if not ids:
+            return
+        state = COMMITTED if next(iter(batch)).commit else ABORTED
+        for tid in ids:
+            found = self._live.get(tid)
+            if found is not None and found.state == OPEN:
+                found.state = state
+
+    def _apply(self, partition: int, batch: Any, start: int) -> None:
         for record in batch:
             if record.offset < start or record.key is None:
                 continue
             key = bytes(record.key).decode("utf-8", "replace")
             if record.value is None:
-                self._live.discard(key)
-            else:
-                self._live.add(key)
+                self._discard(key)
+            elif batch.is_transactional:
+                self._announce(key, bytes(record.value), partition, batch.producer_id)
+            elif self._handler is not None:
+                self._handler.apply(partition, key, bytes(record.value))
+
+    def _announce(self, tid: str, value: bytes, partition: int, producer_id: int) -> None:
+        try:
+            topic = json.loads(value).get("topic")
+        except (ValueError, AttributeError):
+            topic = None
+        self._discard(tid)
+        self._live[tid] = Announcement(
+            topic if isinstance(topic, str) else None, partition, producer_id
+        )
+        self._pending.setdefault((partition, producer_id), set()).add(tid)
+
+    def _discard(self, tid: str) -> None:
+        found = self._live.pop(tid, None)
+        if found is not None:
+            where = (found.partition, found.producer_id)
+            pending = self._pending.get(where)
+            if pending is not None:
+                pending.discard(tid)
+                if not pending:
+                    del self._pending[where]
 
     def forget(self, ids: Iterable[str]) -> None:
         """Drop ids locally (their tombstones were written)."""
         with self._lock:
-            self._live.difference_update(ids)
+            for tid in ids:
+                self._discard(tid)
 
 
 def write_tombstones(

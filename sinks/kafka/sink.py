@@ -2,52 +2,67 @@
 
 Executor side (:mod:`sinks.kafka.writer`): each Spark task writes its partition
 in its own Kafka transaction whose ``transactional.id`` is the task's
-transaction name (``[prefix]tp1.<job>.<pipeline>.<sink>.r<run>.b<batch>.p<part>.a<attempt>``),
+transaction name (:mod:`sinks.naming`: ``tp2.<job>.<pipeline>.<sink>.i<incarnation>
+.r<run>.b<batch>.p<part>.a<attempt>``, after ``transactional_id_prefix``),
 flushes it and returns the committable ``{txn, transactional_id, producer_id,
 epoch, rows, topic, partitions: {partition: [first offset, last offset]}}``
 without committing or aborting.
 
-Commit (driver): the transaction is *resumed* by sending EndTxn(transactional
-id, producer id, epoch, commit) to its transaction coordinator
-(FindCoordinator, key type transaction), never with ``init_transactions()``,
-which would abort it. Retried (tenacity) on retriable errors and dropped
-connections, bounded by ``commit_timeout``. Idempotence:
-
-* Apache Kafka answers NONE to a commit of a transaction that is already
-  committed with that epoch, CONCURRENT_TRANSACTIONS while its markers are
-  being written (retried), INVALID_TXN_STATE if it ended in an abort,
-  PRODUCER_FENCED if its epoch was bumped (fenced by InitProducerId, or
-  aborted by the broker after ``transaction.timeout.ms``) and
-  INVALID_PRODUCER_ID_MAPPING if the id is unknown (expired after
-  ``transactional.id.expiration.ms``).
-* tansu answers NONE to EndTxn for any already completed transaction of that
-  epoch (commit or abort alike, writing no second marker) and closes the
-  connection for a wrong epoch or producer id.
-
-Any answer but NONE (or a retriable error), and a dropped connection, is
-settled by reading the log (:mod:`sinks.kafka.outcome`): the control marker of
-the transaction's producer id after its last record says COMMIT (already
-committed: fine) or ABORT (:class:`TransactionLostError`); no marker means it is
-still open (retried). Limit: on tansu, a commit after an abort *with the same
-epoch* (only ``close(failed=True)`` on an executor does that, and its
-committable never reaches the driver) answers NONE and is not detected.
-
-Abort (driver) fences: InitProducerId with the transaction's id bumps its epoch,
-which aborts the open transaction and fences any zombie still writing with it.
-Aborting what is already aborted or committed is harmless.
+Commit and abort (driver, :mod:`sinks.kafka.txn`): the transaction is resumed
+by EndTxn (never ``init_transactions()``, which aborts), idempotently; any
+refusal is settled from the control markers in the log. Abort fences
+(InitProducerId). Retried (tenacity) on retriable errors and dropped
+connections, bounded by ``commit_timeout``.
 
 Lingering transactions (``abort_lingering``): the driver cannot list them from
 Kafka portably (ListTransactions needs Kafka 3.0+ and DESCRIBE rights; tansu
 lacks it) nor derive them (Spark task attempt ids are not enumerable). Every
 writer therefore announces its transactional id in a registry topic before it
 writes data (:mod:`sinks.kafka.registry`); the sweep reads the registry
-incrementally, asks ``is_orphan`` about each announced id of the scope, fences
-the orphans and tombstones them. Limits: ``registry_topic=None`` disables the
-sweep (Apache Kafka then aborts orphans only after ``transaction.timeout.ms``;
-until then they hold back read_committed consumers); every transactional id
-leaves coordinator state for ``transactional.id.expiration.ms`` (7 days by
-default), one per task and batch. A future option on Apache Kafka >= 3.0:
-ListTransactions (state Ongoing) as a second source of candidates.
+incrementally, asks ``is_orphan`` about each id announced for this topic under
+``scope.own_prefixes()`` (this incarnation's, and first-format names: never
+another incarnation's, unless the coordinator passes that incarnation's scope
+after a start-over), fences the orphans and tombstones them once the registry
+shows them aborted. Limits: ``registry_topic=None`` disables the sweep (Apache
+Kafka then aborts orphans only after ``transaction.timeout.ms``; until then
+they hold back read_committed consumers) and the memory of progress below;
+every transactional id leaves coordinator state for
+``transactional.id.expiration.ms`` (7 days by default), one per task and batch.
+A future option on Apache Kafka >= 3.0: ListTransactions (state Ongoing) as a
+second source of candidates.
+
+What the sink remembers (:mod:`sinks.kafka.progress`), all in the registry
+topic, per (target topic, job, pipeline, sink id):
+
+* the **claim**: which incarnation may commit. ``claim()`` (at start, before any
+  data moves) appends a claim record on registry partition 0 unless this
+  incarnation holds it already; the owner is decided by replaying the claim
+  records in log order (a claim wins iff the owner so far is nobody, itself or
+  its ``start_over_from``), so of two jobs claiming at the same instant the
+  first in the log wins and the other refuses with
+  :class:`~sinks.progress.IncarnationConflictError`;
+* **what is committed**: a writer's announcement is the first record of its own
+  transaction, so its COMMIT marker proves the batch committed, atomically with
+  the data. ``forget`` (after the ledger recorded the commit) first appends a
+  progress record ``{incarnation, batch}`` (acks=all, waited for), then
+  tombstones the announcements. The highest committed batch is the max of the
+  owner's progress record and its committed announcements still there.
+
+Guarantees across a crash at any instant: a batch's data and its announcement
+commit together; the progress record is durable before its announcements are
+tombstoned, so one of them always says the batch committed (a sweep that finds
+a committed announcement left by a missed ``forget`` records its progress
+before tombstoning it). Before each commit the claim is re-read (incrementally):
+another owner refuses the commit (``at_commit``), and committables of a batch
+at or below this incarnation's progress record are replays: fenced, never
+committed (a retried commit of the same transactions stays idempotent, since the
+progress record is written only after the commit completed). Limits: the
+registry must keep its records: compaction is safe (claims have unique keys,
+progress keys keep their latest record, announcements go only after their
+progress record), but ``cleanup.policy=delete`` with a retention would forget
+claims and progress, and deleting the registry topic forgets everything
+(``registry_topic=None`` likewise keeps nothing). The check before a commit and
+the EndTxn are two steps: a takeover between them is caught at the next commit.
 
 Transaction timeout: a prepared transaction must be committed before
 ``transaction_timeout_ms`` has passed since its first write, or Apache Kafka
@@ -63,6 +78,7 @@ import hashlib
 import logging
 import re
 import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -73,12 +89,21 @@ from kafka import KafkaProducer
 from sinks import _faults
 from sinks._retry import retry_transient
 from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
-from sinks.errors import ConfigError, PreflightError, TransactionLostError
-from sinks.kafka import checks, encode, outcome
-from sinks.kafka.registry import DEFAULT_TOPIC, TOPIC_CONFIG, RegistryView, write_tombstones
+from sinks.errors import PreflightError
+from sinks.kafka import checks, encode, txn
+from sinks.kafka.progress import ProgressStore
+from sinks.kafka.registry import (
+    ABORTED,
+    COMMITTED,
+    DEFAULT_TOPIC,
+    TOPIC_CONFIG,
+    Announcement,
+    write_tombstones,
+)
 from sinks.kafka.wire import KafkaWire
 from sinks.kafka.writer import KafkaWriter
 from sinks.naming import TxnName, check_id
+from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.kafka")
 
@@ -86,21 +111,8 @@ log = logging.getLogger("sinks.kafka")
 # CONCURRENT_TRANSACTIONS...; UnknownBrokerIdError: a broker not yet in our
 # metadata (the connection is rebuilt, with fresh metadata, on the next attempt).
 _TRANSIENT: tuple[type[BaseException], ...] = (Errors.RetriableError, Errors.UnknownBrokerIdError)
-_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_RESERVED = {
-    "bootstrap_servers": "pass it as the first argument",
-    "transactional_id": "it is derived from the task (see transactional_id_prefix)",
-    "transaction_timeout_ms": "pass transaction_timeout_ms=",
-    "enable_idempotence": "transactions need it",
-    "acks": "transactions need acks='all'",
-    "key_serializer": "keys are sent as bytes",
-    "value_serializer": "values are sent as bytes",
-}
 _PRODUCER_DEFAULTS: dict[str, Any] = {"linger_ms": 5, "batch_size": 256 * 1024}
-
-
-class _StillOpen(Errors.RetriableError):
-    """EndTxn was refused but the transaction has no marker yet: try again."""
+_REGISTRY_TIMEOUT_S = 30.0
 
 
 class KafkaSink(Sink):
@@ -161,24 +173,15 @@ class KafkaSink(Sink):
         flush_timeout: float = 120.0,
         connect_timeout: float = 15.0,
     ) -> None:
-        if not bootstrap_servers:
-            raise ConfigError("KafkaSink needs bootstrap_servers, e.g. 'broker:9092'")
-        for what, name in (("topic", topic), ("registry_topic", registry_topic or "x")):
-            if not isinstance(name, str) or not _TOPIC.match(name) or name in (".", ".."):
-                raise ConfigError(
-                    f"{what} {name!r} is not a valid Kafka topic name "
-                    "(1-249 characters from A-Z a-z 0-9 . _ -)"
-                )
-        if not isinstance(transaction_timeout_ms, int) or transaction_timeout_ms <= 0:
-            raise ConfigError("transaction_timeout_ms must be a positive integer (milliseconds)")
-        if partitions < 1 or replication_factor < 1:
-            raise ConfigError("partitions and replication_factor must be at least 1")
-        bad = sorted(set(producer_config or {}) & set(_RESERVED))
-        if bad:
-            raise ConfigError(
-                f"producer_config may not set {bad}: "
-                + "; ".join(f"{k}: {_RESERVED[k]}" for k in bad)
-            )
+        checks.check_settings(
+            bootstrap_servers,
+            topic,
+            registry_topic,
+            transaction_timeout_ms,
+            partitions,
+            replication_factor,
+            producer_config,
+        )
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.key = key
@@ -247,12 +250,16 @@ class KafkaSink(Sink):
     def _init_driver_state(self) -> None:
         self._lock = threading.RLock()
         self._wire: KafkaWire | None = None
-        self._tombstoner: KafkaProducer | None = None
-        self._registry = RegistryView(self.registry_topic) if self.registry_topic else None
+        self._plain: KafkaProducer | None = None  # claims, progress records, tombstones
+        self._store = (
+            ProgressStore(self.registry_topic, self.topic, self.id_prefix, self.describe())
+            if self.registry_topic
+            else None
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for k in ("_lock", "_wire", "_tombstoner", "_registry"):
+        for k in ("_lock", "_wire", "_plain", "_store"):
             state.pop(k, None)
         return state
 
@@ -278,11 +285,33 @@ class KafkaSink(Sink):
                     wire.close()
                 raise
 
+    @contextlib.contextmanager
+    def _producer(self) -> Iterator[KafkaProducer]:
+        """The driver's plain (non-transactional, acks=all) producer for the
+        registry; dropped (and rebuilt next time) on a Kafka error."""
+        with self._lock:
+            if self._plain is None:
+                self._plain = KafkaProducer(
+                    **{
+                        **self.producer_config,
+                        "bootstrap_servers": self.bootstrap_servers,
+                        "acks": "all",
+                    }
+                )
+            try:
+                yield self._plain
+            except Errors.KafkaError:
+                producer, self._plain = self._plain, None
+                if producer is not None:
+                    with contextlib.suppress(Exception):
+                        producer.close(timeout=0)
+                raise
+
     def close(self) -> None:
         """Release the driver's connections (optional; they are daemon threads)."""
         with self._lock:
             wire, self._wire = self._wire, None
-            producer, self._tombstoner = self._tombstoner, None
+            producer, self._plain = self._plain, None
         if wire is not None:
             wire.close()
         if producer is not None:
@@ -323,16 +352,13 @@ class KafkaSink(Sink):
         restart_s: float = 300.0,
     ) -> int:
         """The smallest ``transaction_timeout_ms`` that cannot abort a prepared
-        transaction before its commit.
-
-        A transaction opens at a task's first write of batch N and is committed
-        by the first checkpoint after Spark completed N: it stays open for up to
-        the batch's duration, plus one checkpoint interval, plus the commit's
-        retries (``commit_timeout``), plus the time to restart a crashed driver
-        (recovery commits it). If it is open longer, Apache Kafka aborts it and
-        its rows are lost (the commit then raises TransactionLostError)."""
-        total = batch_duration_s + max(0.0, checkpoint_interval_s) + commit_timeout_s + restart_s
-        return int(total * 1000)
+        transaction before its commit (see :func:`sinks.kafka.checks.min_safe_timeout_ms`)."""
+        return checks.min_safe_timeout_ms(
+            checkpoint_interval_s,
+            batch_duration_s=batch_duration_s,
+            commit_timeout_s=commit_timeout_s,
+            restart_s=restart_s,
+        )
 
     def check_checkpoint_interval(
         self,
@@ -343,27 +369,59 @@ class KafkaSink(Sink):
     ) -> None:
         """Raise :class:`PreflightError` when ``transaction_timeout_ms`` is smaller
         than :meth:`min_safe_timeout_ms` for this checkpoint interval."""
-        need = self.min_safe_timeout_ms(
-            checkpoint_interval_s,
-            batch_duration_s=batch_duration_s,
-            commit_timeout_s=self.commit_timeout,
-            restart_s=restart_s,
+        checks.check_checkpoint_interval(
+            self, checkpoint_interval_s, batch_duration_s=batch_duration_s, restart_s=restart_s
         )
-        if self.transaction_timeout_ms < need:
-            raise PreflightError(
-                f"{self.describe()}: transaction_timeout_ms={self.transaction_timeout_ms} is "
-                f"too small for checkpoint_interval={checkpoint_interval_s:g}s: a prepared "
-                f"transaction may wait up to {need} ms (batch {batch_duration_s:g}s + interval "
-                f"+ commit_timeout {self.commit_timeout:g}s + restart {restart_s:g}s) for its "
-                "commit, and Kafka aborts it after transaction_timeout_ms, losing its rows. "
-                f"Raise transaction_timeout_ms to at least {need} (and the brokers' "
-                "transaction.max.timeout.ms with it), or checkpoint more often"
-            )
 
     # -- executor side -------------------------------------------------------------------
 
     def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
         return KafkaWriter(self, ctx, schema)
+
+    # -- progress and claims (sinks.kafka.progress) --------------------------------------
+
+    def progress(self, scope: JobScope) -> SinkProgress:
+        store = self._store
+        if store is None:
+            return SinkProgress(owner=None)
+
+        def read() -> SinkProgress:
+            with self._client() as wire:
+                return store.read(wire, scope)
+
+        return retry_transient(
+            read,
+            what=f"read of the progress of {scope.key()} in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+
+    def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
+        ours = scope.incarnation
+        assert ours is not None
+        store = self._store
+        if store is None:
+            log.warning(
+                "%s: registry_topic=None, so this sink keeps no progress and holds no claim: "
+                "nothing stops another copy of job %s writing the same topic",
+                self.describe(),
+                scope.job,
+            )
+            return SinkProgress(owner=ours)
+        nonce = uuid.uuid4().hex[:16]  # one per claim: a retry appends the same claim
+
+        def claim() -> SinkProgress:
+            with self._client() as wire, self._producer() as producer:
+                return store.claim(
+                    wire, producer, scope, start_over_from, nonce, _REGISTRY_TIMEOUT_S
+                )
+
+        return retry_transient(
+            claim,
+            what=f"claim of {scope.key()} in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
 
     # -- driver side: commit --------------------------------------------------------------
 
@@ -372,14 +430,37 @@ class KafkaSink(Sink):
         if not pending:
             return
         total = len(pending)
+        replayed: list[str] = []
+        done = 0
 
         def attempt() -> None:
+            nonlocal done
             with self._client() as wire:
+                replays = self._store.replays(wire, pending) if self._store else []
+                if replays:
+                    log.warning(
+                        "%s: %d transaction(s) re-write batches this sink holds committed "
+                        "already (a replay); aborting them instead of committing: %s",
+                        self.describe(),
+                        len(replays),
+                        replays[:5],
+                    )
+                    self._fence(wire, list(replays))
+                    for tid in replays:
+                        del pending[tid]
+                    replayed.extend(replays)
                 coordinators = wire.find_coordinators(sorted(pending))
                 for tid in sorted(pending):
-                    self._commit_one(wire, coordinators[tid], pending[tid])
+                    txn.commit(
+                        wire,
+                        coordinators[tid],
+                        pending[tid],
+                        where=self.describe(),
+                        timeout_ms=self.transaction_timeout_ms,
+                    )
                     del pending[tid]
-                    if len(pending) == total - 1 and total > 1:
+                    done += 1
+                    if done == 1 and total > 1:
                         _faults.hit("driver.mid_commit")
 
         retry_transient(
@@ -388,56 +469,12 @@ class KafkaSink(Sink):
             transient=_TRANSIENT,
             deadline=self.commit_timeout,
         )
-
-    def _commit_one(self, wire: KafkaWire, coordinator: Any, c: Committable) -> None:
-        tid = c["transactional_id"]
-        try:
-            error = wire.end_txn(coordinator, tid, int(c["producer_id"]), int(c["epoch"]), True)
-        except Errors.KafkaConnectionError as e:
-            # tansu refuses by closing the connection; a broker that is down looks
-            # the same. The log tells which (and fails transiently if it is down).
-            log.debug("EndTxn(commit) of %s: connection closed (%s); checking the log", tid, e)
-            refusal = "the broker closed the connection"
-        else:
-            if error is Errors.NoError:
-                return
-            if issubclass(error, Errors.RetriableError):
-                raise error(f"EndTxn(commit) of {tid}")
-            refusal = error.__name__
-        verdict = outcome.txn_outcome(wire, c)
-        if verdict == outcome.COMMITTED:
-            log.debug("%s was already committed (EndTxn answered: %s)", tid, refusal)
-            return
-        if verdict == outcome.OPEN:
-            raise _StillOpen(f"EndTxn(commit) of {tid} refused ({refusal}) while it is open")
-        what = (
-            "was aborted instead of being committed, so its rows are not in the topic"
-            if verdict == outcome.ABORTED
-            else "cannot be shown to be committed (its records or marker are gone from the log)"
-        )
-        raise TransactionLostError(
-            f"{self.describe()}: Kafka transaction {tid} (producer id {c['producer_id']}, "
-            f"epoch {c['epoch']}, {c.get('rows', '?')} rows) {what} (EndTxn answered: "
-            f"{refusal}). Typical causes: transaction_timeout_ms ({self.transaction_timeout_ms} "
-            "ms) expired before the checkpoint committed it, or another producer used the same "
-            "transactional id. The job stops rather than lose rows silently; re-run the "
-            "affected batches from source to restore them."
-        )
+        self._tombstone(replayed)
 
     # -- driver side: abort, sweep, forget ------------------------------------------------
 
     def _fence(self, wire: KafkaWire, transactional_ids: list[str]) -> None:
-        """InitProducerId for each id: aborts its open transaction, fences zombies.
-
-        Ids are removed from the list as they are done, so a retry goes on
-        where a transient error stopped it."""
-        coordinators = wire.find_coordinators(transactional_ids)
-        while transactional_ids:
-            tid = transactional_ids[0]
-            error, _, _ = wire.init_producer_id(coordinators[tid], tid, self.transaction_timeout_ms)
-            if error is not Errors.NoError:  # CONCURRENT_TRANSACTIONS while the abort completes
-                raise error(f"InitProducerId (abort) of {tid}")
-            transactional_ids.pop(0)
+        txn.fence(wire, transactional_ids, self.transaction_timeout_ms)
 
     def abort(self, committables: Sequence[Committable]) -> None:
         ids = sorted({c["transactional_id"] for c in committables})
@@ -458,55 +495,85 @@ class KafkaSink(Sink):
         self._tombstone(ids)
 
     def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        view = self._registry
-        if view is None:
-            return []
-        prefix = self.id_prefix + scope.txn_prefix()
+        """Fence the orphans among the ids of ``scope.own_prefixes()`` announced
+        for this topic; tombstone them once the registry shows them aborted.
 
-        def sweep() -> dict[str, TxnName]:
+        An orphan found committed (its ``forget`` was missed: a crash between the
+        ledger's record and ``forget``) is not fenced: its progress is recorded
+        under the incarnation in its name (never the one this sink claimed: after
+        a start-over they differ), then it is tombstoned."""
+        store = self._store
+        if store is None:
+            return []
+        prefixes = tuple(self.id_prefix + p for p in scope.own_prefixes())
+
+        def sweep() -> tuple[list[TxnName], dict[str, Announcement]]:
             with self._client() as wire:
-                live = view.refresh(wire)
+                live = store.view.refresh(wire)
                 orphans: dict[str, TxnName] = {}
-                for tid in sorted(live):
-                    if not tid.startswith(prefix):
+                for tid, found in sorted(live.items()):
+                    if not tid.startswith(prefixes) or found.topic != self.topic:
                         continue
                     name = TxnName.parse(tid[len(self.id_prefix) :])
                     if name is not None and is_orphan(name):
                         orphans[tid] = name
-                if orphans:
-                    self._fence(wire, sorted(orphans))  # fenced twice after a retry: harmless
-                return orphans
+                fenced = [tid for tid in sorted(orphans) if live[tid].state != COMMITTED]
+                if fenced:
+                    self._fence(wire, list(fenced))  # fenced twice after a retry: harmless
+                live = store.view.refresh(wire)  # the markers of the fenced ones
+                return [orphans[t] for t in fenced], {t: live[t] for t in orphans if t in live}
 
-        orphans = retry_transient(
+        fenced, found = retry_transient(
             sweep,
             what=f"sweep of lingering transactions in {self.describe()}",
             transient=_TRANSIENT,
             deadline=self.commit_timeout,
         )
-        if orphans:
-            self._tombstone(sorted(orphans))
-            log.info("aborted %d lingering Kafka transaction(s): %s", len(orphans), sorted(orphans))
-        return sorted(str(n) for n in orphans.values())
+        committed = [t for t, a in found.items() if a.state == COMMITTED]
+        if committed and self._record_committed(committed, as_named=True):
+            self._tombstone(committed)
+        self._tombstone(sorted(t for t, a in found.items() if a.state == ABORTED))
+        aborted = sorted(str(n) for n in fenced)
+        if aborted:
+            log.info("aborted %d lingering Kafka transaction(s): %s", len(aborted), aborted)
+        return aborted
 
     def forget(self, committables: Sequence[Committable]) -> None:
-        self._tombstone(sorted({c["transactional_id"] for c in committables}))
+        """Record the committed batches in a progress record, then tombstone
+        their announcements (which said the same until then)."""
+        ids = sorted({c["transactional_id"] for c in committables})
+        if ids and self._record_committed(ids):
+            self._tombstone(ids)
+
+    def _record_committed(self, ids: list[str], *, as_named: bool = False) -> bool:
+        """Append the progress records of the committed ``ids`` (see
+        :meth:`ProgressStore.record_committed`); False (and the announcements
+        must stay) when they could not be written."""
+        store = self._store
+        if store is None:
+            return True
+        try:
+            with self._client() as wire, self._producer() as producer:
+                store.record_committed(wire, producer, ids, _REGISTRY_TIMEOUT_S, as_named=as_named)
+        except Exception as e:
+            log.warning(
+                "could not record the progress of %d committed transaction(s) in registry %s "
+                "(%r); their announcements stay and say the same",
+                len(ids),
+                self.registry_topic,
+                e,
+            )
+            return False
+        return True
 
     def _tombstone(self, ids: list[str]) -> None:
         """Mark ids resolved in the registry. Best effort: a missed tombstone only
-        makes a later sweep fence an already finished id again (harmless)."""
-        if not ids or not self.registry_topic:
+        makes a later sweep see an already finished id again (harmless)."""
+        if not ids or self._store is None:
             return
         try:
-            with self._lock:
-                if self._tombstoner is None:
-                    self._tombstoner = KafkaProducer(
-                        **{
-                            **self.producer_config,
-                            "bootstrap_servers": self.bootstrap_servers,
-                            "acks": "all",
-                        }
-                    )
-                write_tombstones(self._tombstoner, self.registry_topic, ids, timeout_s=30.0)
+            with self._producer() as producer:
+                write_tombstones(producer, self._store.registry, ids, timeout_s=_REGISTRY_TIMEOUT_S)
         except Exception as e:
             log.warning(
                 "could not tombstone %d id(s) in registry %s (%r); harmless, a later sweep retries",
@@ -514,11 +581,5 @@ class KafkaSink(Sink):
                 self.registry_topic,
                 e,
             )
-            with self._lock:
-                producer, self._tombstoner = self._tombstoner, None
-            if producer is not None:
-                with contextlib.suppress(Exception):
-                    producer.close(timeout=0)
             return
-        if self._registry is not None:
-            self._registry.forget(ids)
+        self._store.view.forget(ids)

@@ -1,0 +1,101 @@
+"""The driver's two moves on a prepared Kafka transaction: commit and fence.
+
+Commit: the transaction is *resumed* by sending EndTxn(transactional id,
+producer id, epoch, commit) to its transaction coordinator (FindCoordinator,
+key type transaction), never with ``init_transactions()``, which would abort
+it. Idempotence:
+
+* Apache Kafka answers NONE to a commit of a transaction that is already
+  committed with that epoch, CONCURRENT_TRANSACTIONS while its markers are
+  being written (retried), INVALID_TXN_STATE if it ended in an abort,
+  PRODUCER_FENCED if its epoch was bumped (fenced by InitProducerId, or
+  aborted by the broker after ``transaction.timeout.ms``) and
+  INVALID_PRODUCER_ID_MAPPING if the id is unknown (expired after
+  ``transactional.id.expiration.ms``).
+* tansu answers NONE to EndTxn for any already completed transaction of that
+  epoch (commit or abort alike, writing no second marker) and closes the
+  connection for a wrong epoch or producer id.
+
+Any answer but NONE (or a retriable error), and a dropped connection, is
+settled by reading the log (:mod:`sinks.kafka.outcome`): COMMIT (already
+committed: fine), ABORT (:class:`TransactionLostError`), or no marker yet
+(:class:`StillOpen`, retried). Limit: on tansu, a commit after an abort *with
+the same epoch* (only ``close(failed=True)`` on an executor does that, and its
+committable never reaches the driver) answers NONE and is not detected.
+
+Fence: InitProducerId with the transaction's id bumps its epoch, which aborts
+the open transaction and fences any zombie still writing with it. Fencing what
+is already aborted or committed is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kafka.errors as Errors
+
+from sinks.errors import TransactionLostError
+from sinks.kafka import outcome
+from sinks.kafka.wire import KafkaWire
+
+log = logging.getLogger("sinks.kafka")
+
+
+class StillOpen(Errors.RetriableError):
+    """EndTxn was refused but the transaction has no marker yet: try again."""
+
+
+def commit(
+    wire: KafkaWire, coordinator: Any, c: dict[str, Any], *, where: str, timeout_ms: int
+) -> None:
+    """Commit the prepared transaction of committable ``c`` (see the module
+    docstring); ``where`` and ``timeout_ms`` (its transaction timeout) go into
+    the error of a lost transaction."""
+    tid = c["transactional_id"]
+    try:
+        error = wire.end_txn(coordinator, tid, int(c["producer_id"]), int(c["epoch"]), True)
+    except Errors.KafkaConnectionError as e:
+        # tansu refuses by closing the connection; a broker that is down looks
+        # the same. The log tells which (and fails transiently if it is down).
+        log.debug("EndTxn(commit) of %s: connection closed (%s); checking the log", tid, e)
+        refusal = "the broker closed the connection"
+    else:
+        if error is Errors.NoError:
+            return
+        if issubclass(error, Errors.RetriableError):
+            raise error(f"EndTxn(commit) of {tid}")
+        refusal = error.__name__
+    verdict = outcome.txn_outcome(wire, c)
+    if verdict == outcome.COMMITTED:
+        log.debug("%s was already committed (EndTxn answered: %s)", tid, refusal)
+        return
+    if verdict == outcome.OPEN:
+        raise StillOpen(f"EndTxn(commit) of {tid} refused ({refusal}) while it is open")
+    what = (
+        "was aborted instead of being committed, so its rows are not in the topic"
+        if verdict == outcome.ABORTED
+        else "cannot be shown to be committed (its records or marker are gone from the log)"
+    )
+    raise TransactionLostError(
+        f"{where}: Kafka transaction {tid} (producer id {c['producer_id']}, "
+        f"epoch {c['epoch']}, {c.get('rows', '?')} rows) {what} (EndTxn answered: "
+        f"{refusal}). Typical causes: transaction_timeout_ms ({timeout_ms} "
+        "ms) expired before the checkpoint committed it, or another producer used the same "
+        "transactional id. The job stops rather than lose rows silently; re-run the "
+        "affected batches from source to restore them."
+    )
+
+
+def fence(wire: KafkaWire, transactional_ids: list[str], timeout_ms: int) -> None:
+    """InitProducerId for each id: aborts its open transaction, fences zombies.
+
+    Ids are removed from the list as they are done, so a retry goes on
+    where a transient error stopped it."""
+    coordinators = wire.find_coordinators(transactional_ids)
+    while transactional_ids:
+        tid = transactional_ids[0]
+        error, _, _ = wire.init_producer_id(coordinators[tid], tid, timeout_ms)
+        if error is not Errors.NoError:  # CONCURRENT_TRANSACTIONS while the abort completes
+            raise error(f"InitProducerId (abort) of {tid}")
+        transactional_ids.pop(0)
