@@ -18,6 +18,7 @@ from __future__ import annotations
 import shutil
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -32,10 +33,9 @@ from sinks.postgres import PostgresSink
 from sinks.progress import IncarnationConflictError, SinkProgress
 from tests import deltacheck
 from tests.conftest import write_input
+from tests.kafkacheck import assert_exactly_once as kafka_exactly_once
 from tests.multisink import Run
 from tests.pgcheck import assert_exactly_once, job_prepared
-
-SINKS = "delta,pg"
 
 
 def _create(dsn: str, table: str = "orders") -> None:
@@ -50,11 +50,15 @@ def _pg_count(dsn: str, table: str = "orders") -> int:
 
 @pytest.mark.crash
 def test_lost_state_refuses_start_over_is_explicit_and_the_old_state_then_refuses(
-    pg_dsn: str, tmp_path: Path
+    pg_dsn: str, kafka_bootstrap: str, kafka_topic: Callable[[int], str], tmp_path: Path
 ) -> None:
+    """The measured failure: 600 rows to PostgreSQL, Kafka and Delta, exit 0, state
+    lost, the same job again: it used to write 200 rows twice to PostgreSQL and
+    Kafka, then fail at every start."""
     n = write_input(tmp_path / "in", files=3, rows_per_file=200)
     _create(pg_dsn)
-    run = Run(tmp_path, pg_dsn, None, None, sinks=SINKS)
+    topic = kafka_topic(3)
+    run = Run(tmp_path, pg_dsn, kafka_bootstrap, topic)
     assert run.start().proc.returncode == 0
     run.check(n)
     old = read_ledger(run.state)
@@ -71,6 +75,7 @@ def test_lost_state_refuses_start_over_is_explicit_and_the_old_state_then_refuse
     assert f"from incarnation {old['incarnation']}" in out, again.tail()
     assert "Nothing was written" in out and "start_over_from=" in out
     assert_exactly_once(pg_dsn, "orders", n)  # nothing moved
+    kafka_exactly_once(kafka_bootstrap, topic, n)
     assert job_prepared(pg_dsn, run.job) == []
     deltacheck.assert_exactly_once(str(run.delta), n)
     deltacheck.assert_nothing_staged(str(run.delta))
@@ -85,6 +90,7 @@ def test_lost_state_refuses_start_over_is_explicit_and_the_old_state_then_refuse
     )
     assert over.proc.returncode == 0, over.tail()
     assert_exactly_once(pg_dsn, "orders", n + m)
+    kafka_exactly_once(kafka_bootstrap, topic, n + m)
     deltacheck.assert_exactly_once(str(run.delta), n + m)
     deltacheck.assert_nothing_staged(str(run.delta))
     new = read_ledger(run.state)
@@ -101,6 +107,7 @@ def test_lost_state_refuses_start_over_is_explicit_and_the_old_state_then_refuse
     assert third.proc.returncode not in (0, -signal.SIGKILL), third.tail()
     assert f"from incarnation {new['incarnation']}" in third.output()
     assert_exactly_once(pg_dsn, "orders", n + m)
+    kafka_exactly_once(kafka_bootstrap, topic, n + m)
     deltacheck.assert_exactly_once(str(run.delta), n + m)
 
 
@@ -113,7 +120,7 @@ def test_a_lost_spark_commit_entry_replays_a_batch_recognised_as_done(
     recognises it (same offsets) and commits it no second time."""
     n = write_input(tmp_path / "in", files=4, rows_per_file=100)
     _create(pg_dsn)
-    run = Run(tmp_path, pg_dsn, None, None, sinks=SINKS)
+    run = Run(tmp_path, pg_dsn, None, None, sinks="delta,pg")
     first = run.start(fault="driver.before_record@2=kill")
     assert first.killed(), first.tail()
     doc = read_ledger(run.state)
