@@ -331,36 +331,40 @@ def test_compaction_preserves_the_state(tmp_path: Path) -> None:
     assert _view(FileLedger(tmp_path / "small", "j")) == view
 
 
-def _generations(tmp_path: Path) -> tuple[Path, Path, dict[str, Any]]:
+def _generations(tmp_path: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any]]:
     """Generation 0 of a ledger (a snapshot and a journal of changes) and the
-    generation 1 its compaction writes, as two directories, and the state."""
+    generation 1 its compaction writes, followed by one more change, as two
+    directories; the state before and after that change."""
     g0, g1 = tmp_path / "g0", tmp_path / "g1"
     led = FileLedger(g1, "j", compact_bytes=NEVER)
     _some_changes(led)
-    view = _view(led)
+    before = _view(led)
     shutil.copytree(g1, g0)  # a crash before the compaction
     led._compact()  # what the ledger does once the journal is large enough
-    assert _view(led) == view
+    assert _view(led) == before
+    led.record_spark_completed("q", 3)
+    after = _view(led)
     led.close()
     assert _files(g0) == ["journal.0.log", "lock", "snapshot.0.json"]
     assert _files(g1) == ["journal.1.log", "lock", "snapshot.1.json"]
-    assert (g1 / "journal.1.log").stat().st_size == 0
-    return g0, g1, view
+    assert after["spark"]["q"] == 3 and before["spark"]["q"] == -1
+    return g0, g1, before, after
 
 
 @pytest.mark.parametrize(
-    "window",
+    ("window", "changed"),
     [
-        "snapshot written in part (not renamed)",
-        "snapshot written, not renamed",
-        "snapshot renamed, no new journal",
-        "new journal created, old generation not removed",
-        "old snapshot removed, old journal not",
-        "done",
+        ("snapshot written in part (not renamed)", False),
+        ("snapshot written, not renamed", False),
+        ("snapshot renamed, no new journal", False),
+        ("new journal created, old generation not removed", False),
+        ("new journal written to, old generation not removed", True),
+        ("old snapshot removed, old journal not", True),
+        ("done", True),
     ],
 )
-def test_a_crash_at_every_step_of_a_compaction(tmp_path: Path, window: str) -> None:
-    g0, g1, view = _generations(tmp_path)
+def test_a_crash_at_every_step_of_a_compaction(tmp_path: Path, window: str, changed: bool) -> None:
+    g0, g1, before, after = _generations(tmp_path)
     snap1 = (g1 / "snapshot.1.json").read_bytes()
     crash = tmp_path / "crash"
     shutil.copytree(g0, crash)
@@ -370,21 +374,23 @@ def test_a_crash_at_every_step_of_a_compaction(tmp_path: Path, window: str) -> N
         (crash / "snapshot.1.json.tmp").write_bytes(snap1)
     else:
         (crash / "snapshot.1.json").write_bytes(snap1)
-        if window != "snapshot renamed, no new journal":
+        if window == "new journal created, old generation not removed":
             (crash / "journal.1.log").write_bytes(b"")
+        elif window != "snapshot renamed, no new journal":
+            shutil.copy(g1 / "journal.1.log", crash / "journal.1.log")
         if window in ("old snapshot removed, old journal not", "done"):
             (crash / "snapshot.0.json").unlink()
         if window == "done":
             (crash / "journal.0.log").unlink()
-    assert read_directory(crash) == read_directory(g1)
+    view = after if changed else before
     led = FileLedger(crash, "j")
-    assert _view(led) == view  # the old journal is not replayed over the new snapshot
+    # neither the old journal replayed over the new snapshot, nor the new journal lost
+    assert _view(led) == view
     gen = led.generation
     assert _files(crash) == [f"journal.{gen}.log", "lock", f"snapshot.{gen}.json"]
     led.begin_run()
     led.close()
     again = FileLedger(crash, "j")
-    assert again.run == view["run"] + 1
     assert _view(again) == {**view, "run": view["run"] + 1}
 
 
