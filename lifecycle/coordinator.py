@@ -173,7 +173,7 @@ class Coordinator:
                 f"batch {batch_id} of {pipeline!r} is at or below the last committed batch "
                 f"({self.ledger.committed_cut(pipeline)}); it is never registered again"
             )
-        stale = self.ledger.pending().get(pipeline, {}).get(batch_id)
+        stale = self.ledger.pending_batch(pipeline, batch_id)
         if stale:
             # Spark re-ran a batch we already registered: the earlier attempt's
             # work is superseded (Spark never completed it).
@@ -202,11 +202,11 @@ class Coordinator:
         Spark has completed."""
         keep = set(only) if only is not None else None
         cut: dict[str, int] = {}
-        for p, batches in self.ledger.pending().items():
+        for p in self.ledger.pending_pipelines():
             if keep is not None and p not in keep:
                 continue
-            latest = self._pipeline(p).commit_log.latest()
-            done = [b for b in batches if b <= latest]
+            latest = self._spark_completed(p)
+            done = [b for b in self.ledger.pending_batch_ids(p) if b <= latest]
             if done:
                 cut[p] = max(done)
         return cut
@@ -239,13 +239,13 @@ class Coordinator:
         committing the others is what a restart would do anyway); then
         :class:`CheckpointCommitError` names the sinks that failed, and the
         checkpoint stays decided in the ledger for the next start."""
-        pending = self.ledger.pending()
         groups: dict[tuple[str, str], list[Committable]] = {}
         for p, last in cp.cut.items():
-            for b, sinks in sorted(pending.get(p, {}).items()):
-                if b <= last:
-                    for sid, cs in sinks.items():
-                        groups.setdefault((p, sid), []).extend(cs)
+            for b in self.ledger.pending_batch_ids(p):  # ascending
+                if b > last:
+                    break
+                for sid, cs in (self.ledger.pending_batch(p, b) or {}).items():
+                    groups.setdefault((p, sid), []).extend(cs)
         sinks = {key: self._sink(*key) for key in groups}
         _faults.hit("driver.before_commit", batch=max(cp.cut.values(), default=None))
         rows: dict[str, int] = {}
@@ -281,13 +281,13 @@ class Coordinator:
 
     def _sweep(self, cut: dict[str, int]) -> None:
         """Abort orphans of batches at or below ``cut`` and of earlier runs."""
-        owned = self.ledger.owned_txns()
+        owned = self.ledger.is_owned
         run = self.run
         for p, ps in self.pipelines.items():
             last = cut.get(p, -1)
 
             def is_orphan(n: TxnName, last: int = last) -> bool:
-                return str(n) not in owned and (n.run < run or n.batch_id <= last)
+                return not owned(str(n)) and (n.run < run or n.batch_id <= last)
 
             for sid, sink in ps.sinks.items():
                 sink.abort_lingering(self.scope(p, sid), is_orphan)
@@ -310,7 +310,7 @@ class Coordinator:
     def settle(self, kind: str) -> None:
         """Commit what Spark completed, abort what it did not, sweep everything
         unowned. Used at start (recovery) and when a run ends or fails."""
-        unknown = set(self.ledger.pending()) - set(self.pipelines)
+        unknown = set(self.ledger.pending_pipelines()) - set(self.pipelines)
         if unknown:
             raise RecoveryRefusedError(
                 f"the ledger holds uncommitted work of pipeline(s) {sorted(unknown)} that "
@@ -335,18 +335,29 @@ class Coordinator:
         that Spark has not completed, then every transaction of theirs that no
         ledger entry owns."""
         for p in pipelines:
-            latest = self._pipeline(p).commit_log.latest()
-            for b, sinks in sorted(self.ledger.pending().get(p, {}).items()):
-                if b > latest:
+            latest = self._spark_completed(p)
+            for b in self.ledger.pending_batch_ids(p):
+                sinks = self.ledger.pending_batch(p, b) if b > latest else None
+                if sinks is not None:
                     log.info("aborting batch %d of %s: %s", b, p, why)
                     self._abort_batch(p, sinks)
                     self.ledger.drop_batches(p, [b])
-        owned = self.ledger.owned_txns()
+        owned = self.ledger.is_owned
         for p in pipelines:
             for sid, sink in self._pipeline(p).sinks.items():
-                sink.abort_lingering(self.scope(p, sid), lambda n: str(n) not in owned)
+                sink.abort_lingering(self.scope(p, sid), lambda n: not owned(str(n)))
 
     # -- helpers ----------------------------------------------------------------------
+
+    def _spark_completed(self, p: str) -> int:
+        """The highest batch of ``p`` Spark completed: its commit log, or what the
+        ledger recorded of it (Spark writes ``commits/N`` without an fsync, so the
+        file can vanish in a host crash; the ledger's record cannot)."""
+        latest = self._pipeline(p).commit_log.latest()
+        recorded = self.ledger.spark_completed(p)
+        if latest > recorded:
+            self.ledger.record_spark_completed(p, latest)
+        return max(latest, recorded)
 
     def _pipeline(self, p: str) -> PipelineSinks:
         try:

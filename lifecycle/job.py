@@ -298,10 +298,10 @@ class Job:
             log.error("%s", first)
 
     def _warn_undecided(self, ledger: FileLedger) -> None:
-        pending = ledger.pending()
+        pending = ledger.pending_pipelines()
         decided = ledger.decided()
         if pending or decided:
-            batches = sum(len(b) for b in pending.values())
+            batches = sum(len(ledger.pending_batch_ids(p)) for p in pending)
             log.warning(
                 "job %s exits with %d pre-committed batch(es)%s undecided; the next start "
                 "with state_dir %s commits or rolls them back (twophase status shows them)",
@@ -541,7 +541,7 @@ class Job:
             final_checkpoint=final,
             stopped=self._outcome == "stopped",
             drained=self._outcome == "drained",
-            committed=not ledger.pending()
+            committed=not ledger.pending_pipelines()
             and ledger.decided() is None
             and (all_finished or self._outcome == "stopped"),
             end_of_input_to_exit=(time.monotonic() - end) if end is not None else None,

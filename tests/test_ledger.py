@@ -3,16 +3,34 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from lifecycle.ledger import HISTORY, FileLedger, LedgerLockedError
+from lifecycle.cli import format_status
+from lifecycle.ledger import (
+    HISTORY,
+    Checkpoint,
+    CorruptLedgerError,
+    FileLedger,
+    LedgerLockedError,
+    is_locked,
+    read_ledger,
+)
+from lifecycle.state.file_ledger import read_directory
+from lifecycle.state.frames import scan
 from sinks.errors import ConfigError
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+NEVER = 1 << 40  # compact_bytes that never compacts
 
 
 def _c(name: str, rows: int = 1) -> dict[str, object]:
@@ -58,15 +76,16 @@ def test_a_decision_survives_reopening(tmp_path: Path) -> None:
     assert FileLedger(tmp_path, "j").decided() == cp
 
 
-def test_history_is_trimmed_and_the_file_stays_small(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j")
+def test_history_is_trimmed_and_the_files_stay_small(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path, "j", compact_bytes=16_000)
     for b in range(HISTORY * 3):
         led.record_batch("p", b, {"s": [_c(f"tp1.j.p.s.r1.b{b}.p{i}.a{i}") for i in range(8)]})
         led.complete(led.decide("periodic", {"p": b}, []), {"p/s": 8})
     assert len(led.history()) == HISTORY
     assert led.pending() == {}
     assert led.totals() == {"p/s": 8 * HISTORY * 3}
-    assert led.path.stat().st_size < 40_000
+    assert led.generation > 0  # the journal was compacted
+    assert sum(f.stat().st_size for f in tmp_path.iterdir()) < 40_000
 
 
 def test_second_opener_is_refused(tmp_path: Path) -> None:
@@ -83,21 +102,48 @@ def test_another_jobs_ledger_is_refused(tmp_path: Path) -> None:
         FileLedger(tmp_path, "b", lock=False)
 
 
+_FAILING_WRITER = """
+import json, os, resource, signal, sys
+from lifecycle.ledger import FileLedger
+led = FileLedger(sys.argv[1], "j")
+led.record_batch("p", 0, {"s": [{"txn": "a", "rows": 1}]})
+size = led._journal.size
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+# the file may grow by 20 bytes: the next record is written in part, then fails (even for root)
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 20, resource.RLIM_INFINITY))
+try:
+    led.record_batch("p", 1, {"s": [{"txn": "b", "rows": 1}]})
+    error = None
+except OSError as e:
+    error = e.errno
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+after = os.path.getsize(led._journal.path)
+pending = {p: sorted(b) for p, b in led.pending().items()}
+led.record_batch("p", 2, {"s": [{"txn": "c", "rows": 1}]})  # the ledger still works
+print(json.dumps({"error": error, "size": size, "after": after, "pending": pending}))
+"""
+
+
 def test_failed_write_leaves_memory_and_disk_unchanged(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j")
-    led.record_batch("p", 0, {"s": [_c("a")]})
-    (tmp_path / "ledger.json.tmp").mkdir()  # the next write fails, even for root
-    with pytest.raises(OSError):
-        led.record_batch("p", 1, {"s": [_c("b")]})
-    assert led.pending() == {"p": {0: {"s": [_c("a")]}}}
-    led.close()
-    assert FileLedger(tmp_path, "j").pending() == {"p": {0: {"s": [_c("a")]}}}
+    """A write that fails half-way (the file size limit) is undone on disk and in memory."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FAILING_WRITER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    ).stdout
+    got = json.loads(out)
+    assert got["error"] is not None, "the write did not fail"
+    assert got["after"] == got["size"], "the partial record was left in the journal"
+    assert got["pending"] == {"p": [0]}
+    assert FileLedger(tmp_path, "j").pending() == {"p": {0: {"s": [_c("a")]}, 2: {"s": [_c("c")]}}}
 
 
 _WRITER = """
 import sys
 from lifecycle.ledger import FileLedger
-led = FileLedger(sys.argv[1], "j")
+led = FileLedger(sys.argv[1], "j", compact_bytes=8192)  # compactions happen under the kill
 b = 0
 while True:
     led.record_batch("p", b, {"s": [{"txn": "t%d" % b, "rows": 1}] * 50})
@@ -126,10 +172,539 @@ def test_sigkill_at_any_instant_keeps_every_acknowledged_record(
     out, _ = proc.communicate()
     acked = [int(x) for x in (first + out).split()]
     assert acked, "the writer acknowledged nothing before it was killed"
-    led = FileLedger(tmp_path, "j")  # loads: never a torn document
-    json.loads(led.path.read_text())
+    led = FileLedger(tmp_path, "j")  # loads: never a torn record
     last = acked[-1]
     pending = led.pending().get("p", {})
     committed_upto = max((cp.cut["p"] for cp in led.history()), default=-1)
     for b in range(committed_upto + 1, last + 1):
         assert b in pending, f"acknowledged batch {b} is missing after the crash"
+
+
+# -- the journal: one record per change, a torn last record dropped ------------------
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _view(led: FileLedger) -> dict[str, Any]:
+    """Everything the ledger answers, for comparisons."""
+    pipelines = ["p", "q"]
+    return {
+        "incarnation": led.incarnation,
+        "run": led.run,
+        "pending": led.pending(),
+        "owned": led.owned_txns(),
+        "decided": led.decided(),
+        "history": led.history(),
+        "finished": led.finished(),
+        "totals": led.totals(),
+        "abandoned": led.abandoned(),
+        "spark": {p: led.spark_completed(p) for p in pipelines},
+        "cut": {p: led.committed_cut(p) for p in pipelines},
+        "digests": {p: {b: led.committed_digest(p, b) for b in range(20)} for p in pipelines},
+    }
+
+
+def _some_changes(led: FileLedger) -> None:
+    """Changes of every kind; replaying any of them twice would show."""
+    led.begin_run()
+    for b in range(4):
+        led.record_batch("p", b, {"s": [_c(f"p{b}.{i}", 10) for i in range(3)]}, f"d{b}")
+        led.record_spark_completed("p", b)
+    led.record_batch("q", 0, {"s": [_c("q0", 5)], "t": []})
+    led.complete(led.decide("periodic", {"p": 1}, []), {"p/s": 60})
+    led.record_abandoned(1, ["p9.0"], "lost before its commit")
+    led.begin_run()
+    led.drop_batches("p", [3])
+    led.complete(led.decide("periodic", {"q": 0}, ["q"]), {"q/s": 5})
+    led.record_batch("p", 4, {"s": [_c("p4.0", 7)]}, "d4")
+
+
+def test_a_change_appends_only_its_own_record(tmp_path: Path) -> None:
+    """Invariant 10: a change costs its own record, however much is pending."""
+    led = FileLedger(tmp_path, "j", compact_bytes=NEVER)
+    for b in range(300):
+        led.record_batch("p", b, {"s": [_c(f"t{b}.{i}") for i in range(20)]})
+    snapshot = tmp_path / "snapshot.0.json"
+    before = snapshot.stat()
+    journal = tmp_path / "journal.0.log"
+    size = journal.stat().st_size
+    led.record_batch("p", 300, {"s": [_c("one")]})
+    grown = journal.stat().st_size - size
+    assert 0 < grown < 200, f"one small batch appended {grown} bytes"
+    cp = led.decide("periodic", {"p": 0}, [])
+    led.complete(cp, {"p/s": 20})
+    assert journal.stat().st_size - size < 800
+    after = snapshot.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_a_torn_last_record_is_dropped_at_every_byte(tmp_path: Path) -> None:
+    """Cut the journal at every byte of its last record (what a crash mid-append
+    leaves): the ledger opens without that change, and goes on."""
+    src = tmp_path / "src"
+    led = FileLedger(src, "j", compact_bytes=NEVER)
+    _some_changes(led)
+    without = _view(led)
+    led.record_batch("p", 5, {"s": [_c("p5.0", 2), _c("p5.1", 2)]}, "d5")
+    with_it = _view(led)
+    led.close()
+    data = (src / "journal.0.log").read_bytes()
+    start = scan(data, src / "journal.0.log").records[-1][0]
+    assert 50 < len(data) - start < 300
+    work = tmp_path / "work"
+    for cut in range(start, len(data) + 1):
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(src, work)
+        (work / "journal.0.log").write_bytes(data[:cut])
+        led = FileLedger(work, "j")
+        expected = with_it if cut == len(data) else without
+        assert _view(led) == expected, f"cut at byte {cut}"
+        assert (work / "journal.0.log").stat().st_size == (len(data) if cut == len(data) else start)
+        led.record_batch("q", 7, {"s": [_c("q7")]})  # appends after the cut, not after junk
+        led.close()
+        again = FileLedger(work, "j")
+        assert again.pending_batch("q", 7) == {"s": [_c("q7")]}
+        assert again.is_owned("p5.0") == (cut == len(data))
+        again.close()
+
+
+def test_a_last_record_with_lost_bytes_is_dropped(tmp_path: Path) -> None:
+    """A complete-looking last line whose bytes did not all reach the disk."""
+    led = FileLedger(tmp_path, "j", compact_bytes=NEVER)
+    led.record_batch("p", 0, {"s": [_c("a")]})
+    led.record_batch("p", 1, {"s": [_c("b")]})
+    led.close()
+    journal = tmp_path / "journal.0.log"
+    data = bytearray(journal.read_bytes())
+    data[-5:-1] = b"\0\0\0\0"
+    journal.write_bytes(bytes(data))
+    assert FileLedger(tmp_path, "j").pending_batch_ids("p") == [0]
+
+
+def test_damage_before_the_last_record_is_an_error_naming_file_and_offset(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    led = FileLedger(state / "ledger", "j", compact_bytes=NEVER)
+    led.record_batch("p", 0, {"s": [_c("a")]})
+    led.record_batch("p", 1, {"s": [_c("b")]})
+    led.record_batch("p", 2, {"s": [_c("c")]})
+    led.close()
+    journal = state / "ledger" / "journal.0.log"
+    data = journal.read_bytes()
+    second = scan(data, journal).records[1][0]
+    damaged = data[: second + 30] + b"X" + data[second + 31 :]
+    journal.write_bytes(damaged)
+    message = rf"{re.escape(str(journal))}: .* at byte offset {second}\b"
+    with pytest.raises(CorruptLedgerError, match=message):
+        FileLedger(state / "ledger", "j")
+    with pytest.raises(CorruptLedgerError, match=message):
+        read_ledger(state)
+    assert journal.read_bytes() == damaged  # nothing was truncated
+
+
+# -- compaction ----------------------------------------------------------------------
+
+
+def test_compaction_preserves_the_state(tmp_path: Path) -> None:
+    plain = FileLedger(tmp_path / "plain", "j", compact_bytes=NEVER)
+    small = FileLedger(tmp_path / "small", "j", compact_bytes=600)
+    for led in (plain, small):
+        for _ in range(6):
+            _some_changes(led)
+            led.drop_batches("p", led.pending_batch_ids("p"))
+            led.drop_batches("q", led.pending_batch_ids("q"))
+        led.record_batch("p", 9, {"s": [_c("p9", 3)]}, "d9")
+    assert plain.generation == 0 and small.generation > 5
+    assert _files(tmp_path / "small") == [
+        f"journal.{small.generation}.log",
+        "lock",
+        f"snapshot.{small.generation}.json",
+    ]
+    view = _view(small)
+    timeless = ["run", "pending", "owned", "finished", "totals", "spark", "cut", "digests"]
+    assert {k: view[k] for k in timeless} == {k: _view(plain)[k] for k in timeless}
+    assert read_directory(tmp_path / "small") == read_directory(tmp_path / "small")
+    small.close()
+    assert _view(FileLedger(tmp_path / "small", "j")) == view
+
+
+def _generations(tmp_path: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any]]:
+    """Generation 0 of a ledger (a snapshot and a journal of changes) and the
+    generation 1 its compaction writes, followed by one more change, as two
+    directories; the state before and after that change."""
+    g0, g1 = tmp_path / "g0", tmp_path / "g1"
+    led = FileLedger(g1, "j", compact_bytes=NEVER)
+    _some_changes(led)
+    before = _view(led)
+    shutil.copytree(g1, g0)  # a crash before the compaction
+    led._compact()  # what the ledger does once the journal is large enough
+    assert _view(led) == before
+    led.record_spark_completed("q", 3)
+    after = _view(led)
+    led.close()
+    assert _files(g0) == ["journal.0.log", "lock", "snapshot.0.json"]
+    assert _files(g1) == ["journal.1.log", "lock", "snapshot.1.json"]
+    assert after["spark"]["q"] == 3 and before["spark"]["q"] == -1
+    return g0, g1, before, after
+
+
+@pytest.mark.parametrize(
+    ("window", "changed"),
+    [
+        ("snapshot written in part (not renamed)", False),
+        ("snapshot written, not renamed", False),
+        ("snapshot renamed, no new journal", False),
+        ("new journal created, old generation not removed", False),
+        ("new journal written to, old generation not removed", True),
+        ("old snapshot removed, old journal not", True),
+        ("done", True),
+    ],
+)
+def test_a_crash_at_every_step_of_a_compaction(tmp_path: Path, window: str, changed: bool) -> None:
+    g0, g1, before, after = _generations(tmp_path)
+    snap1 = (g1 / "snapshot.1.json").read_bytes()
+    crash = tmp_path / "crash"
+    shutil.copytree(g0, crash)
+    if window == "snapshot written in part (not renamed)":
+        (crash / "snapshot.1.json.tmp").write_bytes(snap1[: len(snap1) // 2])
+    elif window == "snapshot written, not renamed":
+        (crash / "snapshot.1.json.tmp").write_bytes(snap1)
+    else:
+        (crash / "snapshot.1.json").write_bytes(snap1)
+        if window == "new journal created, old generation not removed":
+            (crash / "journal.1.log").write_bytes(b"")
+        elif window != "snapshot renamed, no new journal":
+            shutil.copy(g1 / "journal.1.log", crash / "journal.1.log")
+        if window in ("old snapshot removed, old journal not", "done"):
+            (crash / "snapshot.0.json").unlink()
+        if window == "done":
+            (crash / "journal.0.log").unlink()
+    view = after if changed else before
+    led = FileLedger(crash, "j")
+    # neither the old journal replayed over the new snapshot, nor the new journal lost
+    assert _view(led) == view
+    gen = led.generation
+    assert _files(crash) == [f"journal.{gen}.log", "lock", f"snapshot.{gen}.json"]
+    led.begin_run()
+    led.close()
+    again = FileLedger(crash, "j")
+    assert _view(again) == {**view, "run": view["run"] + 1}
+
+
+def test_a_journal_without_its_snapshot_is_an_error(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path, "j")
+    led.record_batch("p", 0, {"s": [_c("a")]})
+    led.close()
+    (tmp_path / "snapshot.0.json").unlink()
+    with pytest.raises(CorruptLedgerError, match="journal without its snapshot"):
+        FileLedger(tmp_path, "j")
+
+
+# -- what the ledger holds -------------------------------------------------------------
+
+
+def test_incarnation_is_drawn_once_and_kept(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path / "a", "j", compact_bytes=300)
+    incarnation = led.incarnation
+    assert re.fullmatch(r"[0-9a-f]{12}", incarnation)
+    for b in range(30):
+        led.record_batch("p", b, {"s": [_c(f"t{b}")]})
+    assert led.generation > 0  # survived compactions
+    led.close()
+    assert FileLedger(tmp_path / "a", "j").incarnation == incarnation
+    assert read_ledger_dir(tmp_path / "a")["incarnation"] == incarnation
+    assert FileLedger(tmp_path / "b", "j").incarnation != incarnation
+
+
+def test_batches_answered_one_at_a_time(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path, "j")
+    assert led.pending_pipelines() == [] and led.pending_batch_ids("p") == []
+    assert led.pending_batch("p", 0) is None
+    for b in (5, 1, 3):
+        led.record_batch("p", b, {"s": [_c(f"p{b}")], "t": [_c(f"p{b}t")]})
+    led.record_batch("a", 0, {"s": []})
+    assert led.pending_pipelines() == ["a", "p"]
+    assert led.pending_batch_ids("p") == [1, 3, 5]
+    assert led.pending_batch("p", 3) == {"s": [_c("p3")], "t": [_c("p3t")]}
+    assert led.pending_batch("a", 0) == {"s": []}
+    assert led.pending_batch("p", 2) is None and led.pending_batch("x", 3) is None
+    copy = led.pending_batch("p", 3)
+    assert copy is not None
+    copy["s"][0]["txn"] = "changed"
+    copy["s"].append(_c("more"))
+    assert led.pending_batch("p", 3) == {"s": [_c("p3")], "t": [_c("p3t")]}
+    led.drop_batches("p", [3, 4])
+    led.complete(led.decide("periodic", {"p": 1, "a": 0}, []), {})
+    assert led.pending_pipelines() == ["p"] and led.pending_batch_ids("p") == [5]
+    led.close()
+    led = FileLedger(tmp_path, "j")
+    assert led.pending_batch_ids("p") == [5]
+    assert led.pending_batch("p", 5) == {"s": [_c("p5")], "t": [_c("p5t")]}
+
+
+def test_ownership_follows_registration_replacement_drop_and_commit(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path, "j")
+    led.record_batch("p", 0, {"s": [_c("a"), _c("b")], "t": [_c("c")]})
+    led.record_batch("p", 1, {"s": [_c("d"), _c("d")]})
+    assert all(led.is_owned(t) for t in "abcd") and not led.is_owned("e")
+    led.record_batch("p", 0, {"s": [_c("e")]})  # a re-run replaces the first attempt
+    assert not any(led.is_owned(t) for t in "abc") and led.is_owned("e")
+    led.record_batch("p", 2, {"s": [_c("d")]})
+    led.drop_batches("p", [1])
+    assert led.is_owned("d")  # batch 2 still names it
+    led.complete(led.decide("periodic", {"p": 2}, []), {})
+    assert not led.is_owned("d") and not led.is_owned("e")
+    led.record_batch("p", 3, {"s": [_c("f")]})
+    led.close()
+    led = FileLedger(tmp_path, "j")
+    assert led.owned_txns() == {"f"} and led.is_owned("f") and not led.is_owned("d")
+
+
+def test_digests_commit_with_their_batch_within_a_window(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path, "j", digest_window=3)
+    for b in range(6):
+        led.record_batch("p", b, {"s": [_c(f"t{b}")]}, digest=f"offsets-{b}")
+    led.record_batch("p", 6, {"s": [_c("t6")]})  # no digest
+    led.record_batch("q", 0, {"s": [_c("q0")]}, digest="q-0")
+    assert led.committed_digest("p", 0) is None  # pending, not committed
+    assert led.committed_cut("p") == -1 and led.committed_cut("q") == -1
+    led.complete(led.decide("periodic", {"p": 1}, []), {})
+    assert [led.committed_digest("p", b) for b in range(3)] == ["offsets-0", "offsets-1", None]
+    led.complete(led.decide("periodic", {"p": 6, "q": 0}, []), {})
+    assert [led.committed_digest("p", b) for b in range(7)] == [
+        None,
+        None,
+        None,
+        "offsets-3",
+        "offsets-4",
+        "offsets-5",
+        None,
+    ]
+    assert led.committed_digest("q", 0) == "q-0"
+    assert (led.committed_cut("p"), led.committed_cut("q"), led.committed_cut("x")) == (6, 0, -1)
+    led.close()
+    led = FileLedger(tmp_path, "j", digest_window=2)  # a smaller window applies at once
+    assert [led.committed_digest("p", b) for b in (3, 4, 5)] == [None, "offsets-4", "offsets-5"]
+    assert led.committed_cut("p") == 6
+    led.close()
+    doc = read_ledger_dir(tmp_path)
+    assert doc["committed_digests"] == {
+        "p": {"4": "offsets-4", "5": "offsets-5"},
+        "q": {"0": "q-0"},
+    }
+
+
+def read_ledger_dir(directory: Path) -> dict[str, Any]:
+    doc = read_directory(directory)
+    assert doc is not None
+    return doc
+
+
+def test_a_digest_is_replaced_with_its_batch(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path, "j")
+    led.record_batch("p", 0, {"s": [_c("a")]}, digest="first")
+    led.record_batch("p", 0, {"s": [_c("b")]}, digest="again")
+    led.record_batch("p", 1, {"s": [_c("c")]}, digest="one")
+    led.record_batch("p", 1, {"s": [_c("d")]})
+    led.complete(led.decide("periodic", {"p": 1}, []), {})
+    assert (led.committed_digest("p", 0), led.committed_digest("p", 1)) == ("again", None)
+    with pytest.raises(TypeError):
+        led.record_batch("p", 2, {"s": [_c("e")]}, digest=7)  # type: ignore[arg-type]
+    assert led.pending_batch_ids("p") == []
+
+
+def test_spark_progress_only_goes_up(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path, "j", compact_bytes=NEVER)
+    assert led.spark_completed("p") == -1
+    led.record_spark_completed("p", 4)
+    size = (tmp_path / "journal.0.log").stat().st_size
+    led.record_spark_completed("p", 2)  # lower: nothing happens, nothing is written
+    led.record_spark_completed("p", 4)
+    assert (tmp_path / "journal.0.log").stat().st_size == size
+    assert led.spark_completed("p") == 4 and led.spark_completed("q") == -1
+    led.record_spark_completed("p", 9)
+    led.close()
+    assert FileLedger(tmp_path, "j").spark_completed("p") == 9
+
+
+def test_abandonments_are_kept(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path / "ledger", "j", compact_bytes=300)
+    t0 = time.time()
+    led.record_abandoned(3, ["x", "y"], "the transactions were gone")
+    for b in range(20):  # compactions
+        led.record_batch("p", b, {"s": [_c(f"t{b}")]})
+    led.record_abandoned(4, [], "nothing")
+    assert led.generation > 0
+    got = led.abandoned()
+    assert [(a["checkpoint"], a["txns"], a["note"]) for a in got] == [
+        (3, ["x", "y"], "the transactions were gone"),
+        (4, [], "nothing"),
+    ]
+    assert t0 <= got[0]["at"] <= got[1]["at"] <= time.time()
+    got[0]["txns"].append("z")  # a copy
+    assert led.abandoned()[0]["txns"] == ["x", "y"]
+    doc = read_ledger(tmp_path)
+    assert doc is not None and doc["abandoned"] == led.abandoned()
+    led.close()
+    assert FileLedger(tmp_path / "ledger", "j").abandoned() == doc["abandoned"]
+
+
+def test_history_length_is_configurable(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path, "j", history=3)
+    for b in range(5):
+        led.record_batch("p", b, {"s": [_c(f"t{b}")]})
+        led.complete(led.decide("periodic", {"p": b}, []), {"p/s": 1})
+    assert [cp.id for cp in led.history()] == [3, 4, 5]
+    assert led.totals() == {"p/s": 5} and led.committed_cut("p") == 4
+    led.close()
+    led = FileLedger(tmp_path, "j", history=3)
+    assert [cp.id for cp in led.history()] == [3, 4, 5]
+    led.close()
+    led = FileLedger(tmp_path, "j", history=2)
+    assert [cp.id for cp in led.history()] == [4, 5]
+    led.close()
+    assert [cp["id"] for cp in read_ledger_dir(tmp_path)["history"]] == [4, 5]
+
+
+def test_a_change_that_does_not_fit_writes_nothing(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path, "j", compact_bytes=NEVER)
+    led.record_batch("p", 0, {"s": [_c("a")]})
+    size = (tmp_path / "journal.0.log").stat().st_size
+    with pytest.raises(TypeError):
+        led.record_batch("p", 1, {"s": [{"txn": "b", "rows": object()}]})  # not JSON
+    with pytest.raises(TypeError):
+        led.record_batch("p", 1, {"s": {"txn": "b"}})  # type: ignore[dict-item]
+    with pytest.raises(ValueError):
+        led.decide("sometime", {"p": 0}, [])
+    with pytest.raises(RuntimeError):
+        led.complete(Checkpoint(id=7, kind="periodic", cut={"p": 0}), {})
+    assert (tmp_path / "journal.0.log").stat().st_size == size
+    led.close()
+    assert FileLedger(tmp_path, "j").pending() == {"p": {0: {"s": [_c("a")]}}}
+
+
+# -- format 1 ------------------------------------------------------------------------
+
+
+# tests/fixtures/ledger_v1/ledger.json was written by the previous version's ledger
+# code (lifecycle/ledger.py at e43e90d): two runs, batches 0..3 of "load" and 0 of
+# "audit", checkpoints 1 (load <= 1) and 2 (audit, finished) committed, savepoint 3
+# (load <= 2) decided and not committed.
+V1 = FIXTURES / "ledger_v1"
+
+
+def test_a_format_1_ledger_is_converted_on_open(tmp_path: Path) -> None:
+    shutil.copytree(V1, tmp_path / "ledger")
+    old = json.loads((V1 / "ledger.json").read_text())
+    led = FileLedger(tmp_path / "ledger", "orders")
+    assert led.run == 2
+    assert led.pending() == {
+        "load": {b: old["pending"]["load"][str(b)] for b in (2, 3)},
+    }
+    assert led.is_owned("tp1.orders.load.s.r2.b3.p1.a31")
+    assert not led.is_owned("tp1.orders.load.s.r2.b1.p1.a11")
+    assert led.decided() == Checkpoint.from_json(old["decided"])
+    assert led.history() == [Checkpoint.from_json(cp) for cp in old["history"]]
+    assert [cp.id for cp in led.history()] == [1, 2]
+    assert led.totals() == {"load/s": 40, "audit/s": 3}
+    assert led.finished() == {"audit"}
+    assert (led.committed_cut("load"), led.committed_cut("audit")) == (1, 0)
+    incarnation = led.incarnation
+    assert re.fullmatch(r"[0-9a-f]{12}", incarnation)
+    assert _files(tmp_path / "ledger") == [
+        "journal.0.log",
+        "ledger.json.v1",
+        "lock",
+        "snapshot.0.json",
+    ]
+    cp = led.decided()
+    assert cp is not None
+    led.complete(cp, {"load/s": 20})  # it goes on where the old version stopped
+    assert led.decide("periodic", {"load": 3}, []).id == 4
+    led.close()
+    led = FileLedger(tmp_path / "ledger", "orders")
+    assert led.incarnation == incarnation and led.pending_batch_ids("load") == [3]
+    assert led.totals() == {"load/s": 60, "audit/s": 3}
+
+
+def test_a_crash_in_the_middle_of_the_conversion(tmp_path: Path) -> None:
+    # before the new snapshot is in place: converted again, from the old document
+    first = tmp_path / "first"
+    shutil.copytree(V1, first)
+    (first / "snapshot.0.json.tmp").write_bytes(b"0000")
+    led = FileLedger(first, "orders")
+    assert led.pending_batch_ids("load") == [2, 3] and led.run == 2
+    converted = _view(led)
+    led.close()
+    # after the snapshot, before the old document was moved aside: the snapshot wins
+    second = tmp_path / "second"
+    shutil.copytree(first, second)
+    shutil.copy(V1 / "ledger.json", second / "ledger.json")
+    (second / "ledger.json.v1").unlink()
+    led = FileLedger(second, "orders")
+    assert _view(led) == converted  # same incarnation: not converted a second time
+    assert "ledger.json" not in _files(second) and "ledger.json.v1" in _files(second)
+
+
+def test_read_ledger_of_a_format_1_directory_changes_nothing(tmp_path: Path) -> None:
+    shutil.copytree(V1, tmp_path / "ledger")
+    doc = read_ledger(tmp_path)
+    assert doc is not None
+    assert doc["pending"]["load"].keys() == {"2", "3"} and doc["run"] == 2
+    assert doc["incarnation"] is None
+    assert "savepoint" in format_status(doc)
+    assert _files(tmp_path / "ledger") == ["ledger.json"]
+
+
+def test_a_format_1_ledger_of_another_job_is_refused(tmp_path: Path) -> None:
+    shutil.copytree(V1, tmp_path / "ledger")
+    with pytest.raises(ConfigError, match="belongs to job 'orders'"):
+        FileLedger(tmp_path / "ledger", "other")
+    assert _files(tmp_path / "ledger") == ["ledger.json", "lock"]
+
+
+# -- reading while a job runs ----------------------------------------------------------
+
+
+def test_read_ledger_while_a_job_holds_the_lock(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    led = FileLedger(state / "ledger", "j", compact_bytes=NEVER)
+    led.begin_run()
+    led.record_batch("p", 0, {"s": [_c("a", 4)]})
+    led.record_batch("p", 1, {"s": [_c("b", 5)]})
+    led.complete(led.decide("periodic", {"p": 0}, []), {"p/s": 4})
+    led.record_abandoned(1, ["z"], "gone")
+    assert is_locked(state)
+    with pytest.raises(LedgerLockedError):
+        FileLedger(state / "ledger", "j")
+    doc = read_ledger(state)
+    assert doc is not None
+    assert doc["job"] == "j" and doc["run"] == 1 and doc["next_checkpoint"] == 2
+    assert doc["pending"] == {"p": {"1": {"s": [_c("b", 5)]}}}
+    assert doc["decided"] is None and doc["finished"] == [] and doc["totals"] == {"p/s": 4}
+    assert [cp["id"] for cp in doc["history"]] == [1] and doc["incarnation"] == led.incarnation
+    assert [a["txns"] for a in doc["abandoned"]] == [["z"]]
+    assert "p: batches 1..1 (1)" in format_status(doc)
+    # an append in progress: the reader sees the state without it
+    journal = state / "ledger" / "journal.0.log"
+    with open(journal, "ab") as f:
+        f.write(b'000000ff 12345678 {"op":"run"')
+    assert read_ledger(state) == doc
+    assert journal.stat().st_size > 0 and is_locked(state)
+
+
+def test_read_ledger_follows_compactions(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path / "ledger", "j", compact_bytes=200)
+    seen = []
+    for b in range(40):
+        led.record_batch("p", b, {"s": [_c(f"t{b}")]})
+        doc = read_ledger(tmp_path)
+        assert doc is not None
+        seen.append(sorted(int(x) for x in doc["pending"]["p"]))
+    assert seen == [list(range(b + 1)) for b in range(40)]
+    assert led.generation > 3
+    assert read_ledger(tmp_path / "nothing") is None
+    assert not os.path.exists(tmp_path / "nothing")

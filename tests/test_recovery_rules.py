@@ -65,11 +65,11 @@ class RecordingSink(Sink):
         return gone
 
 
-INCARNATION = "0123456789ab"
+_INCARNATION: list[str] = []  # the ledger's of the running test (see the fixture)
 
 
-def txn(batch: int, part: int = 0, run: int = 1, attempt: int = 0, inc: str = INCARNATION) -> str:
-    return str(TxnName("j", "p", "s", run, batch, part, attempt, inc))
+def txn(batch: int, part: int = 0, run: int = 1, attempt: int = 0, inc: str | None = None) -> str:
+    return str(TxnName("j", "p", "s", run, batch, part, attempt, inc or _INCARNATION[-1]))
 
 
 def spark_completed(loc: Path, upto: int) -> None:
@@ -105,7 +105,7 @@ class World:
 @pytest.fixture
 def world(tmp_path: Path) -> World:
     ledger = FileLedger(tmp_path / "ledger", "j")
-    ledger._doc["incarnation"] = INCARNATION  # names in these tests are built with it
+    _INCARNATION.append(ledger.incarnation)  # names in these tests are built with it
     ledger.begin_run()
     return World(RecordingSink(), ledger, tmp_path / "spark")
 

@@ -1,0 +1,12 @@
+"""Durable state of a job, behind one face.
+
+* :mod:`lifecycle.state.files`: the file primitives (atomic replace, directory fsync);
+* :mod:`lifecycle.state.frames`: self-checking records (length and CRC32);
+* :mod:`lifecycle.state.journal`: an append-only file of such records;
+* :mod:`lifecycle.state.snapshot`: numbered snapshots of the ledger (generations);
+* :mod:`lifecycle.state.model`: the ledger's state in memory and its operations;
+* :mod:`lifecycle.state.upgrade`: reading a ledger of the previous format (1);
+* :mod:`lifecycle.state.file_ledger`: the embedded ledger that puts them together.
+
+:mod:`lifecycle.ledger` is the public face; import from there.
+"""

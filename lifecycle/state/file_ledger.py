@@ -1,0 +1,467 @@
+"""The embedded ledger: a snapshot and an append-only journal in a local directory.
+
+Files of ``<state_dir>/ledger/``:
+
+* ``snapshot.<g>.json``: the whole state as of generation ``g`` (one record);
+* ``journal.<g>.log``: every change since, one self-checking record each
+  (:mod:`lifecycle.state.frames`);
+* ``lock``: held (flock) by the process that has the ledger open;
+* ``ledger.json.v1``: a format-1 ledger this one was converted from, if any.
+
+A change is validated, appended to the journal and fsynced, and only then
+applied to the state in memory: a failed write leaves both untouched, and
+nothing is copied to undo a change. Its cost is that of its own record,
+however much the ledger holds. When the journal has grown as large as the
+last snapshot (and at least ``compact_bytes``), the state is written as the
+snapshot of the next generation and a fresh journal starts
+(:mod:`lifecycle.state.snapshot`): the snapshot's cost is paid for by at least
+as many bytes of journal records, so the amortised cost per change stays
+proportional to the change. Opening replays the newest snapshot's journal and
+drops a torn last record (a crash in the middle of an append).
+"""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from lifecycle.state.files import fsync_dir, remove_quietly
+from lifecycle.state.frames import CorruptLedgerError
+from lifecycle.state.journal import Journal, Record, read_records
+from lifecycle.state.model import (
+    DIGEST_WINDOW,
+    FORMAT,
+    HISTORY,
+    KINDS,
+    Batch,
+    Checkpoint,
+    LedgerState,
+    Op,
+    Pending,
+)
+from lifecycle.state.snapshot import (
+    generations,
+    journal_generations,
+    journal_path,
+    read_snapshot,
+    remove_other_generations,
+    snapshot_path,
+    write_snapshot,
+)
+from lifecycle.state.upgrade import LEGACY, read_v1, retire_v1, state_from_v1
+from sinks.base import Committable
+from sinks.errors import ConfigError
+
+log = logging.getLogger("lifecycle.ledger")
+
+COMPACT_BYTES = 1 << 20
+"""The journal is never compacted below this size."""
+
+
+class LedgerLockedError(ConfigError):
+    """Another process holds the ledger (a second run of the same job?)."""
+
+
+def new_incarnation() -> str:
+    """A fresh incarnation id: 12 lowercase hex characters."""
+    return secrets.token_hex(6)
+
+
+def _check_format(path: Path, doc: dict[str, Any]) -> None:
+    if doc.get("format") != FORMAT:
+        raise ConfigError(f"{path}: unknown ledger format {doc.get('format')!r}")
+
+
+def _check_job(path: Path, doc: dict[str, Any], job: str) -> None:
+    if doc["job"] != job:
+        raise ConfigError(
+            f"{path} belongs to job {doc['job']!r}, not {job!r}: use another state_dir"
+        )
+
+
+def _check_batch(committables: dict[str, list[Committable]]) -> None:
+    if not isinstance(committables, dict) or not all(
+        isinstance(sid, str) and isinstance(cs, list) and all(isinstance(c, dict) for c in cs)
+        for sid, cs in committables.items()
+    ):
+        raise TypeError("committables must be a dict of sink id -> list of committables (dicts)")
+
+
+def _replay(state: LedgerState, records: list[Record], path: Path) -> None:
+    for offset, payload in records:
+        try:
+            state.apply(json.loads(payload))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptLedgerError(path, offset, f"a record that does not apply ({e})") from e
+
+
+class FileLedger:
+    """The embedded ledger in a local directory. Thread-safe within one process.
+
+    ``history``: how many committed checkpoints are kept; ``digest_window``:
+    for how many of the last committed batches per pipeline the offsets digest
+    is kept; ``compact_bytes``: the least journal size that is compacted."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        job: str,
+        *,
+        lock: bool = True,
+        history: int = HISTORY,
+        digest_window: int = DIGEST_WINDOW,
+        compact_bytes: int = COMPACT_BYTES,
+    ) -> None:
+        if history < 0 or digest_window < 0:
+            raise ValueError("history and digest_window must not be negative")
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._mutex = threading.RLock()
+        self._lock_fd: int | None = None
+        self._compact_bytes = compact_bytes
+        self._unusable: str | None = None  # why no further change may be made
+        if lock:
+            self._acquire_lock()
+        try:
+            self._open(job, history, digest_window)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- file handling ------------------------------------------------------------
+
+    def _acquire_lock(self) -> None:
+        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LedgerLockedError(
+                f"the ledger in {self.dir} is in use by another process: is the job already "
+                "running with this state_dir?"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        """Release the journal and the lock; the ledger cannot change afterwards."""
+        journal: Journal | None = getattr(self, "_journal", None)
+        if journal is not None:
+            journal.close()
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _open(self, job: str, history: int, digest_window: int) -> None:
+        legacy = self.dir / LEGACY
+        gens = generations(self.dir)
+        if gens:
+            gen = gens[0]
+            doc = read_snapshot(self.dir, gen)
+            _check_format(snapshot_path(self.dir, gen), doc)
+            _check_job(snapshot_path(self.dir, gen), doc, job)
+            state = LedgerState.from_doc(doc)
+            if legacy.exists():  # a crash right after the conversion
+                retire_v1(legacy)
+        elif legacy.exists():
+            old = read_v1(legacy)
+            _check_job(legacy, old, job)
+            gen = 0
+            state = state_from_v1(
+                old, new_incarnation(), history=history, digest_window=digest_window
+            )
+            write_snapshot(self.dir, gen, state.to_doc())
+            retire_v1(legacy)
+            log.info("converted the format-1 ledger %s (kept as %s.v1)", legacy, LEGACY)
+        elif journal_generations(self.dir):
+            path = journal_path(self.dir, journal_generations(self.dir)[0])
+            raise CorruptLedgerError(path, 0, "a journal without its snapshot")
+        else:
+            gen = 0
+            state = LedgerState(
+                job, new_incarnation(), history=history, digest_window=digest_window
+            )
+            write_snapshot(self.dir, gen, state.to_doc())
+        self._journal, records = Journal.open(journal_path(self.dir, gen))
+        _replay(state, records, self._journal.path)
+        remove_other_generations(self.dir, gen)
+        self._state = state
+        self._gen = gen
+        self._snapshot_bytes = snapshot_path(self.dir, gen).stat().st_size
+        if (state.history_limit, state.digest_window) != (history, digest_window):
+            self._change({"op": "limits", "history": history, "digests": digest_window})
+
+    def _change(self, op: Op) -> None:
+        """Append ``op`` to the journal (durably), then apply it. The caller has
+        checked that it applies; a failed append changes nothing."""
+        payload = json.dumps(op, separators=(",", ":")).encode()
+        with self._mutex:
+            if self._unusable is not None:
+                raise RuntimeError(f"the ledger in {self.dir} must be reopened: {self._unusable}")
+            record = json.loads(payload)  # exactly what a replay will apply
+            self._journal.append(payload)
+            try:
+                self._state.apply(record)
+            except BaseException as e:
+                self._unusable = f"a recorded change did not apply in memory ({e!r})"
+                raise
+            if self._journal.size >= max(self._compact_bytes, self._snapshot_bytes):
+                self._compact()
+
+    def _compact(self) -> None:
+        """Start generation ``g + 1``: its snapshot, then its empty journal, then
+        remove generation ``g``. A failure leaves generation ``g`` in use (retried
+        once the journal has doubled) and the ledger as durable as before."""
+        gen = self._gen + 1
+        try:
+            size = write_snapshot(self.dir, gen, self._state.to_doc())
+            journal = Journal.create(journal_path(self.dir, gen))
+        except OSError as e:
+            log.warning("could not compact the ledger in %s (kept as it is): %s", self.dir, e)
+            # the new snapshot must not outlive this failure: it lacks what comes next
+            gone = remove_quietly(snapshot_path(self.dir, gen))
+            remove_quietly(journal_path(self.dir, gen))
+            try:
+                fsync_dir(self.dir)
+            except OSError:
+                gone = False
+            if not gone:  # no further change may go to generation g
+                self._unusable = f"a failed compaction left {snapshot_path(self.dir, gen)}"
+                log.error("the ledger in %s must be reopened: %s", self.dir, self._unusable)
+            self._snapshot_bytes = 2 * self._journal.size
+            return
+        old, self._journal, self._gen = self._journal, journal, gen
+        old.close()
+        self._snapshot_bytes = size
+        try:
+            remove_other_generations(self.dir, gen)
+        except OSError as e:
+            log.warning("could not remove the previous ledger generation: %s", e)
+
+    # -- reading --------------------------------------------------------------------
+
+    @property
+    def job(self) -> str:
+        return self._state.job
+
+    @property
+    def run(self) -> int:
+        return self._state.run
+
+    @property
+    def incarnation(self) -> str:
+        """This ledger's random id, drawn when it was created and never changed."""
+        incarnation = self._state.incarnation
+        assert incarnation is not None
+        return incarnation
+
+    @property
+    def generation(self) -> int:
+        """The current snapshot generation (grows at every compaction)."""
+        return self._gen
+
+    def pending(self) -> Pending:
+        """A copy of all pending committables (costs as much as they are: prefer
+        :meth:`pending_batch`)."""
+        with self._mutex:
+            return copy.deepcopy(self._state.pending)
+
+    def pending_pipelines(self) -> list[str]:
+        """Pipelines with pending batches, sorted."""
+        with self._mutex:
+            return sorted(self._state.pending)
+
+    def pending_batch_ids(self, pipeline: str) -> list[int]:
+        """Ids of the pending batches of ``pipeline``, ascending."""
+        with self._mutex:
+            return list(self._state.batch_ids.get(pipeline, ()))
+
+    def pending_batch(self, pipeline: str, batch_id: int) -> Batch | None:
+        """A copy of the committables (sink -> list) of one pending batch, or None."""
+        with self._mutex:
+            return self._state.batch(pipeline, batch_id)
+
+    def is_owned(self, txn: str) -> bool:
+        """Whether a pending entry owns the transaction named ``txn``."""
+        with self._mutex:
+            return txn in self._state.owned
+
+    def owned_txns(self) -> set[str]:
+        """Names of every transaction a pending entry owns."""
+        with self._mutex:
+            return set(self._state.owned)
+
+    def decided(self) -> Checkpoint | None:
+        with self._mutex:
+            d = self._state.decided
+            return Checkpoint.from_json(copy.deepcopy(d)) if d else None
+
+    def history(self) -> list[Checkpoint]:
+        with self._mutex:
+            return [Checkpoint.from_json(copy.deepcopy(c)) for c in self._state.history]
+
+    def finished(self) -> set[str]:
+        with self._mutex:
+            return set(self._state.finished)
+
+    def totals(self) -> dict[str, int]:
+        with self._mutex:
+            return dict(self._state.totals)
+
+    def spark_completed(self, pipeline: str) -> int:
+        """The highest batch of ``pipeline`` Spark reported complete (-1: none)."""
+        with self._mutex:
+            return self._state.spark_completed.get(pipeline, -1)
+
+    def committed_cut(self, pipeline: str) -> int:
+        """The highest batch of ``pipeline`` a completed checkpoint committed (-1: none)."""
+        with self._mutex:
+            return self._state.committed_cut.get(pipeline, -1)
+
+    def committed_digest(self, pipeline: str, batch_id: int) -> str | None:
+        """The offsets digest recorded with a committed batch, while it is among
+        the last ``digest_window`` committed batches of ``pipeline`` that had one."""
+        with self._mutex:
+            return self._state.committed_digests.get(pipeline, {}).get(batch_id)
+
+    def abandoned(self) -> list[dict[str, Any]]:
+        """Every abandonment recorded: ``{"checkpoint", "txns", "note", "at"}``."""
+        with self._mutex:
+            return copy.deepcopy(self._state.abandoned)
+
+    # -- changes --------------------------------------------------------------------
+
+    def begin_run(self) -> int:
+        with self._mutex:
+            self._change({"op": "run"})
+            return self.run
+
+    def record_batch(
+        self,
+        pipeline: str,
+        batch_id: int,
+        committables: dict[str, list[Committable]],
+        digest: str | None = None,
+    ) -> None:
+        """Record the committables (and the offsets digest) of a pre-committed
+        batch; a batch recorded again replaces the earlier record."""
+        if digest is not None and not isinstance(digest, str):
+            raise TypeError(f"digest must be a str, not {type(digest).__name__}")
+        _check_batch(committables)
+        op = {"op": "batch", "p": pipeline, "b": int(batch_id), "c": committables, "d": digest}
+        self._change(op)
+
+    def drop_batches(self, pipeline: str, batch_ids: list[int]) -> None:
+        with self._mutex:
+            pending = self._state.pending.get(pipeline, {})
+            drop = [int(b) for b in batch_ids if b in pending]
+            if drop:
+                self._change({"op": "drop", "p": pipeline, "bs": drop})
+
+    def decide(self, kind: str, cut: dict[str, int], finished: list[str]) -> Checkpoint:
+        """Record a checkpoint decision. From here on it commits, whatever happens."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown checkpoint kind {kind!r}")
+        with self._mutex:
+            if self._state.decided is not None:
+                raise RuntimeError("a checkpoint is already being committed")
+            cp = Checkpoint(
+                id=self._state.next_checkpoint,
+                kind=kind,
+                cut={p: int(b) for p, b in cut.items()},
+                finished=sorted(set(self._state.finished) | set(finished)),
+                decided_at=time.time(),
+            )
+            self._change({"op": "decide", "cp": asdict(cp)})
+            return cp
+
+    def complete(self, cp: Checkpoint, rows: dict[str, int]) -> Checkpoint:
+        """Record that ``cp`` committed: its batches leave ``pending``."""
+        with self._mutex:
+            decided = self._state.decided
+            if decided is None or decided["id"] != cp.id:
+                raise RuntimeError(f"checkpoint {cp.id} is not the decided one")
+            done = Checkpoint.from_json(
+                {**copy.deepcopy(decided), "committed_at": time.time(), "rows": dict(rows)}
+            )
+            op = {"op": "complete", "id": cp.id, "at": done.committed_at, "rows": done.rows}
+            self._change(op)
+            return done
+
+    def record_spark_completed(self, pipeline: str, batch_id: int) -> None:
+        """Spark reported ``batch_id`` of ``pipeline`` complete (a lower id than
+        the one recorded changes nothing)."""
+        with self._mutex:
+            if batch_id > self._state.spark_completed.get(pipeline, -1):
+                self._change({"op": "spark", "p": pipeline, "b": int(batch_id)})
+
+    def record_abandoned(self, checkpoint_id: int, txns: list[str], note: str) -> None:
+        """Keep the record that checkpoint ``checkpoint_id`` abandoned ``txns``."""
+        op = {
+            "op": "abandon",
+            "checkpoint": int(checkpoint_id),
+            "txns": [str(t) for t in txns],
+            "note": str(note),
+            "at": time.time(),
+        }
+        self._change(op)
+
+
+def is_locked(state_dir: str | os.PathLike[str]) -> bool:
+    """Whether a job currently holds the ledger of ``state_dir`` (is running)."""
+    path = Path(state_dir) / "ledger" / "lock"
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock we may have taken
+    return False
+
+
+def read_directory(directory: Path) -> dict[str, Any] | None:
+    """The document of the ledger in ``directory`` (see :func:`read_ledger`)."""
+    for _ in range(50):
+        gens = generations(directory)
+        try:
+            if gens:
+                doc = read_snapshot(directory, gens[0])
+                _check_format(snapshot_path(directory, gens[0]), doc)
+                state = LedgerState.from_doc(doc)
+                path = journal_path(directory, gens[0])
+                _replay(state, read_records(path), path)
+            elif (directory / LEGACY).exists():
+                old = read_v1(directory / LEGACY)
+                limits = {"history": HISTORY, "digest_window": DIGEST_WINDOW}
+                state = state_from_v1(old, None, **limits)
+            else:
+                return None
+        except FileNotFoundError:
+            continue  # a compaction (or a conversion) replaced what we were reading
+        if generations(directory)[:1] == gens[:1]:
+            return state.to_doc()
+    raise RuntimeError(f"{directory}: the ledger changed generation under every read")
+
+
+def read_ledger(state_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ledger document of ``state_dir`` for display, without taking the lock
+    (the job may be running): keys ``format``, ``job``, ``incarnation``, ``run``,
+    ``next_checkpoint``, ``pending`` (pipeline -> str(batch) -> sink ->
+    committables), ``decided``, ``history``, ``finished``, ``totals``,
+    ``abandoned`` and the rest of :meth:`LedgerState.to_doc`; None when there
+    is no ledger."""
+    return read_directory(Path(state_dir) / "ledger")

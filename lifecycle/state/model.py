@@ -1,0 +1,306 @@
+"""The ledger's state in memory and the operations that change it.
+
+The journal records operations, not documents. An operation is a small JSON
+object (``{"op": "batch", ...}``) carrying everything it needs (times
+included), and :meth:`LedgerState.apply` is deterministic: replaying a
+snapshot's journal gives back the state the writer had. Applying an operation
+costs time proportional to what it touches (one batch's committables, the
+batches a checkpoint commits), never to the whole state, and so do the
+queries: the pending batches of a pipeline are kept with their ids sorted, and
+an index of transaction names owned by pending entries is kept up to date.
+
+Operations:
+
+``run``                     a new run started
+``batch p b c d``           committables ``c`` (sink -> list) of pending batch ``b``
+                            of pipeline ``p``, with the offsets digest ``d`` (or null);
+                            replaces an earlier registration of the batch
+``drop p bs``               pending batches ``bs`` of ``p`` leave without a commit
+``decide cp``               checkpoint ``cp`` is decided
+``complete id at rows``     the decided checkpoint ``id`` committed at ``at``
+``spark p b``               Spark reported batch ``b`` of ``p`` complete
+``abandon checkpoint txns note at``  an abandonment, kept for the record
+``limits history digests``  how many checkpoints and digests are kept
+"""
+
+from __future__ import annotations
+
+import copy
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sinks.base import Committable
+
+FORMAT = 2
+HISTORY = 50
+DIGEST_WINDOW = 1000
+KINDS = ("periodic", "final", "savepoint", "recovery")
+
+Batch = dict[str, list[Committable]]
+"""sink id -> committables of one batch"""
+
+# pending: pipeline -> batch id -> sink id -> committables
+Pending = dict[str, dict[int, Batch]]
+
+Op = dict[str, Any]
+
+
+@dataclass
+class Checkpoint:
+    """A cut across pipelines: every pending batch at or below ``cut[p]`` commits.
+    ``finished``: every pipeline finished as of this checkpoint (cumulative)."""
+
+    id: int
+    kind: str
+    cut: dict[str, int]
+    finished: list[str] = field(default_factory=list)
+    decided_at: float = 0.0
+    committed_at: float | None = None
+    rows: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Checkpoint:
+        return cls(**d)
+
+
+class LedgerState:
+    """Everything the ledger holds, with the indexes its queries need."""
+
+    def __init__(
+        self,
+        job: str,
+        incarnation: str | None,
+        *,
+        history: int = HISTORY,
+        digest_window: int = DIGEST_WINDOW,
+    ) -> None:
+        self.job = job
+        self.incarnation = incarnation
+        self.run = 0
+        self.next_checkpoint = 1
+        self.pending: Pending = {}
+        self.batch_ids: dict[str, list[int]] = {}  # pending batch ids per pipeline, sorted
+        self.digests: dict[str, dict[int, str]] = {}  # offsets digests of pending batches
+        self.owned: dict[str, int] = {}  # txn -> how many pending committables name it
+        self.decided: dict[str, Any] | None = None
+        self.history: list[dict[str, Any]] = []
+        self.finished: list[str] = []
+        self.totals: dict[str, int] = {}
+        self.spark_completed: dict[str, int] = {}
+        self.committed_cut: dict[str, int] = {}
+        # digests of committed batches, oldest first, at most digest_window per pipeline
+        self.committed_digests: dict[str, dict[int, str]] = {}
+        self.abandoned: list[dict[str, Any]] = []
+        self.history_limit = history
+        self.digest_window = digest_window
+        self._ops: dict[str, Callable[[Op], None]] = {
+            "run": self._run,
+            "batch": self._batch,
+            "drop": self._drop,
+            "decide": self._decide,
+            "complete": self._complete,
+            "spark": self._spark,
+            "abandon": self._abandon,
+            "limits": self._limits,
+        }
+
+    # -- operations -------------------------------------------------------------------
+
+    def apply(self, op: Op) -> None:
+        """Apply one operation (module docstring). Raises ValueError for an
+        operation that does not fit the state (unknown, or a checkpoint that is
+        not the decided one)."""
+        handler = self._ops.get(op.get("op", ""))
+        if handler is None:
+            raise ValueError(f"unknown ledger operation {op.get('op')!r}")
+        handler(op)
+
+    def _run(self, op: Op) -> None:
+        self.run += 1
+
+    def _batch(self, op: Op) -> None:
+        p: str = op["p"]
+        b: int = op["b"]
+        batches = self.pending.setdefault(p, {})
+        earlier = batches.get(b)
+        if earlier is None:
+            insort(self.batch_ids.setdefault(p, []), b)
+        else:
+            self._disown(earlier)
+        batches[b] = op["c"]
+        self._own(op["c"])
+        if op.get("d") is None:
+            self.digests.get(p, {}).pop(b, None)
+        else:
+            self.digests.setdefault(p, {})[b] = op["d"]
+
+    def _drop(self, op: Op) -> None:
+        p: str = op["p"]
+        ids = self.batch_ids.get(p, [])
+        for b in op["bs"]:
+            if b in self.pending.get(p, {}):
+                self._remove(p, b)
+                del ids[bisect_left(ids, b)]
+        self._tidy(p)
+
+    def _decide(self, op: Op) -> None:
+        if self.decided is not None:
+            raise ValueError("a checkpoint is already being committed")
+        self.decided = op["cp"]
+        self.next_checkpoint = int(op["cp"]["id"]) + 1
+
+    def _complete(self, op: Op) -> None:
+        cp = self.decided
+        if cp is None or cp["id"] != op["id"]:
+            raise ValueError(f"checkpoint {op['id']} is not the decided one")
+        for p, last in cp["cut"].items():
+            ids = self.batch_ids.get(p, [])
+            k = bisect_right(ids, last)
+            for b in ids[:k]:
+                digest = self._remove(p, b)
+                if digest is not None:
+                    self._remember_digest(p, b, digest)
+            del ids[:k]
+            self._tidy(p)
+            self.committed_cut[p] = max(self.committed_cut.get(p, -1), last)
+        self.history.append({**cp, "committed_at": op["at"], "rows": dict(op["rows"])})
+        self._trim_history()
+        self.finished = sorted(set(self.finished) | set(cp["finished"]))
+        for sink, n in op["rows"].items():
+            self.totals[sink] = self.totals.get(sink, 0) + n
+        self.decided = None
+
+    def _spark(self, op: Op) -> None:
+        p: str = op["p"]
+        self.spark_completed[p] = max(self.spark_completed.get(p, -1), op["b"])
+
+    def _abandon(self, op: Op) -> None:
+        self.abandoned.append(
+            {"checkpoint": op["checkpoint"], "txns": op["txns"], "note": op["note"], "at": op["at"]}
+        )
+
+    def _limits(self, op: Op) -> None:
+        self.history_limit = op["history"]
+        self.digest_window = op["digests"]
+        self._trim_history()
+        for p in self.committed_digests:
+            self._trim_digests(p)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _own(self, batch: Batch) -> None:
+        for cs in batch.values():
+            for c in cs:
+                txn = c.get("txn")
+                if isinstance(txn, str):
+                    self.owned[txn] = self.owned.get(txn, 0) + 1
+
+    def _disown(self, batch: Batch) -> None:
+        for cs in batch.values():
+            for c in cs:
+                txn = c.get("txn")
+                if isinstance(txn, str):
+                    left = self.owned[txn] - 1
+                    if left:
+                        self.owned[txn] = left
+                    else:
+                        del self.owned[txn]
+
+    def _remove(self, p: str, b: int) -> str | None:
+        """Remove pending batch ``b`` of ``p`` (not from ``batch_ids``); its digest."""
+        self._disown(self.pending[p].pop(b))
+        return self.digests.get(p, {}).pop(b, None)
+
+    def _tidy(self, p: str) -> None:
+        if not self.pending.get(p):
+            self.pending.pop(p, None)
+            self.batch_ids.pop(p, None)
+        if not self.digests.get(p):
+            self.digests.pop(p, None)
+
+    def _remember_digest(self, p: str, b: int, digest: str) -> None:
+        kept = self.committed_digests.setdefault(p, {})
+        kept.pop(b, None)  # re-inserted as the newest
+        kept[b] = digest
+        self._trim_digests(p)
+
+    def _trim_digests(self, p: str) -> None:
+        kept = self.committed_digests[p]
+        while len(kept) > self.digest_window:
+            del kept[next(iter(kept))]
+
+    def _trim_history(self) -> None:
+        extra = len(self.history) - self.history_limit
+        if extra > 0:
+            del self.history[:extra]
+
+    # -- queries ------------------------------------------------------------------------
+
+    def batch(self, p: str, b: int) -> Batch | None:
+        """A copy of the committables of pending batch ``b`` of ``p``."""
+        found = self.pending.get(p, {}).get(b)
+        return copy.deepcopy(found) if found is not None else None
+
+    # -- documents ------------------------------------------------------------------------
+
+    def to_doc(self) -> dict[str, Any]:
+        """The state as a JSON document (a snapshot; what ``twophase status`` shows).
+        It shares objects with the state: serialise or copy it before the next change."""
+        return {
+            "format": FORMAT,
+            "job": self.job,
+            "incarnation": self.incarnation,
+            "run": self.run,
+            "next_checkpoint": self.next_checkpoint,
+            "pending": {
+                p: {str(b): self.pending[p][b] for b in self.batch_ids[p]}
+                for p in sorted(self.pending)
+            },
+            "pending_digests": {
+                p: {str(b): d for b, d in sorted(ds.items())} for p, ds in self.digests.items()
+            },
+            "decided": self.decided,
+            "history": self.history,
+            "finished": self.finished,
+            "totals": self.totals,
+            "spark_completed": self.spark_completed,
+            "committed_cut": self.committed_cut,
+            "committed_digests": {
+                p: {str(b): d for b, d in ds.items()} for p, ds in self.committed_digests.items()
+            },
+            "abandoned": self.abandoned,
+            "limits": {"history": self.history_limit, "digests": self.digest_window},
+        }
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> LedgerState:
+        """The state a document of format 2 describes (see :meth:`to_doc`)."""
+        limits = doc["limits"]
+        state = cls(
+            doc["job"],
+            doc["incarnation"],
+            history=int(limits["history"]),
+            digest_window=int(limits["digests"]),
+        )
+        state.run = int(doc["run"])
+        state.next_checkpoint = int(doc["next_checkpoint"])
+        digests = doc.get("pending_digests", {})
+        for p, batches in doc["pending"].items():
+            for b, committables in batches.items():
+                state._batch({"p": p, "b": int(b), "c": committables, "d": None})
+            for b, d in digests.get(p, {}).items():
+                state.digests.setdefault(p, {})[int(b)] = d
+        state.decided = doc["decided"]
+        state.history = list(doc["history"])
+        state.finished = list(doc["finished"])
+        state.totals = dict(doc["totals"])
+        state.spark_completed = {p: int(b) for p, b in doc.get("spark_completed", {}).items()}
+        state.committed_cut = {p: int(b) for p, b in doc.get("committed_cut", {}).items()}
+        for p, ds in doc.get("committed_digests", {}).items():
+            state.committed_digests[p] = {int(b): d for b, d in ds.items()}
+            state._trim_digests(p)
+        state.abandoned = list(doc.get("abandoned", []))
+        state._trim_history()
+        return state
