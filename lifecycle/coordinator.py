@@ -7,11 +7,17 @@ batch per pipeline; the decision is written to the ledger) -> each sink's
 ``commit`` (idempotent, retried) -> ``ledger.complete`` -> ``forget`` and a sweep
 of orphans at or below the cut.
 
+Before recovery, ``claim_sinks`` makes this incarnation (the ledger's random
+id) the owner of every sink's scope in the target itself, or refuses when
+another incarnation owns one (see :mod:`sinks.progress`); nothing is written or
+committed before.
+
 Recovery rules (``recover``, run at every start before any query starts):
 
 1. A decided checkpoint is finished first: its decision is final.
-2. Pending batches that Spark completed (``commits/N`` exists) commit, in a
-   checkpoint of kind ``recovery``: Spark will never replay them.
+2. Pending batches that Spark completed (``commits/N`` exists, or the ledger
+   recorded that it did: Spark writes ``commits/N`` without an fsync) commit,
+   in a checkpoint of kind ``recovery``: Spark will never replay them.
 3. Pending batches Spark did not complete are aborted and dropped: Spark
    replays them with the same batch id and the same rows.
 4. Every prepared transaction of this job's sinks that no ledger entry owns is
@@ -22,6 +28,11 @@ During a run, each checkpoint also sweeps orphans of batches at or below its
 cut, and of earlier runs, so late zombies do not linger until the next start.
 When a drain stops a query and starts it again in the same run,
 ``reset_pipeline`` applies rules 3 and 4 to that pipeline alone.
+
+History is guarded (``admit``, ``register``): a batch at or below the last
+committed cut of its pipeline is never registered or committed again; when
+Spark plans one again, it is recognised as done if its source offsets match the
+digest the ledger recorded, and refused otherwise.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ from tests.sparkcluster import SPARK_HOME
 from tests.sparkutil import EXECUTOR_ENV_ENV, MASTER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
-JOBS = ROOT / "tests" / "jobs"
 
 
 class JobProcess:
@@ -30,8 +29,13 @@ class JobProcess:
         log: Path,
         fault: str | None = None,
         env: dict[str, str] | None = None,
+        root: Path = ROOT,
     ):
+        """``root``: the source tree whose job script and packages run (another
+        version of the project, for upgrade tests)."""
         env = {**os.environ, **(env or {})}
+        if root != ROOT:
+            env["PYTHONPATH"] = str(root)
         env.pop("TWOPHASE_FAULT", None)
         if fault:
             env["TWOPHASE_FAULT"] = fault
@@ -41,11 +45,11 @@ class JobProcess:
         self._out.write(f"\n===== {script} {' '.join(args)} (fault: {fault})\n")
         self._out.flush()
         self.proc = subprocess.Popen(
-            _command(script, args, env),
+            _command(root / "tests" / "jobs" / script, args, env),
             env=env,
             stdout=self._out,
             stderr=subprocess.STDOUT,
-            cwd=ROOT,
+            cwd=root,
             start_new_session=True,
         )
 
@@ -88,19 +92,19 @@ class JobProcess:
         return "\n".join(lines)[-n:]
 
 
-def _command(script: str, args: list[str], env: dict[str, str]) -> list[str]:
+def _command(script: Path, args: list[str], env: dict[str, str]) -> list[str]:
     """``python SCRIPT ARGS``; on a cluster (``TWOPHASE_TEST_MASTER`` set) the
     way users launch a job there: ``spark-submit`` in client mode with the
     executors' environment as an archive (README, "Deploying to a cluster")."""
     master = env.get(MASTER_ENV)
     if not master:
-        return [sys.executable, str(JOBS / script), *args]
+        return [sys.executable, str(script), *args]
     cmd = [str(SPARK_HOME / "bin" / "spark-submit"), "--master", master]
     if env.get(EXECUTOR_ENV_ENV):
         cmd += ["--archives", f"{env[EXECUTOR_ENV_ENV]}#environment"]
         cmd += ["--conf", "spark.pyspark.python=./environment/bin/python"]
     cmd += ["--conf", f"spark.pyspark.driver.python={sys.executable}"]
-    return [*cmd, str(JOBS / script), *args]
+    return [*cmd, str(script), *args]
 
 
 def run_job(

@@ -1,0 +1,81 @@
+"""Upgrade: a state written by the version before incarnations recovers.
+
+The version before this change (commit e43e90d) is taken from git and run as a
+real driver on PostgreSQL, Kafka and Delta until a fault SIGKILLs it while a
+checkpoint is decided (its ledger is one ``ledger.json`` in format 1; its
+prepared transactions, transactional ids and staged files are named ``tp1.``
+without an incarnation). This version then runs the same job on the same
+state_dir: it converts the ledger, claims the sinks with a fresh incarnation,
+finishes the old decision, and every row is in every sink exactly once, with
+nothing of either version left prepared, open or staged.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from lifecycle.ledger import read_ledger
+from tests.conftest import write_input
+from tests.multisink import Run
+from tests.pgcheck import job_prepared
+from tests.procs import ROOT, JobProcess
+
+PREVIOUS = "e43e90d"  # the last commit before incarnations
+
+pytestmark = pytest.mark.crash
+
+
+def _previous_version(into: Path) -> Path:
+    """The project's tree at PREVIOUS, extracted from git into ``into``."""
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", PREVIOUS],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(into, filter="data")
+    return into
+
+
+@pytest.mark.parametrize("point", ["driver.before_commit=kill", "driver.mid_commit=kill"])
+def test_a_crashed_state_of_the_previous_version_recovers(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    kafka_topic: Callable[[int], str],
+    tmp_path: Path,
+    point: str,
+) -> None:
+    old_tree = _previous_version(tmp_path / "previous")
+    n = write_input(tmp_path / "in", files=4, rows_per_file=100)
+
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8)")
+    run = Run(tmp_path, pg_dsn, kafka_bootstrap, kafka_topic(3))
+
+    # the previous version, killed with a checkpoint decided and not committed
+    args = [
+        *("--dsn", pg_dsn, "--bootstrap", kafka_bootstrap, "--topic", str(run.topic)),
+        *("--delta", str(run.delta), "--state", str(run.state), "--input", str(tmp_path / "in")),
+        *("--job", run.job, "--interval", "2", "--files-per-batch", "1"),
+    ]
+    old = JobProcess("multi_sink_job.py", args, tmp_path / "old.log", point, root=old_tree)
+    old.wait(240)
+    assert old.killed(), old.tail()
+    before = (run.state / "ledger" / "ledger.json").read_text()
+    assert '"format": 1' in before and '"decided": {' in before, before[:500]
+    assert any(g.startswith("tp1.") for g in job_prepared(pg_dsn, run.job))
+
+    # this version on the same state_dir
+    new = run.start()
+    assert new.proc.returncode == 0, new.tail()
+    run.check(n)
+    doc = read_ledger(run.state)
+    assert doc is not None and doc["incarnation"]
+    assert (run.state / "ledger" / "ledger.json.v1").exists()
