@@ -56,7 +56,9 @@ def test_a_crashed_state_of_the_previous_version_recovers(
     n = write_input(tmp_path / "in", files=4, rows_per_file=100)
 
     with psycopg.connect(pg_dsn, autocommit=True) as c:
-        c.execute("CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8)")
+        c.execute(
+            "CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8, part bigint)"
+        )
     run = Run(tmp_path, pg_dsn, kafka_bootstrap, kafka_topic(3))
 
     # the previous version, killed with a checkpoint decided and not committed
