@@ -125,14 +125,15 @@ def test_nothing_visible_before_checkpoint_completes(spark, tmp_path):  # type: 
     finally:
         _faults.clear()
     assert seen, "the commit was never reached"
-    assert seen["version"] == 0 and seen["rows"] == 0 and seen["spark"] == 0, seen
+    # version 0 created the table, version 1 is the job's claim (no data)
+    assert seen["version"] == 1 and seen["rows"] == 0 and seen["spark"] == 0, seen
     # 3 batches x 1 task x 4 partition values, all staged and invisible
     assert seen["markers"] == seen["staged"] == 12, seen
 
     assert result.committed and len(result.checkpoint_ids) == 1
     deltacheck.assert_exactly_once(uri, n)
     vs = deltacheck.assert_created_once(uri)
-    assert len(vs) == 2 and vs[1].batches() == {0, 1, 2} and vs[1].batch == 2
+    assert len(vs) == 3 and vs[2].batches() == {0, 1, 2} and vs[2].batch == 2
     deltacheck.assert_nothing_staged(uri)
 
 
