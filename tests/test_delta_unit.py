@@ -763,3 +763,19 @@ def test_s3_commit_abort_and_sweep(s3_options: dict[str, str], scope: JobScope) 
     assert sorted(table().to_pyarrow_table(columns=["id"]).column("id").to_pylist()) == list(
         range(3000)
     )
+
+
+def test_s3_files_are_created_exclusively(s3_options: dict[str, str]) -> None:
+    """A name collision on S3 is an error, never an overwrite: markers by a
+    conditional PUT (If-None-Match: *, which moto serves), data files after
+    their marker."""
+    store = TableStorage("s3://twophase/excl", s3_options)
+    store.put("_twophase/staged/t-00000", b"part=a/t-00000.snappy.parquet")
+    with pytest.raises(FileExistsError):
+        store.put("_twophase/staged/t-00000", b"another incarnation's marker")
+    assert store.read("_twophase/staged/t-00000") == b"part=a/t-00000.snappy.parquet"
+    with store.open_output("part=a/t-00000.snappy.parquet") as out:
+        out.write(b"committed rows")
+    with pytest.raises(FileExistsError):
+        store.open_output("part=a/t-00000.snappy.parquet")
+    assert store.read("part=a/t-00000.snappy.parquet") == b"committed rows"

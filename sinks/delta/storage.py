@@ -32,6 +32,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from sinks.delta.exclusive import S3Exclusive
+
 STAGING_DIR = "_twophase/staged"
 DATA_SUFFIX = ".snappy.parquet"
 _STEM = re.compile(r"^(?P<txn>tp[12]\..+\.a\d+)-(?P<seq>\d+)$")
@@ -74,6 +76,11 @@ class TableStorage:
         self.root = local_root(table_uri)
         self._fs: pafs.FileSystem | None = None
         self._store: Any = None  # deltalake's object-store handler (object stores only)
+        self._s3 = (
+            S3Exclusive(table_uri, self.storage_options)
+            if table_uri.startswith(("s3://", "s3a://"))
+            else None
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -107,7 +114,9 @@ class TableStorage:
         something reused a name, which must never overwrite a committed file.
 
         Local disks: ``O_CREAT | O_EXCL``. Object stores: the name is checked
-        before the upload starts (a check, not an atomic create-if-absent)."""
+        before the upload starts. That check suffices because a data file is
+        only created after its staging marker was, exclusively (:meth:`put`):
+        of two writers of one name only the marker's creator gets here."""
         if self.root is not None:
             path = self.path(rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -121,7 +130,12 @@ class TableStorage:
         return pa.PythonFile(_ObjectOutput(self._store.open_output_stream(rel, None)), mode="w")
 
     def put(self, rel: str, data: bytes) -> None:
-        """Write a small file durably (fsync'ed on local disks)."""
+        """Create a small file durably (fsync'ed on local disks), exclusively:
+        :class:`FileExistsError` when a file of that name exists (on S3 a
+        conditional PUT, see :mod:`sinks.delta.exclusive`)."""
+        if self._s3 is not None:
+            self._s3.create(rel, data)
+            return
         with self.open_output(rel) as out:
             out.write(data)
         self.sync(rel)
