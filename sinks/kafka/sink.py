@@ -641,8 +641,8 @@ class KafkaSink(Sink):
                 str(name),
                 name,
                 a.state,
-                f"transactional id {tid}, producer id {a.producer_id}, registry partition "
-                f"{a.partition}",
+                (f"transactional id {tid}, " if tid != str(name) else "")
+                + f"producer id {a.producer_id}, announced on registry partition {a.partition}",
             )
             for tid, (name, a) in found.items()
         ]
