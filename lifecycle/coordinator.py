@@ -295,7 +295,10 @@ class Coordinator:
         checkpoint stays decided in the ledger for the next start. Transactions
         an operator abandoned in this checkpoint are skipped."""
         groups = self.committables_of(cp)
-        for (p, sid), cs in self.committables_of(cp, abandoned=True).items():
+        abandoned = (
+            self.committables_of(cp, abandoned=True) if self.ledger.abandoned_txns(cp.id) else {}
+        )
+        for (p, sid), cs in abandoned.items():
             if cs:
                 log.warning(
                     "checkpoint %d: skipping %d transaction(s) of %s abandoned by an operator "
