@@ -4,11 +4,24 @@
     twophase stop [--drain] [--timeout S] STATE_DIR  stop a running job, wait for it
     twophase start-over STATE_DIR --from ID          the next run takes the sinks over
                                                      from incarnation ID (state lost)
+    twophase lingering STATE_DIR                     unfinished work the sinks hold
+    twophase recover STATE_DIR                       the recovery rules, without the job
+    twophase abandon STATE_DIR --checkpoint N [--yes]
+                                                     give up the lost transactions of
+                                                     the decided checkpoint N
     twophase version
 
 ``twophase stop`` exits 0 when the job stopped with its final (``--drain``) or
 savepoint checkpoint committed and nothing left undecided, 1 when it did not,
 2 when no job is running on STATE_DIR or it did not stop within the timeout.
+
+``lingering``, ``recover`` and ``abandon`` rebuild the sinks from the settings
+the ledger records; secrets come from the environment (:mod:`sinks.settings`).
+They exit 0 on success (``lingering``: nothing lingers), 1 when the work is
+not done (``lingering``: something lingers; ``recover``: recovery failed;
+``abandon``: refused or not confirmed) and 2 when they cannot start (no
+ledger, a job holds it, a sink cannot be rebuilt or reached).
+What they do is in :mod:`lifecycle.operations`; this module parses and prints.
 """
 
 from __future__ import annotations
@@ -22,9 +35,10 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from lifecycle import control
+from lifecycle import control, operations
+from lifecycle.errors import CheckpointCommitError
 from lifecycle.ledger import is_locked, read_ledger
-from sinks.errors import ConfigError
+from sinks.errors import ConfigError, TransactionLostError, TwoPhaseError
 from sinks.naming import check_incarnation
 
 
@@ -76,7 +90,158 @@ def format_status(doc: dict[str, Any]) -> str:
     out.extend(f"  {k}: {v}" for k, v in sorted(totals.items()))
     if not totals:
         out.append("  none")
+    abandoned = doc.get("abandoned") or []
+    if abandoned:
+        out.append("abandoned (an operator gave these transactions up):")
+        for a in abandoned:
+            out.append(
+                f"  checkpoint {a['checkpoint']}  {_when(a['at'])}  {len(a['txns'])} "
+                f"transaction(s): {a['note']}"
+            )
+            out.extend(f"    {t}" for t in a["txns"])
     return "\n".join(out)
+
+
+def _fail(message: object, code: int) -> int:
+    print(f"twophase: {message}", file=sys.stderr)
+    return code
+
+
+def lingering(state_dir: str) -> int:
+    """List the unfinished work the job's sinks hold, with the ledger's view."""
+    try:
+        doc, found = operations.lingering(state_dir)
+    except (TwoPhaseError, NotImplementedError) as e:
+        return _fail(e, 2)
+    except Exception as e:  # a sink that cannot be reached
+        return _fail(f"could not list the sinks' work: {e!r}", 2)
+    print(f"job {doc['job']}  incarnation {doc['incarnation']} (this state)")
+    if not found:
+        print("nothing lingering")
+        return 0
+    label = None
+    for f in found:
+        if f.label != label:
+            label = f.label
+            print(f"{f.label}  ({f.target})")
+        detail = f" ({f.txn.detail})" if f.txn.detail else ""
+        print(f"  {f.txn.txn}  {f.txn.state}{detail}")
+        print(f"      ledger: {f.view}")
+    ours = sum(1 for f in found if f.ours)
+    print(f"{len(found)} lingering: {ours} of this incarnation, {len(found) - ours} of others")
+    return 1
+
+
+def recover(state_dir: str) -> int:
+    """Apply the recovery rules to a stopped job, without Spark."""
+    moves: list[tuple[str, str, list[str]]] = []
+
+    def observe(what: str, label: str, txns: list[str]) -> None:
+        moves.append((what, label, txns))
+        shown = ", ".join(txns[:3]) + (f" (+{len(txns) - 3})" if len(txns) > 3 else "")
+        print(f"{what:<9} {label}: {len(txns)} transaction(s): {shown}", flush=True)
+
+    try:
+        op = operations.Operator(state_dir, observer=observe)
+    except TwoPhaseError as e:
+        return _fail(e, 2)
+    with op:
+        before = op.ledger.decided()
+        print(
+            f"recovering job {op.ledger.job} (incarnation {op.ledger.incarnation}) "
+            f"from {state_dir}",
+            flush=True,
+        )
+        try:
+            checkpoints = op.recover()
+        except TwoPhaseError as e:
+            print(f"twophase: recovery failed: {e}", file=sys.stderr)
+            lost = isinstance(e, TransactionLostError) or (
+                isinstance(e, CheckpointCommitError)
+                and isinstance(e.__cause__, TransactionLostError)
+            )
+            decided = op.ledger.decided()
+            if lost and decided is not None:
+                print(
+                    f"twophase: a transaction of checkpoint {decided.id} is lost; to give it "
+                    f"up and commit the rest: twophase abandon {state_dir} --checkpoint "
+                    f"{decided.id}",
+                    file=sys.stderr,
+                )
+            return 1
+        for cp in checkpoints:
+            finished = " (finished before the stop)" if before and cp.id == before.id else ""
+            print(
+                f"checkpoint {cp.id} ({cp.kind}) committed{finished}: cut {cp.cut}, "
+                f"rows {cp.rows or {}}"
+            )
+        if not moves and not checkpoints:
+            print("nothing to recover")
+        left = op.ledger.pending_pipelines()
+        print(
+            "recovered: nothing pending, no checkpoint decided"
+            if not left and op.ledger.decided() is None
+            else f"recovered; pending batches of {left} stay for the job's next run"
+        )
+    return 0
+
+
+def _confirm(question: str) -> bool:
+    try:
+        answer = input(question)
+    except EOFError:
+        return False
+    return answer.strip().lower() in ("y", "yes")
+
+
+def abandon(state_dir: str, checkpoint: int, *, yes: bool, note: str) -> int:
+    """Give up the lost transactions of the decided checkpoint, after confirmation."""
+    try:
+        op = operations.Operator(state_dir)
+    except TwoPhaseError as e:
+        return _fail(e, 2)
+    with op:
+        try:
+            found = op.assess(checkpoint)
+        except operations.AbandonRefusedError as e:
+            return _fail(e, 1)
+        except (TwoPhaseError, NotImplementedError) as e:
+            return _fail(f"could not check the transactions of checkpoint {checkpoint}: {e}", 2)
+        cp = found.checkpoint
+        if not found.lost:
+            return _fail(
+                f"nothing in checkpoint {cp.id} is lost: there is nothing to abandon "
+                f"(`twophase recover {state_dir}` commits it)",
+                1,
+            )
+        print(
+            f"checkpoint {cp.id} ({cp.kind}, cut {cp.cut}) cannot commit: "
+            f"{len(found.lost)} transaction(s) are lost:"
+        )
+        for t in found.lost:
+            print(f"  {t.label}  {t.txn}  {t.rows} row(s)  ({t.target})")
+        print(f"what each sink holds of checkpoint {cp.id} (the rest commits once abandoned):")
+        for label, counts in sorted(found.states.items()):
+            rows = found.rows[label]
+            parts = [f"{n} {state} ({rows[state]} row(s))" for state, n in sorted(counts.items())]
+            print(f"  {label}: {', '.join(parts)}")
+        lost_rows = sum(t.rows for t in found.lost)
+        print(
+            f"abandoning loses {lost_rows} row(s) for good: they are in no sink of theirs and "
+            "are never written again by this job; re-run the affected batches from source to "
+            "restore them"
+        )
+        if not yes and not _confirm(
+            f"abandon {len(found.lost)} transaction(s) of checkpoint {cp.id}? [y/N] "
+        ):
+            print("not abandoned: nothing changed")
+            return 1
+        op.abandon(found, note)
+    print(
+        f"abandoned: recorded in the ledger's history (`twophase status`). Run `twophase "
+        f"recover {state_dir}` or the job to commit the rest of checkpoint {cp.id}"
+    )
+    return 0
 
 
 def stop(state_dir: str, *, drain: bool, timeout: float) -> int:
@@ -163,8 +328,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         required=True,
         help="the incarnation id the job's refusal named",
     )
+    li = sub.add_parser(
+        "lingering",
+        help="list the prepared transactions, open Kafka transactions and staged Delta "
+        "files the job's sinks hold, with the ledger's view of each",
+    )
+    li.add_argument("state_dir")
+    rc = sub.add_parser(
+        "recover", help="apply the recovery rules to a stopped job without running it"
+    )
+    rc.add_argument("state_dir")
+    ab = sub.add_parser(
+        "abandon",
+        help="give up the lost transactions of the decided checkpoint so the rest commits",
+    )
+    ab.add_argument("state_dir")
+    ab.add_argument("--checkpoint", type=int, required=True, help="the decided checkpoint's id")
+    ab.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    ab.add_argument("--note", default="", help="why, kept in the ledger with the record")
     sub.add_parser("version", help="print the version")
     args = ap.parse_args(argv)
+    if args.cmd == "lingering":
+        return lingering(args.state_dir)
+    if args.cmd == "recover":
+        return recover(args.state_dir)
+    if args.cmd == "abandon":
+        return abandon(args.state_dir, args.checkpoint, yes=args.yes, note=args.note)
     if args.cmd == "stop":
         return stop(args.state_dir, drain=args.drain, timeout=args.timeout)
     if args.cmd == "start-over":

@@ -33,13 +33,19 @@ History is guarded (``admit``, ``register``): a batch at or below the last
 committed cut of its pipeline is never registered or committed again; when
 Spark plans one again, it is recognised as done if its source offsets match the
 digest the ledger recorded, and refused otherwise.
+
+Abandonments: a transaction of the decided checkpoint that is lost (its commit
+raises ``TransactionLostError``) makes every commit of that checkpoint fail,
+so the job cannot run again. An operator may abandon it (``twophase abandon``,
+recorded in the ledger with ``record_abandoned``); committing that checkpoint
+then skips the abandoned transactions, so the rest commits and it completes.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from lifecycle.errors import CheckpointCommitError, RecoveryRefusedError
@@ -68,10 +74,23 @@ def sink_label(pipeline: str, sink_id: str) -> str:
     return f"{pipeline}/{sink_id}"
 
 
+Observer = Callable[[str, str, list[str]], None]
+"""Told ``(what, sink label, transaction names)`` of every move the coordinator
+makes on a sink: ``committed``, ``aborted`` (pending work dropped),
+``swept`` (orphans aborted) and ``skipped`` (abandoned by an operator)."""
+
+
 class Coordinator:
     """Lives in the driver; one per job run."""
 
-    def __init__(self, job: str, ledger: FileLedger, pipelines: Iterable[PipelineSinks]) -> None:
+    def __init__(
+        self,
+        job: str,
+        ledger: FileLedger,
+        pipelines: Iterable[PipelineSinks],
+        *,
+        observer: Observer | None = None,
+    ) -> None:
         self.job = job
         self.ledger = ledger
         self.pipelines = {p.name: p for p in pipelines}
@@ -79,6 +98,12 @@ class Coordinator:
         self.incarnation = ledger.incarnation
         self._checkpointing = threading.Lock()  # one checkpoint at a time
         self.checkpoints_taken: list[Checkpoint] = []
+        self._observer = observer
+
+    def _tell(self, what: str, pipeline: str, sink_id: str, txns: Iterable[str]) -> None:
+        names = sorted(txns)
+        if self._observer is not None and names:
+            self._observer(what, sink_label(pipeline, sink_id), names)
 
     def scope(self, pipeline: str, sink_id: str) -> JobScope:
         """The scope of a sink of this job, in this incarnation."""
@@ -109,6 +134,7 @@ class Coordinator:
             if claimed.previous is not None and claimed.previous == start_over_from:
                 old = JobScope(self.job, p, sid, start_over_from)
                 aborted = sink.abort_lingering(old, lambda n: n.incarnation == start_over_from)
+                self._tell("swept", p, sid, aborted)
                 log.warning(
                     "%s: started over from incarnation %s (an operator's choice, recorded "
                     "in the target); aborted %d transaction(s) it left prepared",
@@ -243,20 +269,46 @@ class Coordinator:
             cp = self.ledger.decide(kind, cut, finished)
             return self._commit(cp)
 
-    def _commit(self, cp: Checkpoint) -> Checkpoint:
-        """Commit a decided checkpoint. Safe to call again after a crash.
-
-        Every sink is committed even when one fails (the decision is final, so
-        committing the others is what a restart would do anyway); then
-        :class:`CheckpointCommitError` names the sinks that failed, and the
-        checkpoint stays decided in the ledger for the next start."""
+    def committables_of(
+        self, cp: Checkpoint, *, abandoned: bool = False
+    ) -> dict[tuple[str, str], list[Committable]]:
+        """The pending committables checkpoint ``cp`` commits, per (pipeline,
+        sink id): those of every pending batch at or below its cut, without the
+        transactions abandoned in it (only those, with ``abandoned``)."""
+        skip = self.ledger.abandoned_txns(cp.id)
         groups: dict[tuple[str, str], list[Committable]] = {}
         for p, last in cp.cut.items():
             for b in self.ledger.pending_batch_ids(p):  # ascending
                 if b > last:
                     break
                 for sid, cs in (self.ledger.pending_batch(p, b) or {}).items():
-                    groups.setdefault((p, sid), []).extend(cs)
+                    group = groups.setdefault((p, sid), [])
+                    group.extend(c for c in cs if (c.get("txn") in skip) == abandoned)
+        return groups
+
+    def _commit(self, cp: Checkpoint) -> Checkpoint:
+        """Commit a decided checkpoint. Safe to call again after a crash.
+
+        Every sink is committed even when one fails (the decision is final, so
+        committing the others is what a restart would do anyway); then
+        :class:`CheckpointCommitError` names the sinks that failed, and the
+        checkpoint stays decided in the ledger for the next start. Transactions
+        an operator abandoned in this checkpoint are skipped."""
+        groups = self.committables_of(cp)
+        abandoned = (
+            self.committables_of(cp, abandoned=True) if self.ledger.abandoned_txns(cp.id) else {}
+        )
+        for (p, sid), cs in abandoned.items():
+            if cs:
+                log.warning(
+                    "checkpoint %d: skipping %d transaction(s) of %s abandoned by an operator "
+                    "(twophase abandon): %s",
+                    cp.id,
+                    len(cs),
+                    sink_label(p, sid),
+                    [c["txn"] for c in cs][:5],
+                )
+                self._tell("skipped", p, sid, (c["txn"] for c in cs))
         sinks = {key: self._sink(*key) for key in groups}
         _faults.hit("driver.before_commit", batch=max(cp.cut.values(), default=None))
         rows: dict[str, int] = {}
@@ -268,6 +320,7 @@ class Coordinator:
                 failed[(p, sid)] = e
                 continue
             rows[sink_label(p, sid)] = sum(int(c.get("rows", 0)) for c in cs)
+            self._tell("committed", p, sid, (c["txn"] for c in cs))
         if failed:
             raise self._commit_error(cp, failed, sinks)
         done = self.ledger.complete(cp, rows)
@@ -301,7 +354,7 @@ class Coordinator:
                 return not owned(str(n)) and (n.run < run or n.batch_id <= last)
 
             for sid, sink in ps.sinks.items():
-                sink.abort_lingering(self.scope(p, sid), is_orphan)
+                self._tell("swept", p, sid, sink.abort_lingering(self.scope(p, sid), is_orphan))
 
     # -- recovery ---------------------------------------------------------------------
 
@@ -356,7 +409,8 @@ class Coordinator:
         owned = self.ledger.is_owned
         for p in pipelines:
             for sid, sink in self._pipeline(p).sinks.items():
-                sink.abort_lingering(self.scope(p, sid), lambda n: not owned(str(n)))
+                swept = sink.abort_lingering(self.scope(p, sid), lambda n: not owned(str(n)))
+                self._tell("swept", p, sid, swept)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -391,3 +445,4 @@ class Coordinator:
         for sid, cs in sinks.items():
             if cs:
                 self._sink(p, sid).abort(cs)
+                self._tell("aborted", p, sid, (c["txn"] for c in cs))

@@ -328,6 +328,14 @@ class Job:
             for s in p.sinks:
                 s.check_checkpoint_interval(self.checkpoint_interval)
                 s.preflight(p.schema)
+        # what the `twophase` commands rebuild the sinks from (no secrets)
+        ledger.record_sinks(
+            {
+                sink_label(p.name, s.sink_id): s.settings()
+                for p in self._pipelines.values()
+                for s in p.sinks
+            }
+        )
         start_over = self._start_over_choice(ledger)
         coord.claim_sinks(start_over)
         control.clear_start_over(self.state_dir)

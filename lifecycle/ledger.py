@@ -14,7 +14,10 @@ What it holds:
 * per pipeline, the highest batch Spark reported complete, the highest batch
   committed, and the digests of the last committed batches;
 * ``totals``: rows committed per sink over the job's life; ``abandoned``:
-  every abandonment recorded.
+  every abandonment recorded (``twophase abandon``), kept for the record;
+* ``sinks``: every sink's non-secret settings, so that the ``twophase``
+  commands can rebuild the sinks without the job's code (secrets come from the
+  environment, see :mod:`sinks.settings`).
 
 The embedded ledger (:class:`FileLedger`, in :mod:`lifecycle.state.file_ledger`)
 is a snapshot and an append-only journal: each change appends one

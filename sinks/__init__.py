@@ -1,9 +1,10 @@
 """Exactly-once sinks for PySpark: the two-phase protocol and its adapters.
 
-See :mod:`sinks.base` for the protocol every sink implements.
+See :mod:`sinks.base` for the protocol every sink implements, and
+:mod:`sinks.settings` for a sink's recorded settings and :func:`from_settings`.
 """
 
-from sinks.base import Committable, JobScope, Sink, SinkWriter, WriteContext
+from sinks.base import Committable, JobScope, LingeringTxn, Sink, SinkWriter, WriteContext
 from sinks.delta import DeltaSink
 from sinks.errors import (
     CommitError,
@@ -15,6 +16,7 @@ from sinks.errors import (
 )
 from sinks.kafka import KafkaSink
 from sinks.postgres import PostgresSink
+from sinks.settings import from_settings
 
 __all__ = [
     "CommitError",
@@ -23,6 +25,7 @@ __all__ = [
     "DeltaSink",
     "JobScope",
     "KafkaSink",
+    "LingeringTxn",
     "LockWaitError",
     "PostgresSink",
     "PreflightError",
@@ -31,4 +34,5 @@ __all__ = [
     "TransactionLostError",
     "TwoPhaseError",
     "WriteContext",
+    "from_settings",
 ]

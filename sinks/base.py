@@ -12,6 +12,11 @@ A sink has two halves that run in different processes:
   committables once the coordinator has decided, ``abort_lingering`` to sweep
   work that no ledger entry owns (failed or speculative task attempts, a crash
   before registration), and ``forget`` once the ledger has recorded a commit.
+* Operations (the ``twophase`` command, read-only): ``settings`` (what the
+  ledger records to build the sink again, without secrets, see
+  :mod:`sinks.settings`), ``lingering`` (the work of a job the target holds
+  unfinished) and ``classify`` (whether committables are committed, still
+  prepared, or lost), each reusing the checks of the sweep and the commit.
 
 Sinks are pickled and shipped to executors, so they hold configuration only;
 connections are opened inside methods.
@@ -113,6 +118,27 @@ class SinkWriter(abc.ABC):
 OrphanTest = Callable[[TxnName], bool]
 """Decides, for a lingering transaction found by a sink, whether to abort it."""
 
+COMMITTED = "committed"
+PREPARED = "prepared"
+LOST = "lost"
+"""What :meth:`Sink.classify` says of a committable: committed already, still
+prepared (a commit would go through), or lost (a commit would raise
+:class:`~sinks.errors.TransactionLostError`)."""
+
+
+@dataclass(frozen=True)
+class LingeringTxn:
+    """Unfinished work of a job found in a target by :meth:`Sink.lingering`."""
+
+    txn: str
+    """the transaction name (:class:`~sinks.naming.TxnName`)"""
+    name: TxnName
+    state: str
+    """what the target says: ``prepared`` (PostgreSQL), ``open`` / ``committed``
+    / ``aborted`` (a Kafka announcement not yet tombstoned), ``staged`` (Delta)"""
+    detail: str = ""
+    """more of what the target says (when prepared, how many files, ...)"""
+
 
 class Sink(abc.ABC):
     """Driver-side half of a sink and factory of its executor-side writers."""
@@ -181,6 +207,24 @@ class Sink(abc.ABC):
 
     def close(self) -> None:  # noqa: B027
         """Release driver-side resources (called when ``Job.run`` ends)."""
+
+    def settings(self) -> dict[str, Any]:
+        """The non-secret, JSON-able settings that build this sink again with
+        :func:`sinks.settings.from_settings` (``kind``, ``sink_id`` and the
+        constructor's arguments). The default names the sink only: a sink of
+        another kind cannot be rebuilt by the ``twophase`` commands."""
+        return {"kind": self.kind, "sink_id": self.sink_id}
+
+    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
+        """List, without changing anything, the unfinished work of (``job``,
+        ``pipeline``, this sink) that the target holds, of every incarnation
+        and both name formats: what a sweep would consider."""
+        raise NotImplementedError(f"{self.describe()} cannot list its lingering work")
+
+    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
+        """``{txn: COMMITTED | PREPARED | LOST}`` for ``committables``, by the
+        checks of the commit path, without committing anything."""
+        raise NotImplementedError(f"{self.describe()} cannot classify its transactions")
 
     def forget(self, committables: Sequence[Committable]) -> None:  # noqa: B027
         """Drop bookkeeping kept only to make ``commit`` idempotent (called after

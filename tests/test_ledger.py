@@ -552,6 +552,38 @@ def test_abandonments_are_kept(tmp_path: Path) -> None:
     assert FileLedger(tmp_path / "ledger", "j").abandoned() == doc["abandoned"]
 
 
+def test_sink_settings_are_recorded_replaced_and_kept(tmp_path: Path) -> None:
+    led = FileLedger(tmp_path / "ledger", "j", compact_bytes=NEVER)
+    assert led.sinks_settings() == {}
+    first = {"p/a": {"kind": "postgres", "sink_id": "a", "dsn": "host=h", "key": ["id"]}}
+    assert led.record_sinks(first) is True
+    size = led._journal.size
+    assert led.record_sinks(json.loads(json.dumps(first))) is False  # unchanged: no record
+    assert led._journal.size == size
+    second = {"p/b": {"kind": "delta", "sink_id": "b", "table_uri": "/t"}, "q/c": {"kind": "x"}}
+    assert led.record_sinks(second) is True
+    assert led.sinks_settings() == second  # replaced, not merged
+    led.sinks_settings()["p/b"]["table_uri"] = "/elsewhere"  # a copy
+    assert led.sinks_settings() == second
+    with pytest.raises(TypeError):
+        led.record_sinks({"p/d": {"password": object()}})  # JSON values only
+    with pytest.raises(TypeError):
+        led.record_sinks({"p/d": "not settings"})  # type: ignore[dict-item]
+    assert led.sinks_settings() == second and led._journal.size > size
+    doc = read_ledger(tmp_path)
+    assert doc is not None and doc["sinks"] == second
+    led.close()
+    led = FileLedger(tmp_path / "ledger", "j", compact_bytes=1)
+    assert led.sinks_settings() == second
+    for b in range(100):  # until the journal outgrows the snapshot: a compaction
+        led.record_batch("p", b, {"b": [_c(f"t{b}")]})
+        if led.generation:
+            break
+    assert led.generation > 0 and led.sinks_settings() == second
+    led.close()
+    assert FileLedger(tmp_path / "ledger", "j").sinks_settings() == second
+
+
 def test_history_length_is_configurable(tmp_path: Path) -> None:
     led = FileLedger(tmp_path, "j", history=3)
     for b in range(5):

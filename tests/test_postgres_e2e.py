@@ -8,7 +8,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from lifecycle import Job, PipelineState
+from lifecycle import Job, PipelineState, cli
+from lifecycle.ledger import read_ledger
 from sinks import PostgresSink, PreflightError, _faults
 from tests.conftest import write_input
 from tests.pgcheck import assert_exactly_once, job_prepared
@@ -34,12 +35,9 @@ def test_bounded_job_commits_every_row_once(spark, pg_dsn, tmp_path, interval): 
     n = write_input(tmp_path / "in", files=4, rows_per_file=250)
     _create(pg_dsn)
     job = Job(spark, "e2e", tmp_path / "state", checkpoint_interval=interval)
-    job.add_pipeline(
-        "load",
-        _stream(spark, tmp_path / "in"),
-        [PostgresSink(pg_dsn, "public.orders")],
-        bounded=True,
-    )
+    password = "e2e-Secret-3b9d"  # the test server trusts loopback: any password works
+    sink = PostgresSink(psycopg.conninfo.make_conninfo(pg_dsn, password=password), "public.orders")
+    job.add_pipeline("load", _stream(spark, tmp_path / "in"), [sink], bounded=True)
     result = job.run()
     assert result.pipelines == {"load": PipelineState.FINISHED}
     assert result.final_checkpoint is not None
@@ -49,6 +47,12 @@ def test_bounded_job_commits_every_row_once(spark, pg_dsn, tmp_path, interval): 
     if interval > 0:
         # 4 batches of one file each, grouped: fewer checkpoints than batches
         assert result.checkpoints < 4
+    # the run recorded the sink's settings for `twophase`, without the password
+    doc = read_ledger(tmp_path / "state")
+    assert doc is not None and doc["sinks"] == {f"load/{sink.sink_id}": sink.settings()}
+    ledger_files = [f for f in (tmp_path / "state" / "ledger").iterdir() if f.is_file()]
+    assert ledger_files and all(password.encode() not in f.read_bytes() for f in ledger_files)
+    assert cli.main(["lingering", str(tmp_path / "state")]) == 0  # nothing lingering
 
 
 def test_nothing_visible_before_checkpoint_completes(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]

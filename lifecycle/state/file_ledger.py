@@ -340,6 +340,17 @@ class FileLedger:
         with self._mutex:
             return copy.deepcopy(self._state.abandoned)
 
+    def abandoned_txns(self, checkpoint_id: int) -> set[str]:
+        """Names of the transactions abandoned in checkpoint ``checkpoint_id``."""
+        with self._mutex:
+            return set(self._state.abandoned_txns.get(int(checkpoint_id), ()))
+
+    def sinks_settings(self) -> dict[str, dict[str, Any]]:
+        """The recorded settings of every sink of the job, by ``pipeline/sink_id``
+        (see :meth:`record_sinks`)."""
+        with self._mutex:
+            return copy.deepcopy(self._state.sinks)
+
     # -- changes --------------------------------------------------------------------
 
     def begin_run(self) -> int:
@@ -406,6 +417,23 @@ class FileLedger:
             if batch_id > self._state.spark_completed.get(pipeline, -1):
                 self._change({"op": "spark", "p": pipeline, "b": int(batch_id)})
 
+    def record_sinks(self, sinks: dict[str, dict[str, Any]]) -> bool:
+        """Record the settings of every sink of the job (``pipeline/sink_id`` ->
+        the sink's ``settings()``, which holds no secret), replacing the ones
+        recorded before; nothing is written when they are unchanged. Returns
+        whether a record was written. The ``twophase`` commands rebuild the
+        sinks from them (:func:`sinks.settings.from_settings`)."""
+        if not isinstance(sinks, dict) or not all(
+            isinstance(k, str) and isinstance(v, dict) for k, v in sinks.items()
+        ):
+            raise TypeError("sinks must map 'pipeline/sink_id' to a settings dict")
+        payload = json.loads(json.dumps(sinks, allow_nan=False))  # JSON values only
+        with self._mutex:
+            if payload == self._state.sinks:
+                return False
+            self._change({"op": "sinks", "s": payload})
+            return True
+
     def record_abandoned(self, checkpoint_id: int, txns: list[str], note: str) -> None:
         """Keep the record that checkpoint ``checkpoint_id`` abandoned ``txns``."""
         op = {
@@ -462,6 +490,6 @@ def read_ledger(state_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     (the job may be running): keys ``format``, ``job``, ``incarnation``, ``run``,
     ``next_checkpoint``, ``pending`` (pipeline -> str(batch) -> sink ->
     committables), ``decided``, ``history``, ``finished``, ``totals``,
-    ``abandoned`` and the rest of :meth:`LedgerState.to_doc`; None when there
-    is no ledger."""
+    ``abandoned``, ``sinks`` (``pipeline/sink_id`` -> recorded settings) and
+    the rest of :meth:`LedgerState.to_doc`; None when there is no ledger."""
     return read_directory(Path(state_dir) / "ledger")

@@ -20,6 +20,8 @@ Operations:
 ``complete id at rows``     the decided checkpoint ``id`` committed at ``at``
 ``spark p b``               Spark reported batch ``b`` of ``p`` complete
 ``abandon checkpoint txns note at``  an abandonment, kept for the record
+``sinks s``                 the settings of every sink of the job (label -> the
+                            sink's non-secret ``settings()``), replacing the last ones
 ``limits history digests``  how many checkpoints and digests are kept
 """
 
@@ -93,6 +95,9 @@ class LedgerState:
         # digests of committed batches, oldest first, at most digest_window per pipeline
         self.committed_digests: dict[str, dict[int, str]] = {}
         self.abandoned: list[dict[str, Any]] = []
+        # checkpoint id -> names of the transactions abandoned in it (index of the above)
+        self.abandoned_txns: dict[int, set[str]] = {}
+        self.sinks: dict[str, dict[str, Any]] = {}  # label -> non-secret settings
         self.history_limit = history
         self.digest_window = digest_window
         self._ops: dict[str, Callable[[Op], None]] = {
@@ -103,6 +108,7 @@ class LedgerState:
             "complete": self._complete,
             "spark": self._spark,
             "abandon": self._abandon,
+            "sinks": self._sinks,
             "limits": self._limits,
         }
 
@@ -180,6 +186,10 @@ class LedgerState:
         self.abandoned.append(
             {"checkpoint": op["checkpoint"], "txns": op["txns"], "note": op["note"], "at": op["at"]}
         )
+        self.abandoned_txns.setdefault(int(op["checkpoint"]), set()).update(op["txns"])
+
+    def _sinks(self, op: Op) -> None:
+        self.sinks = dict(op["s"])
 
     def _limits(self, op: Op) -> None:
         self.history_limit = op["history"]
@@ -271,6 +281,7 @@ class LedgerState:
                 p: {str(b): d for b, d in ds.items()} for p, ds in self.committed_digests.items()
             },
             "abandoned": self.abandoned,
+            "sinks": self.sinks,
             "limits": {"history": self.history_limit, "digests": self.digest_window},
         }
 
@@ -301,6 +312,8 @@ class LedgerState:
         for p, ds in doc.get("committed_digests", {}).items():
             state.committed_digests[p] = {int(b): d for b, d in ds.items()}
             state._trim_digests(p)
-        state.abandoned = list(doc.get("abandoned", []))
+        for a in doc.get("abandoned", []):
+            state._abandon(a)
+        state.sinks = dict(doc.get("sinks", {}))
         state._trim_history()
         return state

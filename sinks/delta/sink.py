@@ -46,7 +46,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -55,9 +55,20 @@ from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction
 
-from sinks import _faults
+from sinks import _faults, settings
 from sinks._retry import retry_transient
-from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
+from sinks.base import (
+    COMMITTED,
+    LOST,
+    PREPARED,
+    Committable,
+    JobScope,
+    LingeringTxn,
+    OrphanTest,
+    Sink,
+    SinkWriter,
+    WriteContext,
+)
 from sinks.delta import progress, table
 from sinks.delta.layout import DeltaSchemaError, Layout, delta_type_name, incompatibility
 from sinks.delta.storage import (
@@ -70,7 +81,7 @@ from sinks.delta.storage import (
 )
 from sinks.delta.writer import DeltaWriter
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
-from sinks.naming import TxnName, check_id
+from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.progress import SinkProgress, conflict, may_claim
 
 log = logging.getLogger("sinks.delta")
@@ -153,6 +164,55 @@ class DeltaSink(Sink):
 
     def describe(self) -> str:
         return f"Delta table {self.table_uri}"
+
+    def settings(self) -> dict[str, Any]:
+        """Non-secret settings (:mod:`sinks.settings`): ``storage_options``
+        without the keys that look secret (key, secret, token, password,
+        credential, sas: listed under ``"redacted"``)."""
+        options, redacted, omitted = settings.split_secrets(
+            self.storage_options, settings.STORAGE_SECRET_WORDS
+        )
+        return {
+            "kind": self.kind,
+            "v": settings.FORMAT,
+            "sink_id": self.sink_id,
+            "table_uri": self.table_uri,
+            "partition_by": self.partition_by,
+            "storage_options": options,
+            "redacted": redacted,
+            "omitted": omitted,
+            "create_table": self.create_table,
+            "commit_timeout": self.commit_timeout,
+        }
+
+    @classmethod
+    def from_settings(cls, s: Mapping[str, Any], secrets: Mapping[str, str]) -> DeltaSink:
+        """The sink of :meth:`settings`; each redacted storage option from
+        ``TWOPHASE_<SINK>_<KEY>`` or the variable named like the key (upper
+        case) in ``secrets``; when neither is set it stays out (the object
+        store's own credential chain applies)."""
+        options = dict(s["storage_options"])
+        for key in s.get("redacted", []):
+            names = (settings.env_name(s["sink_id"], key), key.upper())
+            value = settings.lookup(secrets, names)
+            if value is not None:
+                options[key] = value
+            else:
+                log.info(
+                    "Delta sink %s: storage option %s not in the environment (%s); left to "
+                    "the object store's credential chain",
+                    s["sink_id"],
+                    key,
+                    " or ".join(names),
+                )
+        return cls(
+            s["table_uri"],
+            partition_by=s["partition_by"],
+            storage_options=options,
+            sink_id=s["sink_id"],
+            create_table=s["create_table"],
+            commit_timeout=s["commit_timeout"],
+        )
 
     def __repr__(self) -> str:
         return f"DeltaSink({self.table_uri!r}, partition_by={self.partition_by})"
@@ -415,14 +475,73 @@ class DeltaSink(Sink):
             deadline=self.commit_timeout,
         )
 
-    def _sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        prefixes = scope.own_prefixes()
-        orphans: dict[str, list[str]] = {}
-        for stem in self._storage.list_files(STAGING_DIR):
+    def _staged(self, prefixes: tuple[str, ...]) -> dict[str, tuple[TxnName, list[str]]]:
+        """Every transaction under one of ``prefixes`` that has staging markers:
+        its name and the stems of its markers (one per staged file)."""
+        found: dict[str, tuple[TxnName, list[str]]] = {}
+        for stem in sorted(self._storage.list_files(STAGING_DIR)):
             parts = split_stem(stem) if stem.startswith(prefixes) else None
             name = TxnName.parse(parts[0]) if parts else None
-            if name is not None and is_orphan(name):
-                orphans.setdefault(str(name), []).append(stem)
+            if name is not None:
+                found.setdefault(str(name), (name, []))[1].append(stem)
+        return found
+
+    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
+        """Every transaction of (``job``, ``pipeline``, this sink), of every
+        incarnation, with staging markers in the table: what :meth:`abort_lingering`
+        looks at."""
+        found = retry_transient(
+            lambda: self._staged(scope_prefixes(job, pipeline, self.sink_id)),
+            what=f"listing of staged files in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+        return [
+            LingeringTxn(txn, name, "staged", f"{len(stems)} staged file(s)")
+            for txn, (name, stems) in found.items()
+        ]
+
+    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
+        """The checks of :meth:`commit`: committed when the table's app version of
+        its scope is at or above its batch (commits carry the highest batch of
+        their call, and batches only grow); else prepared when every staged file
+        is there as prepared, lost when one is gone or changed."""
+
+        def read() -> dict[str, str]:
+            dt = self._load()
+            if dt is None:
+                return {c["txn"]: LOST for c in committables}
+            layout = table.layout_of(dt)
+            found: dict[str, str] = {}
+            for c in committables:
+                name = _parse(c["txn"])
+                scope = JobScope(name.job, name.pipeline, name.sink_id, name.incarnation)
+                done = dt.transaction_version(app_id(scope))
+                if done is not None and done >= name.batch_id:
+                    found[c["txn"]] = COMMITTED
+                    continue
+                try:
+                    for a in c.get("adds", ()):
+                        self._checked_add(c, a, layout)
+                except TransactionLostError:
+                    found[c["txn"]] = LOST
+                else:
+                    found[c["txn"]] = PREPARED
+            return found
+
+        return retry_transient(
+            read,
+            what=f"check of {len(committables)} staged transaction(s) in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+
+    def _sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+        orphans = {
+            txn: stems
+            for txn, (name, stems) in self._staged(scope.own_prefixes()).items()
+            if is_orphan(name)
+        }
         if not orphans:
             return []
         dt = self._load()

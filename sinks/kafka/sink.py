@@ -79,18 +79,26 @@ import logging
 import re
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import kafka.errors as Errors
 import pyarrow as pa
 from kafka import KafkaProducer
 
-from sinks import _faults
+from sinks import _faults, base, settings
 from sinks._retry import retry_transient
-from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
-from sinks.errors import PreflightError
-from sinks.kafka import checks, encode, txn
+from sinks.base import (
+    Committable,
+    JobScope,
+    LingeringTxn,
+    OrphanTest,
+    Sink,
+    SinkWriter,
+    WriteContext,
+)
+from sinks.errors import ConfigError, PreflightError
+from sinks.kafka import checks, encode, outcome, txn
 from sinks.kafka.progress import ProgressStore
 from sinks.kafka.registry import (
     ABORTED,
@@ -102,7 +110,7 @@ from sinks.kafka.registry import (
 )
 from sinks.kafka.wire import KafkaWire
 from sinks.kafka.writer import KafkaWriter
-from sinks.naming import TxnName, check_id
+from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.kafka")
@@ -218,6 +226,76 @@ class KafkaSink(Sink):
 
     def describe(self) -> str:
         return f"Kafka topic {self.topic} at {','.join(self._servers())}"
+
+    def settings(self) -> dict[str, Any]:
+        """Non-secret settings (:mod:`sinks.settings`): ``producer_config``
+        without the keys that name a password, secret or token (listed under
+        ``"redacted"``) and without values that are not JSON (``"omitted"``)."""
+        config, redacted, omitted = settings.split_secrets(
+            self.producer_config, settings.KAFKA_SECRET_WORDS
+        )
+        return {
+            "kind": self.kind,
+            "v": settings.FORMAT,
+            "sink_id": self.sink_id,
+            "bootstrap_servers": self.bootstrap_servers,
+            "topic": self.topic,
+            "key": self.key,
+            "value": self.value,
+            "headers": list(self.headers),
+            "transactional_id_prefix": self.id_prefix or None,
+            "transaction_timeout_ms": self.transaction_timeout_ms,
+            "create_topic": self.create_topic,
+            "partitions": self.partitions,
+            "replication_factor": self.replication_factor,
+            "producer_config": config,
+            "redacted": redacted,
+            "omitted": omitted,
+            "commit_timeout": self.commit_timeout,
+            "registry_topic": self.registry_topic,
+            "flush_timeout": self.flush_timeout,
+            "connect_timeout": self.connect_timeout,
+        }
+
+    @classmethod
+    def from_settings(cls, s: Mapping[str, Any], secrets: Mapping[str, str]) -> KafkaSink:
+        """The sink of :meth:`settings`; each redacted ``producer_config`` key
+        from ``TWOPHASE_<SINK>_<KEY>`` or ``TWOPHASE_KAFKA_<KEY>`` in ``secrets``."""
+        config = dict(s["producer_config"])
+        for key in s.get("redacted", []):
+            names = (settings.env_name(s["sink_id"], key), settings.env_name("kafka", key))
+            value = settings.lookup(secrets, names)
+            if value is None:
+                raise ConfigError(
+                    f"Kafka sink {s['sink_id']!r} (topic {s['topic']}) needs producer_config "
+                    f"{key!r}, which the ledger does not keep: set {names[0]} or {names[1]}"
+                )
+            config[key] = value
+        if s.get("omitted"):
+            log.warning(
+                "Kafka sink %s: producer_config %s were not recorded (not JSON values) and "
+                "are missing from the rebuilt sink",
+                s["sink_id"],
+                s["omitted"],
+            )
+        return cls(
+            s["bootstrap_servers"],
+            s["topic"],
+            key=s["key"],
+            value=s["value"],
+            headers=s["headers"],
+            transactional_id_prefix=s["transactional_id_prefix"],
+            transaction_timeout_ms=s["transaction_timeout_ms"],
+            create_topic=s["create_topic"],
+            partitions=s["partitions"],
+            replication_factor=s["replication_factor"],
+            sink_id=s["sink_id"],
+            producer_config=config,
+            commit_timeout=s["commit_timeout"],
+            registry_topic=s["registry_topic"],
+            flush_timeout=s["flush_timeout"],
+            connect_timeout=s["connect_timeout"],
+        )
 
     def __repr__(self) -> str:
         return f"KafkaSink({self.describe()}, key={self.key}, value={self.value})"
@@ -471,6 +549,33 @@ class KafkaSink(Sink):
         )
         self._tombstone(replayed)
 
+    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
+        """From the log, as the commit settles a refused EndTxn
+        (:mod:`sinks.kafka.outcome`): COMMIT marker: committed; no marker yet:
+        prepared; ABORT marker, or its records gone: lost."""
+        found: dict[str, str] = {}
+
+        def read() -> None:
+            with self._client() as wire:
+                for c in committables:
+                    if c["txn"] not in found:
+                        verdict = outcome.txn_outcome(wire, c)
+                        found[c["txn"]] = (
+                            base.COMMITTED
+                            if verdict == outcome.COMMITTED
+                            else base.PREPARED
+                            if verdict == outcome.OPEN
+                            else base.LOST
+                        )
+
+        retry_transient(
+            read,
+            what=f"check of {len(committables)} transaction(s) in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+        return found
+
     # -- driver side: abort, sweep, forget ------------------------------------------------
 
     def _fence(self, wire: KafkaWire, transactional_ids: list[str]) -> None:
@@ -494,6 +599,54 @@ class KafkaSink(Sink):
         )
         self._tombstone(ids)
 
+    def _announced(
+        self, wire: KafkaWire, prefixes: tuple[str, ...]
+    ) -> dict[str, tuple[TxnName, Announcement]]:
+        """Every transactional id announced for this topic under one of
+        ``prefixes`` (after ``transactional_id_prefix``) and not tombstoned,
+        read from the registry (incrementally), with its name and how it ended."""
+        assert self._store is not None
+        live = self._store.view.refresh(wire)
+        prefixes = tuple(self.id_prefix + p for p in prefixes)
+        found: dict[str, tuple[TxnName, Announcement]] = {}
+        for tid, a in sorted(live.items()):
+            if not tid.startswith(prefixes) or a.topic != self.topic:
+                continue
+            name = TxnName.parse(tid[len(self.id_prefix) :])
+            if name is not None:
+                found[tid] = (name, a)
+        return found
+
+    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
+        """Every transactional id of (``job``, ``pipeline``, this sink) announced
+        in the registry for this topic and not yet tombstoned, of every
+        incarnation: open, or ended (committed or aborted) with the tombstone
+        still to come. Empty without a registry (nothing can be listed)."""
+        store = self._store
+        if store is None:
+            return []
+
+        def read() -> dict[str, tuple[TxnName, Announcement]]:
+            with self._client() as wire:
+                return self._announced(wire, scope_prefixes(job, pipeline, self.sink_id))
+
+        found = retry_transient(
+            read,
+            what=f"listing of announced transactions in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+        return [
+            LingeringTxn(
+                str(name),
+                name,
+                a.state,
+                (f"transactional id {tid}, " if tid != str(name) else "")
+                + f"producer id {a.producer_id}, announced on registry partition {a.partition}",
+            )
+            for tid, (name, a) in found.items()
+        ]
+
     def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
         """Fence the orphans among the ids of ``scope.own_prefixes()`` announced
         for this topic; tombstone them once the registry shows them aborted.
@@ -505,19 +658,12 @@ class KafkaSink(Sink):
         store = self._store
         if store is None:
             return []
-        prefixes = tuple(self.id_prefix + p for p in scope.own_prefixes())
 
         def sweep() -> tuple[list[TxnName], dict[str, Announcement]]:
             with self._client() as wire:
-                live = store.view.refresh(wire)
-                orphans: dict[str, TxnName] = {}
-                for tid, found in sorted(live.items()):
-                    if not tid.startswith(prefixes) or found.topic != self.topic:
-                        continue
-                    name = TxnName.parse(tid[len(self.id_prefix) :])
-                    if name is not None and is_orphan(name):
-                        orphans[tid] = name
-                fenced = [tid for tid in sorted(orphans) if live[tid].state != COMMITTED]
+                announced = self._announced(wire, scope.own_prefixes())
+                orphans = {t: n for t, (n, _) in announced.items() if is_orphan(n)}
+                fenced = [t for t in sorted(orphans) if announced[t][1].state != COMMITTED]
                 if fenced:
                     self._fence(wire, list(fenced))  # fenced twice after a retry: harmless
                 live = store.view.refresh(wire)  # the markers of the fenced ones

@@ -13,18 +13,30 @@ import contextlib
 import hashlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import psycopg
 import pyarrow as pa
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from sinks import _faults
+from sinks import _faults, settings
 from sinks._retry import retry_transient
-from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
+from sinks.base import (
+    COMMITTED,
+    LOST,
+    PREPARED,
+    Committable,
+    JobScope,
+    LingeringTxn,
+    OrphanTest,
+    Sink,
+    SinkWriter,
+    WriteContext,
+)
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
-from sinks.naming import TxnName, check_id
+from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.postgres import catalog
 from sinks.postgres.progress import PROGRESS_DDL, ProgressTable
 from sinks.postgres.types import wire_type
@@ -104,6 +116,7 @@ class PostgresSink(Sink):
             raise ConfigError("lock_timeout must be >= 0 seconds (0: wait forever)")
         self._lock_timeout_given = lock_timeout
         self.lock_timeout = lock_timeout if lock_timeout is not None else _auto_lock_timeout(0.0)
+        self.marker_table = marker_table
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
         self._wire: pa.Schema | None = None
         # (job, pipeline, sink id) -> the incarnation this instance claimed it for
@@ -136,6 +149,51 @@ class PostgresSink(Sink):
             self.marker_ident,
             f"{self.schema}.{self.table}",
             self.describe(),
+        )
+
+    def settings(self) -> dict[str, Any]:
+        """Non-secret settings (:mod:`sinks.settings`): the DSN without its
+        ``password`` and ``sslpassword``."""
+        info = conninfo_to_dict(self.dsn)
+        for k in settings.DSN_SECRETS:
+            info.pop(k, None)
+        return {
+            "kind": self.kind,
+            "v": settings.FORMAT,
+            "sink_id": self.sink_id,
+            "dsn": make_conninfo(**info),
+            "schema": self.schema,
+            "table": self.table,
+            "key": list(self.key),
+            "create_table": self.create_table,
+            "marker_table": self.marker_table,
+            "commit_timeout": self.commit_timeout,
+            "connect_timeout": self.connect_timeout,
+            "lock_timeout": self._lock_timeout_given,
+        }
+
+    @classmethod
+    def from_settings(cls, s: Mapping[str, Any], secrets: Mapping[str, str]) -> PostgresSink:
+        """The sink of :meth:`settings`; the password from
+        ``TWOPHASE_<SINK>_PASSWORD`` or ``PGPASSWORD`` in ``secrets``, else
+        wherever libpq finds it (``~/.pgpass``, ...)."""
+        dsn = s["dsn"]
+        password = settings.lookup(
+            secrets, (settings.env_name(s["sink_id"], "password"), "PGPASSWORD")
+        )
+        if password is not None:
+            dsn = make_conninfo(dsn, password=password)
+        return cls(
+            dsn,
+            s["table"],
+            schema=s["schema"],
+            key=s["key"],
+            create_table=s["create_table"],
+            sink_id=s["sink_id"],
+            marker_table=s["marker_table"],
+            commit_timeout=s["commit_timeout"],
+            connect_timeout=s["connect_timeout"],
+            lock_timeout=s["lock_timeout"],
         )
 
     def describe(self) -> str:
@@ -353,11 +411,15 @@ class PostgresSink(Sink):
                 if done == 1 and len(prepared) > 1:
                     _faults.hit("driver.mid_commit")
 
-    def _check_committed(self, conn: psycopg.Connection, gids: list[str]) -> None:
+    def _marked(self, conn: psycopg.Connection, gids: list[str]) -> set[str]:
+        """The ``gids`` whose commit marker is visible: committed."""
         rows = conn.execute(
             sql.SQL("SELECT gid FROM {} WHERE gid = ANY(%s)").format(self.marker_ident), (gids,)
         ).fetchall()
-        lost = sorted(set(gids) - {r[0] for r in rows})
+        return {r[0] for r in rows}
+
+    def _check_committed(self, conn: psycopg.Connection, gids: list[str]) -> None:
+        lost = sorted(set(gids) - self._marked(conn, gids))
         if lost:
             raise TransactionLostError(
                 f"{self.describe()}: {len(lost)} prepared transaction(s) are gone without "
@@ -366,6 +428,28 @@ class PostgresSink(Sink):
                 + ". Their rows are not in the table; the job stops rather than lose them "
                 "silently. Re-run the affected batches from source to restore them."
             )
+
+    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
+        """Prepared (in ``pg_prepared_xacts``), committed (its marker is
+        visible) or lost (neither): the checks of :meth:`commit`."""
+        gids = [c["txn"] for c in committables]
+        if not gids:
+            return {}
+
+        def read() -> dict[str, str]:
+            with self.connect(application_name="twophase-classify") as conn:
+                prepared = self._prepared(conn, gids)
+                marked = self._marked(conn, [g for g in gids if g not in prepared])
+            return {
+                g: PREPARED if g in prepared else COMMITTED if g in marked else LOST for g in gids
+            }
+
+        return retry_transient(
+            read,
+            what=f"check of {len(gids)} transaction(s) in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
 
     def abort(self, committables: Sequence[Committable]) -> None:
         gids = [c["txn"] for c in committables]
@@ -383,19 +467,49 @@ class PostgresSink(Sink):
                 with contextlib.suppress(psycopg.errors.UndefinedObject):  # already gone
                     conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
 
+    @staticmethod
+    def _prepared_named(
+        conn: psycopg.Connection, prefixes: Sequence[str]
+    ) -> list[tuple[str, TxnName, str]]:
+        """``(gid, name, when prepared)`` of every transaction prepared in this
+        database whose gid starts with one of ``prefixes`` and is one of ours."""
+        rows = conn.execute(
+            "SELECT gid, prepared FROM pg_prepared_xacts WHERE database = current_database()"
+            " AND EXISTS (SELECT FROM unnest(%s::text[]) p WHERE starts_with(gid, p))"
+            " ORDER BY gid",
+            (list(prefixes),),
+        ).fetchall()
+        found = []
+        for gid, prepared in rows:
+            name = TxnName.parse(gid)
+            if name is not None:
+                found.append((gid, name, f"{prepared:%Y-%m-%d %H:%M:%S %Z}".strip()))
+        return found
+
+    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
+        """Every prepared transaction of (``job``, ``pipeline``, this sink) in
+        the database, of every incarnation: what :meth:`abort_lingering` looks at."""
+
+        def read() -> list[LingeringTxn]:
+            with self.connect(application_name="twophase-lingering") as conn:
+                found = self._prepared_named(conn, scope_prefixes(job, pipeline, self.sink_id))
+            return [
+                LingeringTxn(gid, name, "prepared", f"prepared at {when}")
+                for gid, name, when in found
+            ]
+
+        return retry_transient(
+            read,
+            what=f"listing of prepared transactions in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+
     def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
         def sweep() -> list[str]:
             with self.connect(application_name="twophase-recover") as conn:
-                rows = conn.execute(
-                    "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
-                    " AND EXISTS (SELECT FROM unnest(%s::text[]) p WHERE starts_with(gid, p))",
-                    (list(scope.own_prefixes()),),
-                ).fetchall()
-            orphans = []
-            for (gid,) in rows:
-                name = TxnName.parse(gid)
-                if name is not None and is_orphan(name):
-                    orphans.append(gid)
+                found = self._prepared_named(conn, scope.own_prefixes())
+            orphans = [gid for gid, name, _ in found if is_orphan(name)]
             if orphans:
                 self._rollback(orphans)
             return orphans
