@@ -6,6 +6,12 @@
                                                      from incarnation ID (state lost)
     twophase version
 
+A job whose ledger is in PostgreSQL (``Job(ledger=URI)``) recorded the URI,
+without its password, in ``STATE_DIR/ledger.location``: the commands find it
+there, with the password from libpq's environment (``PGPASSWORD``,
+``~/.pgpass``). ``--ledger URI`` names it instead (``status`` then needs no
+STATE_DIR; ``?job=NAME`` picks the job when the schema holds several).
+
 ``twophase stop`` exits 0 when the job stopped with its final (``--drain``) or
 savepoint checkpoint committed and nothing left undecided, 1 when it did not,
 2 when no job is running on STATE_DIR or it did not stop within the timeout.
@@ -23,7 +29,8 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from lifecycle import control
-from lifecycle.ledger import is_locked, read_ledger
+from lifecycle.ledger import is_locked, new_state_advice, read_ledger, stored_location
+from lifecycle.state.pg_location import PgLocation
 from sinks.errors import ConfigError
 from sinks.naming import check_incarnation
 
@@ -79,21 +86,22 @@ def format_status(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def stop(state_dir: str, *, drain: bool, timeout: float) -> int:
-    """Ask the job on ``state_dir`` to stop, wait for it to exit, report the outcome."""
-    if not is_locked(state_dir):
+def stop(state_dir: str, *, drain: bool, timeout: float, ledger: str | None = None) -> int:
+    """Ask the job on ``state_dir`` to stop, wait for it to exit, report the outcome
+    (``ledger``: the job's PostgreSQL ledger, when STATE_DIR does not record it)."""
+    if not is_locked(state_dir, ledger):
         print(f"twophase: no job is running with state_dir {state_dir}", file=sys.stderr)
         return 2
     req = control.write_request(state_dir, drain=drain, source=f"twophase stop (pid {os.getpid()})")
     what = "drain" if drain else "stop (savepoint)"
     print(f"asked the job to {what}; waiting for it to exit ...", flush=True)
     deadline = time.monotonic() + timeout
-    while is_locked(state_dir):
+    while is_locked(state_dir, ledger):
         if time.monotonic() > deadline:
             print(f"twophase: the job did not exit within {timeout:.0f}s", file=sys.stderr)
             return 2
         time.sleep(0.2)
-    doc = read_ledger(state_dir) or {}
+    doc = read_ledger(state_dir, ledger) or {}
     kind = "final" if drain else "savepoint"
     last = (doc.get("history") or [None])[-1]
     ok = (
@@ -114,18 +122,19 @@ def stop(state_dir: str, *, drain: bool, timeout: float) -> int:
     return 1
 
 
-def start_over(state_dir: str, incarnation: str) -> int:
+def start_over(state_dir: str, incarnation: str, ledger: str | None = None) -> int:
     """Record the operator's choice to start over from ``incarnation``."""
     try:
         check_incarnation(incarnation)
     except ConfigError as e:
         print(f"twophase: {e}", file=sys.stderr)
         return 2
-    doc = read_ledger(state_dir)
+    doc = read_ledger(state_dir, ledger)
     if doc is not None and doc.get("incarnation") == incarnation:
+        advice = new_state_advice(ledger or stored_location(state_dir))
         print(
             f"twophase: {incarnation} is the incarnation of {state_dir} itself; starting "
-            "over from it needs a new state_dir",
+            f"over from it needs {advice}",
             file=sys.stderr,
         )
         return 2
@@ -141,8 +150,13 @@ def start_over(state_dir: str, incarnation: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="twophase", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    ledger_help = (
+        "the job's PostgreSQL ledger (postgresql://user@host/db[?schema=S&job=J]), when "
+        "STATE_DIR does not record it; the password from PGPASSWORD or ~/.pgpass"
+    )
     st = sub.add_parser("status", help="show a job's checkpoints and pending transactions")
-    st.add_argument("state_dir")
+    st.add_argument("state_dir", nargs="?")
+    st.add_argument("--ledger", help=ledger_help)
     st.add_argument("--json", action="store_true", help="print the raw ledger document")
     sp = sub.add_parser("stop", help="stop a running job (a savepoint, or --drain)")
     sp.add_argument("state_dir")
@@ -152,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="end every pipeline's input and commit one final checkpoint",
     )
     sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (600)")
+    sp.add_argument("--ledger", help=ledger_help)
     so = sub.add_parser(
         "start-over",
         help="let the next run on STATE_DIR take the sinks over from a lost incarnation",
@@ -163,21 +178,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         required=True,
         help="the incarnation id the job's refusal named",
     )
+    so.add_argument("--ledger", help=ledger_help)
     sub.add_parser("version", help="print the version")
     args = ap.parse_args(argv)
-    if args.cmd == "stop":
-        return stop(args.state_dir, drain=args.drain, timeout=args.timeout)
-    if args.cmd == "start-over":
-        return start_over(args.state_dir, args.incarnation)
     if args.cmd == "version":
         try:
             print(version("twophase"))
         except PackageNotFoundError:
             print("unknown (not installed)")
         return 0
-    doc = read_ledger(args.state_dir)
+    try:
+        return _command(args)
+    except ConfigError as e:  # a ledger that cannot be found or reached
+        print(f"twophase: {e}", file=sys.stderr)
+        return 2
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.cmd == "stop":
+        return stop(args.state_dir, drain=args.drain, timeout=args.timeout, ledger=args.ledger)
+    if args.cmd == "start-over":
+        return start_over(args.state_dir, args.incarnation, args.ledger)
+    if args.state_dir is None and args.ledger is None:
+        print("twophase: status needs a STATE_DIR or --ledger URI", file=sys.stderr)
+        return 2
+    doc = read_ledger(args.state_dir, args.ledger)
     if doc is None:
-        print(f"twophase: no ledger in {args.state_dir}", file=sys.stderr)
+        where = PgLocation.parse(args.ledger).display() if args.ledger else args.state_dir
+        print(f"twophase: no ledger in {where}", file=sys.stderr)
         return 2
     print(json.dumps(doc, indent=2, sort_keys=True) if args.json else format_status(doc))
     return 0
