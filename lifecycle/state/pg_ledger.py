@@ -92,7 +92,8 @@ class PostgresLedger(StateLedger):
         self._key = lock_key(where.schema, job)
         self._lock_conn: psycopg.Connection | None = None
         self._writer: psycopg.Connection | None = None
-        self._unusable: str | None = None
+        self._unusable: str | None = None  # why no further change may be made
+        self._lost: str | None = None  # why this driver no longer holds the ledger
         self._token = 0  # the fencing token this ledger holds
         try:
             self._lock_conn = connect(self.location, "lock", autocommit=True)
@@ -205,6 +206,8 @@ class PostgresLedger(StateLedger):
         payload = json.dumps(op, separators=(",", ":"))  # TypeError: not JSON
         record: Op = json.loads(payload)  # exactly what a reload gives back
         with self._mutex:
+            if self._lost is not None:
+                raise LedgerLostError(self._lost)
             if self._unusable is not None:
                 raise RuntimeError(f"{self!r} must be reopened: {self._unusable}")
             conn = self._writer_conn()
@@ -216,7 +219,7 @@ class PostgresLedger(StateLedger):
                     self._state.apply(record)
                     write_op(conn, self._st, self.job, record, self._state)
             except LedgerLostError as e:
-                self._unusable = str(e)
+                self._lost = str(e)
                 raise
             except BaseException as e:
                 if applied:
