@@ -93,6 +93,24 @@ def test_a_lost_lock_session_stops_writes(pg_dsn: str, uri: str) -> None:
     again.close()
 
 
+def test_a_lost_write_session_is_replaced(pg_dsn: str, uri: str) -> None:
+    """The session changes are written on (not the lock's) is ended between two
+    changes, as an idle timeout or a proxy would end it: the next change opens a
+    new one (the fence checks it still holds the ledger) and goes through."""
+    led = PostgresLedger(uri, "j")
+    led.record_batch("p", 0, {"s": [_c("a0")]})
+    with psycopg.connect(pg_dsn) as conn:
+        (writer,) = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND "
+            "application_name = 'twophase ledger writes'"
+        ).fetchone() or (None,)
+    assert writer is not None
+    terminate(pg_dsn, writer)
+    led.record_batch("p", 1, {"s": [_c("a1")]})
+    assert _doc(uri)["pending"]["p"].keys() == {"0", "1"}
+    led.close()
+
+
 def _open_at_once(uri: str, n: int) -> list[PostgresLedger | Exception]:
     """``n`` threads open the ledger of job ``j`` at the same instant."""
     barrier = threading.Barrier(n)

@@ -62,6 +62,17 @@ def connect(where: PgLocation, purpose: str, **kwargs: Any) -> psycopg.Connectio
         raise ConfigError(f"cannot connect to the ledger at {where.display()}: {e}") from e
 
 
+def _held_session(where: PgLocation, purpose: str) -> psycopg.Connection:
+    """A session kept for the ledger's life (autocommit), exempt from the server's
+    ``idle_session_timeout`` (PostgreSQL 14+), which would end it while idle."""
+    conn = connect(where, purpose, autocommit=True)
+    conn.execute(
+        "SELECT set_config('idle_session_timeout', '0', false) "
+        "WHERE current_setting('idle_session_timeout', true) IS NOT NULL"
+    )
+    return conn
+
+
 class PostgresLedger(StateLedger):
     """The ledger of ``job`` in the PostgreSQL database of ``location`` (a URI, see
     :mod:`lifecycle.state.pg_location`). Thread-safe within one process.
@@ -96,11 +107,11 @@ class PostgresLedger(StateLedger):
         self._lost: str | None = None  # why this driver no longer holds the ledger
         self._token = 0  # the fencing token this ledger holds
         try:
-            self._lock_conn = connect(self.location, "lock", autocommit=True)
+            self._lock_conn = _held_session(self.location, "lock")
             ensure_schema(self._lock_conn, where.schema)
             doc = self._take(job, history, digest_window, new_state)
             self._state = LedgerState.from_doc(doc)
-            self._writer = connect(self.location, "writes", autocommit=True)
+            self._writer = _held_session(self.location, "writes")
             if (self._state.history_limit, self._state.digest_window) != (history, digest_window):
                 self._change({"op": "limits", "history": history, "digests": digest_window})
         except BaseException:
@@ -176,7 +187,7 @@ class PostgresLedger(StateLedger):
             if self._writer is not None:
                 with contextlib.suppress(Exception):
                     self._writer.close()
-            self._writer = connect(self.location, "writes", autocommit=True)
+            self._writer = _held_session(self.location, "writes")
         return self._writer
 
     def _fence(self, conn: psycopg.Connection) -> None:
@@ -210,22 +221,29 @@ class PostgresLedger(StateLedger):
                 raise LedgerLostError(self._lost)
             if self._unusable is not None:
                 raise RuntimeError(f"{self!r} must be reopened: {self._unusable}")
-            conn = self._writer_conn()
-            applied = False
-            try:
-                with conn.transaction():
-                    self._fence(conn)
-                    applied = True
-                    self._state.apply(record)
-                    write_op(conn, self._st, self.job, record, self._state)
-            except LedgerLostError as e:
-                self._lost = str(e)
-                raise
-            except BaseException as e:
-                if applied:
-                    self._unusable = f"a change failed in the database ({e!r})"
-                    log.error("%r must be reopened: %s", self, self._unusable)
-                raise
+            for attempt in (1, 2):
+                conn = self._writer_conn()
+                applied = False
+                try:
+                    with conn.transaction():
+                        self._fence(conn)
+                        applied = True
+                        self._state.apply(record)
+                        write_op(conn, self._st, self.job, record, self._state)
+                    return
+                except LedgerLostError as e:
+                    self._lost = str(e)
+                    raise
+                except BaseException as e:
+                    if not applied and attempt == 1 and conn.broken:
+                        # the write session was lost (an idle timeout, a restarted proxy)
+                        # before this change wrote anything: once more, on a new session
+                        log.warning("the ledger's write session was lost (%s); reconnecting", e)
+                        continue
+                    if applied:
+                        self._unusable = f"a change failed in the database ({e!r})"
+                        log.error("%r must be reopened: %s", self, self._unusable)
+                    raise
 
 
 def _resolve_job(conn: psycopg.Connection, st: Statements, where: PgLocation) -> str | None:
