@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from inspect import signature
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,9 @@ from lifecycle.ledger import (
     Checkpoint,
     CorruptLedgerError,
     FileLedger,
+    Ledger,
     LedgerLockedError,
+    PostgresLedger,
     is_locked,
     read_ledger,
 )
@@ -43,6 +46,23 @@ NEVER = 1 << 40  # compact_bytes that never compacts
 
 def _c(name: str, rows: int = 1) -> dict[str, object]:
     return {"txn": name, "rows": rows}
+
+
+def test_both_backends_have_the_ledger_interface() -> None:
+    """FileLedger and PostgresLedger offer every member of the Ledger protocol,
+    with the same parameters; the coordinator and the job type against it."""
+    members = [m for m in vars(Ledger) if not m.startswith("_")]
+    assert len(members) == 25
+    for cls in (FileLedger, PostgresLedger):
+        for name in members:
+            ours, theirs = getattr(Ledger, name), getattr(cls, name, None)
+            assert theirs is not None, f"{cls.__name__} has no {name}"
+            if isinstance(ours, property):
+                assert isinstance(theirs, property), f"{cls.__name__}.{name}"
+                continue
+            params = [(p.name, p.kind, p.default) for p in signature(ours).parameters.values()]
+            got = [(p.name, p.kind, p.default) for p in signature(theirs).parameters.values()]
+            assert got == params, f"{cls.__name__}.{name}{signature(theirs)}"
 
 
 def test_round_trip_and_runs(ledger_factory: LedgerBackend) -> None:
