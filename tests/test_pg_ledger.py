@@ -27,6 +27,7 @@ from lifecycle.ledger import (
     open_ledger,
     read_ledger,
 )
+from lifecycle.state.pg_location import PgLocation
 from sinks.errors import ConfigError
 from tests.ledgers import lock_holder, pg_uri, terminate
 
@@ -321,3 +322,34 @@ def test_twophase_finds_the_ledger_without_its_password(
     assert twophase(["stop", str(state), "--timeout", "1"]) == 2  # nothing running
     assert twophase(["status", "--ledger", f"{uri}?schema=nothing"]) == 2
     assert "no ledger in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("uri", "shown", "libpq"),
+    [
+        (
+            "postgresql://u:s3cret@h1:5432,h2/db?sslmode=require&schema=led&job=j",
+            "postgresql://u@h1:5432,h2/db?schema=led&job=j&sslmode=require",
+            {"user": "u", "password": "s3cret", "host": "h1,h2", "dbname": "db"},
+        ),
+        (
+            "postgres:///db?host=/run/postgresql&sslpassword=k3y",
+            "postgres:///db?schema=twophase_ledger&host=%2Frun%2Fpostgresql",
+            {"host": "/run/postgresql", "dbname": "db", "sslpassword": "k3y"},
+        ),
+        (
+            "postgresql://h/d%20b?password=pw&application_name=a%26b",
+            "postgresql://h/d%20b?schema=twophase_ledger&application_name=a%26b",
+            {"host": "h", "dbname": "d b", "password": "pw", "application_name": "a&b"},
+        ),
+    ],
+)
+def test_a_ledger_uri_is_shown_without_its_secrets(
+    uri: str, shown: str, libpq: dict[str, str]
+) -> None:
+    where = PgLocation.parse(uri)
+    assert where.display() == shown
+    assert PgLocation.parse(where.display()).display() == shown  # what is stored reads back
+    got = psycopg.conninfo.conninfo_to_dict(where.conninfo())
+    assert {k: got.get(k) for k in libpq} == libpq
+    assert "schema" not in got and "job" not in got

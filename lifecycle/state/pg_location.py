@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, replace
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from sinks.errors import ConfigError
 
@@ -31,8 +31,13 @@ def is_pg_location(location: str) -> bool:
     return bool(sep) and scheme.lower() in SCHEMES
 
 
-def _query(pairs: list[tuple[str, str]]) -> str:
-    return "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in pairs)
+SECRETS = ("password", "sslpassword")
+"""libpq parameters that are never shown or stored"""
+
+
+def _uri(scheme: str, netloc: str, path: str, pairs: list[tuple[str, str]]) -> str:
+    query = "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in pairs)
+    return f"{scheme}://{netloc}{path}" + (f"?{query}" if query else "")
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class PgLocation:
 
     def conninfo(self) -> str:
         """What libpq connects with (the password included, when the URI has one)."""
-        return urlunsplit((self.scheme, self.netloc, self.path, _query(list(self.params)), ""))
+        return _uri(self.scheme, self.netloc, self.path, list(self.params))
 
     def display(self) -> str:
         """The URI without its password, with ``schema`` (and ``job``): what is shown
@@ -87,8 +92,8 @@ class PgLocation:
         userinfo, at, hosts = self.netloc.rpartition("@")
         netloc = f"{userinfo.split(':', 1)[0]}@{hosts}" if at else hosts
         ours = [("schema", self.schema)] + ([("job", self.job)] if self.job else [])
-        theirs = [(k, v) for k, v in self.params if k != "password"]
-        return urlunsplit((self.scheme, netloc, self.path, _query(ours + theirs), ""))
+        theirs = [(k, v) for k, v in self.params if k not in SECRETS]
+        return _uri(self.scheme, netloc, self.path, ours + theirs)
 
 
 def _key(*parts: str) -> int:
