@@ -11,7 +11,7 @@ from lifecycle.errors import (
     TaskFailedError,
 )
 from lifecycle.job import Job, JobResult
-from lifecycle.ledger import Checkpoint, FileLedger
+from lifecycle.ledger import Checkpoint, FileLedger, PostgresLedger
 from lifecycle.logs import configure_logging
 from lifecycle.pipeline import PipelineState
 
@@ -25,6 +25,7 @@ __all__ = [
     "JobResult",
     "PipelineFailedError",
     "PipelineState",
+    "PostgresLedger",
     "RecoveryRefusedError",
     "TaskFailedError",
     "configure_logging",

@@ -11,6 +11,13 @@
                                                      the decided checkpoint N
     twophase version
 
+A job whose ledger is in PostgreSQL (``Job(ledger=URI)``) recorded the URI,
+without its password, in ``STATE_DIR/ledger.location``: the commands find it
+there, with the password from libpq's environment (``PGPASSWORD``,
+``~/.pgpass``). ``--ledger URI`` names it instead, for every command but
+``version`` (``status`` and ``lingering`` then need no STATE_DIR; ``?job=NAME``
+picks the job when the schema holds several).
+
 ``twophase stop`` exits 0 when the job stopped with its final (``--drain``) or
 savepoint checkpoint committed and nothing left undecided, 1 when it did not,
 2 when no job is running on STATE_DIR or it did not stop within the timeout.
@@ -37,7 +44,8 @@ from typing import Any
 
 from lifecycle import control, operations
 from lifecycle.errors import CheckpointCommitError
-from lifecycle.ledger import is_locked, read_ledger
+from lifecycle.ledger import is_locked, new_state_advice, read_ledger, stored_location
+from lifecycle.state.pg_location import PgLocation
 from sinks.errors import ConfigError, TransactionLostError, TwoPhaseError
 from sinks.naming import check_incarnation
 
@@ -107,10 +115,18 @@ def _fail(message: object, code: int) -> int:
     return code
 
 
-def lingering(state_dir: str) -> int:
-    """List the unfinished work the job's sinks hold, with the ledger's view."""
+def _ledger_arg(ledger: str | None) -> str:
+    """`` --ledger URI`` (without its password) for a command line to suggest."""
+    return f" --ledger '{PgLocation.parse(ledger).display()}'" if ledger else ""
+
+
+def lingering(state_dir: str | None, *, ledger: str | None = None) -> int:
+    """List the unfinished work the job's sinks hold, with the ledger's view
+    (``ledger``: the job's PostgreSQL ledger, when STATE_DIR does not record it)."""
+    if state_dir is None and ledger is None:
+        return _fail("lingering needs a STATE_DIR or --ledger URI", 2)
     try:
-        doc, found = operations.lingering(state_dir)
+        doc, found = operations.lingering(state_dir, ledger=ledger)
     except (TwoPhaseError, NotImplementedError) as e:
         return _fail(e, 2)
     except Exception as e:  # a sink that cannot be reached
@@ -132,8 +148,9 @@ def lingering(state_dir: str) -> int:
     return 1
 
 
-def recover(state_dir: str) -> int:
-    """Apply the recovery rules to a stopped job, without Spark."""
+def recover(state_dir: str, *, ledger: str | None = None) -> int:
+    """Apply the recovery rules to a stopped job, without Spark (``ledger``: the
+    job's PostgreSQL ledger, when STATE_DIR does not record it)."""
     moves: list[tuple[str, str, list[str]]] = []
 
     def observe(what: str, label: str, txns: list[str]) -> None:
@@ -142,7 +159,7 @@ def recover(state_dir: str) -> int:
         print(f"{what:<9} {label}: {len(txns)} transaction(s): {shown}", flush=True)
 
     try:
-        op = operations.Operator(state_dir, observer=observe)
+        op = operations.Operator(state_dir, observer=observe, ledger=ledger)
     except TwoPhaseError as e:
         return _fail(e, 2)
     with op:
@@ -165,7 +182,7 @@ def recover(state_dir: str) -> int:
                 print(
                     f"twophase: a transaction of checkpoint {decided.id} is lost; to give it "
                     f"up and commit the rest: twophase abandon {state_dir} --checkpoint "
-                    f"{decided.id}",
+                    f"{decided.id}{_ledger_arg(ledger)}",
                     file=sys.stderr,
                 )
             return 1
@@ -194,10 +211,13 @@ def _confirm(question: str) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
-def abandon(state_dir: str, checkpoint: int, *, yes: bool, note: str) -> int:
-    """Give up the lost transactions of the decided checkpoint, after confirmation."""
+def abandon(
+    state_dir: str, checkpoint: int, *, yes: bool, note: str, ledger: str | None = None
+) -> int:
+    """Give up the lost transactions of the decided checkpoint, after confirmation
+    (``ledger``: the job's PostgreSQL ledger, when STATE_DIR does not record it)."""
     try:
-        op = operations.Operator(state_dir)
+        op = operations.Operator(state_dir, ledger=ledger)
     except TwoPhaseError as e:
         return _fail(e, 2)
     with op:
@@ -211,7 +231,7 @@ def abandon(state_dir: str, checkpoint: int, *, yes: bool, note: str) -> int:
         if not found.lost:
             return _fail(
                 f"nothing in checkpoint {cp.id} is lost: there is nothing to abandon "
-                f"(`twophase recover {state_dir}` commits it)",
+                f"(`twophase recover {state_dir}{_ledger_arg(ledger)}` commits it)",
                 1,
             )
         print(
@@ -239,26 +259,28 @@ def abandon(state_dir: str, checkpoint: int, *, yes: bool, note: str) -> int:
         op.abandon(found, note)
     print(
         f"abandoned: recorded in the ledger's history (`twophase status`). Run `twophase "
-        f"recover {state_dir}` or the job to commit the rest of checkpoint {cp.id}"
+        f"recover {state_dir}{_ledger_arg(ledger)}` or the job to commit the rest of "
+        f"checkpoint {cp.id}"
     )
     return 0
 
 
-def stop(state_dir: str, *, drain: bool, timeout: float) -> int:
-    """Ask the job on ``state_dir`` to stop, wait for it to exit, report the outcome."""
-    if not is_locked(state_dir):
+def stop(state_dir: str, *, drain: bool, timeout: float, ledger: str | None = None) -> int:
+    """Ask the job on ``state_dir`` to stop, wait for it to exit, report the outcome
+    (``ledger``: the job's PostgreSQL ledger, when STATE_DIR does not record it)."""
+    if not is_locked(state_dir, ledger):
         print(f"twophase: no job is running with state_dir {state_dir}", file=sys.stderr)
         return 2
     req = control.write_request(state_dir, drain=drain, source=f"twophase stop (pid {os.getpid()})")
     what = "drain" if drain else "stop (savepoint)"
     print(f"asked the job to {what}; waiting for it to exit ...", flush=True)
     deadline = time.monotonic() + timeout
-    while is_locked(state_dir):
+    while is_locked(state_dir, ledger):
         if time.monotonic() > deadline:
             print(f"twophase: the job did not exit within {timeout:.0f}s", file=sys.stderr)
             return 2
         time.sleep(0.2)
-    doc = read_ledger(state_dir) or {}
+    doc = read_ledger(state_dir, ledger) or {}
     kind = "final" if drain else "savepoint"
     last = (doc.get("history") or [None])[-1]
     ok = (
@@ -279,18 +301,19 @@ def stop(state_dir: str, *, drain: bool, timeout: float) -> int:
     return 1
 
 
-def start_over(state_dir: str, incarnation: str) -> int:
+def start_over(state_dir: str, incarnation: str, ledger: str | None = None) -> int:
     """Record the operator's choice to start over from ``incarnation``."""
     try:
         check_incarnation(incarnation)
     except ConfigError as e:
         print(f"twophase: {e}", file=sys.stderr)
         return 2
-    doc = read_ledger(state_dir)
+    doc = read_ledger(state_dir, ledger)
     if doc is not None and doc.get("incarnation") == incarnation:
+        advice = new_state_advice(ledger or stored_location(state_dir))
         print(
             f"twophase: {incarnation} is the incarnation of {state_dir} itself; starting "
-            "over from it needs a new state_dir",
+            f"over from it needs {advice}",
             file=sys.stderr,
         )
         return 2
@@ -306,8 +329,13 @@ def start_over(state_dir: str, incarnation: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="twophase", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    ledger_help = (
+        "the job's PostgreSQL ledger (postgresql://user@host/db[?schema=S&job=J]), when "
+        "STATE_DIR does not record it; the password from PGPASSWORD or ~/.pgpass"
+    )
     st = sub.add_parser("status", help="show a job's checkpoints and pending transactions")
-    st.add_argument("state_dir")
+    st.add_argument("state_dir", nargs="?")
+    st.add_argument("--ledger", help=ledger_help)
     st.add_argument("--json", action="store_true", help="print the raw ledger document")
     sp = sub.add_parser("stop", help="stop a running job (a savepoint, or --drain)")
     sp.add_argument("state_dir")
@@ -317,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="end every pipeline's input and commit one final checkpoint",
     )
     sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (600)")
+    sp.add_argument("--ledger", help=ledger_help)
     so = sub.add_parser(
         "start-over",
         help="let the next run on STATE_DIR take the sinks over from a lost incarnation",
@@ -328,16 +357,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         required=True,
         help="the incarnation id the job's refusal named",
     )
+    so.add_argument("--ledger", help=ledger_help)
     li = sub.add_parser(
         "lingering",
         help="list the prepared transactions, open Kafka transactions and staged Delta "
         "files the job's sinks hold, with the ledger's view of each",
     )
-    li.add_argument("state_dir")
+    li.add_argument("state_dir", nargs="?")
+    li.add_argument("--ledger", help=ledger_help)
     rc = sub.add_parser(
         "recover", help="apply the recovery rules to a stopped job without running it"
     )
     rc.add_argument("state_dir")
+    rc.add_argument("--ledger", help=ledger_help)
     ab = sub.add_parser(
         "abandon",
         help="give up the lost transactions of the decided checkpoint so the rest commits",
@@ -346,27 +378,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     ab.add_argument("--checkpoint", type=int, required=True, help="the decided checkpoint's id")
     ab.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     ab.add_argument("--note", default="", help="why, kept in the ledger with the record")
+    ab.add_argument("--ledger", help=ledger_help)
     sub.add_parser("version", help="print the version")
     args = ap.parse_args(argv)
-    if args.cmd == "lingering":
-        return lingering(args.state_dir)
-    if args.cmd == "recover":
-        return recover(args.state_dir)
-    if args.cmd == "abandon":
-        return abandon(args.state_dir, args.checkpoint, yes=args.yes, note=args.note)
-    if args.cmd == "stop":
-        return stop(args.state_dir, drain=args.drain, timeout=args.timeout)
-    if args.cmd == "start-over":
-        return start_over(args.state_dir, args.incarnation)
     if args.cmd == "version":
         try:
             print(version("twophase"))
         except PackageNotFoundError:
             print("unknown (not installed)")
         return 0
-    doc = read_ledger(args.state_dir)
+    try:
+        return _command(args)
+    except ConfigError as e:  # a ledger that cannot be found or reached
+        print(f"twophase: {e}", file=sys.stderr)
+        return 2
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.cmd == "lingering":
+        return lingering(args.state_dir, ledger=args.ledger)
+    if args.cmd == "recover":
+        return recover(args.state_dir, ledger=args.ledger)
+    if args.cmd == "abandon":
+        return abandon(
+            args.state_dir, args.checkpoint, yes=args.yes, note=args.note, ledger=args.ledger
+        )
+    if args.cmd == "stop":
+        return stop(args.state_dir, drain=args.drain, timeout=args.timeout, ledger=args.ledger)
+    if args.cmd == "start-over":
+        return start_over(args.state_dir, args.incarnation, args.ledger)
+    if args.state_dir is None and args.ledger is None:
+        print("twophase: status needs a STATE_DIR or --ledger URI", file=sys.stderr)
+        return 2
+    doc = read_ledger(args.state_dir, args.ledger)
     if doc is None:
-        print(f"twophase: no ledger in {args.state_dir}", file=sys.stderr)
+        where = PgLocation.parse(args.ledger).display() if args.ledger else args.state_dir
+        print(f"twophase: no ledger in {where}", file=sys.stderr)
         return 2
     print(json.dumps(doc, indent=2, sort_keys=True) if args.json else format_status(doc))
     return 0

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from lifecycle.errors import CheckpointCommitError, RecoveryRefusedError
 from lifecycle.failures import cause_of, full_trace
-from lifecycle.ledger import Checkpoint, FileLedger
+from lifecycle.ledger import Checkpoint, Ledger
 from lifecycle.spark_log import SparkCommitLog
 from sinks import _faults
 from sinks.base import Committable, JobScope, Sink
@@ -81,18 +81,22 @@ makes on a sink: ``committed``, ``aborted`` (pending work dropped),
 
 
 class Coordinator:
-    """Lives in the driver; one per job run."""
+    """Lives in the driver; one per job run. ``observer``: told of every move on a
+    sink (see :data:`Observer`). ``new_state``: how the job gets a new state, for
+    refusals that suggest one (see :func:`lifecycle.ledger.new_state_advice`)."""
 
     def __init__(
         self,
         job: str,
-        ledger: FileLedger,
+        ledger: Ledger,
         pipelines: Iterable[PipelineSinks],
         *,
         observer: Observer | None = None,
+        new_state: str = "a new state_dir",
     ) -> None:
         self.job = job
         self.ledger = ledger
+        self.new_state = new_state
         self.pipelines = {p.name: p for p in pipelines}
         self.run = ledger.run
         self.incarnation = ledger.incarnation
@@ -159,7 +163,7 @@ class Coordinator:
                         f"ledger records commits only up to batch {cut}: the state_dir (or "
                         "ledger) was restored from an older copy, and Spark would replay "
                         "batches the target holds. Restore the newest state, or start over "
-                        "with a new state_dir and Job(start_over_from="
+                        f"with {self.new_state} and Job(start_over_from="
                         f"{self.incarnation!r})."
                     )
 
@@ -197,7 +201,7 @@ class Coordinator:
             f"job committed batches up to {cut} already: its Spark checkpoint was restored "
             "from an older copy or replaced. Writing it would duplicate or mix output. "
             "Restore the pipeline's newest Spark checkpoint (under the state_dir), or start "
-            "over with a new state_dir."
+            f"over with {self.new_state}."
         )
 
     def register(

@@ -26,7 +26,7 @@ from lifecycle.binding import batch_handler
 from lifecycle.coordinator import Coordinator, PipelineSinks, sink_label
 from lifecycle.errors import JobFailedError, PipelineFailedError, RecoveryRefusedError
 from lifecycle.failures import TaskFailure, cause_of, full_trace
-from lifecycle.ledger import FileLedger
+from lifecycle.ledger import Ledger, check_location, new_state_advice, open_ledger
 from lifecycle.pipeline import Pipeline, PipelineState, Transform
 from lifecycle.spark_log import SparkCommitLog
 from sinks.base import Sink
@@ -89,9 +89,9 @@ class Job:
     Args:
         spark: the SparkSession every pipeline runs in.
         name: the job's id (``[A-Za-z0-9_-]``, part of every transaction name).
-        state_dir: local directory holding the ledger and every pipeline's Spark
-            checkpoint location. Running again with the same ``state_dir``
-            recovers, then resumes.
+        state_dir: local directory holding the ledger (unless ``ledger`` puts it
+            elsewhere) and every pipeline's Spark checkpoint location. Running
+            again with the same ``state_dir`` recovers, then resumes.
         checkpoint_interval: seconds between checkpoints. 0 commits every
             micro-batch as soon as Spark has completed it; a positive interval
             groups all completed batches of all pipelines into one checkpoint
@@ -111,6 +111,17 @@ class Job:
             Without it, a job whose sinks hold output of another incarnation
             refuses before any data moves. ``twophase start-over STATE_DIR
             --from ID`` makes the same choice for the next run.
+        ledger: where the ledger lives. None (default): the local directory
+            ``state_dir/ledger``. A PostgreSQL URI
+            (``postgresql://user@host/dbname``, optionally ``?schema=NAME``,
+            default ``twophase_ledger``): the ledger is kept there, as rows, for
+            a driver that can restart on another machine; the password comes
+            from the URI or libpq's environment (``PGPASSWORD``, ``~/.pgpass``).
+            An advisory lock keeps it to one driver, and a fencing token makes
+            a driver that lost the lock fail instead of writing. The URI
+            without its password is recorded in ``state_dir/ledger.location``
+            for ``twophase``. A state_dir keeps the kind of ledger it started
+            with; one job name has one ledger per schema.
     """
 
     def __init__(
@@ -123,6 +134,7 @@ class Job:
         final_checkpoint: str = "shared",
         stop_grace: float = 10.0,
         start_over_from: str | None = None,
+        ledger: str | None = None,
     ) -> None:
         if checkpoint_interval < 0:
             raise ConfigError("checkpoint_interval must be >= 0 seconds")
@@ -133,6 +145,7 @@ class Job:
         self.spark = spark
         self.name = check_id("job name", name)
         self.state_dir = Path(state_dir)
+        self.ledger_location = check_location(ledger)
         self.checkpoint_interval = float(checkpoint_interval)
         self.final_checkpoint = final_checkpoint
         self.stop_grace = float(stop_grace)
@@ -262,7 +275,7 @@ class Job:
                 "spark.speculation=false for this job"
             )
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        ledger = FileLedger(self.state_dir / "ledger", self.name)
+        ledger = open_ledger(self.ledger_location, self.state_dir, self.name)
         self._running = True
         self._outcome = ""  # a stop() that came before run() is honoured
         signals = control.SignalHandlers(self.stop) if handle_signals else contextlib.nullcontext()
@@ -297,7 +310,7 @@ class Job:
         else:
             log.error("%s", first)
 
-    def _warn_undecided(self, ledger: FileLedger) -> None:
+    def _warn_undecided(self, ledger: Ledger) -> None:
         pending = ledger.pending_pipelines()
         decided = ledger.decided()
         if pending or decided:
@@ -311,7 +324,7 @@ class Job:
                 self.state_dir,
             )
 
-    def _run(self, ledger: FileLedger) -> JobResult:
+    def _run(self, ledger: Ledger) -> JobResult:
         ledger.begin_run()
         coord = Coordinator(
             self.name,
@@ -322,6 +335,7 @@ class Job:
                 )
                 for p in self._pipelines.values()
             ],
+            new_state=new_state_advice(self.ledger_location),
         )
         self._check_spark_state(ledger)
         for p in self._pipelines.values():
@@ -369,7 +383,7 @@ class Job:
             self.spark.streams.removeListener(listener)
         return self._result(coord, ledger, end_of_input)
 
-    def _start_over_choice(self, ledger: FileLedger) -> str | None:
+    def _start_over_choice(self, ledger: Ledger) -> str | None:
         """The incarnation to start over from: the argument, or a ``twophase
         start-over`` request for this state_dir."""
         requested = control.start_over_request(self.state_dir)
@@ -382,7 +396,7 @@ class Job:
         if choice == ledger.incarnation:
             raise ConfigError(
                 f"start_over_from={choice!r} is this state's own incarnation: starting over "
-                "from it needs a new state_dir"
+                f"from it needs {new_state_advice(self.ledger_location)}"
             )
         return choice
 
@@ -409,7 +423,7 @@ class Job:
         live = (PipelineState.RUNNING, PipelineState.ENDING_INPUT)
         return [p for p in self._pipelines.values() if p.state in live]
 
-    def _check_spark_state(self, ledger: FileLedger) -> None:
+    def _check_spark_state(self, ledger: Ledger) -> None:
         """Refuse to start a pipeline whose Spark checkpoint vanished after it
         committed output: Spark would read its input again from the start."""
         totals = ledger.totals()
@@ -419,8 +433,9 @@ class Job:
                 raise RecoveryRefusedError(
                     f"pipeline {p.name!r} committed output in earlier runs, but its Spark "
                     f"checkpoint {p.spark_location} is missing: starting over would write its "
-                    "input twice. Restore the directory, or use a new state_dir (and an empty "
-                    "target) to start afresh."
+                    "input twice. Restore the directory, or use "
+                    f"{new_state_advice(self.ledger_location)} (and an empty target) to "
+                    "start afresh."
                 )
 
     def _loop(self, coord: Coordinator) -> float | None:
@@ -530,7 +545,7 @@ class Job:
         for p in self._pipelines.values():
             p.stop_query(max(0.0, deadline - time.monotonic()))
 
-    def _result(self, coord: Coordinator, ledger: FileLedger, end: float | None) -> JobResult:
+    def _result(self, coord: Coordinator, ledger: Ledger, end: float | None) -> JobResult:
         rows: dict[str, int] = {
             sink_label(p.name, s.sink_id): 0 for p in self._pipelines.values() for s in p.sinks
         }

@@ -4,6 +4,10 @@ The sinks are rebuilt from the settings the ledger records (``record_sinks``,
 written by ``Job.run`` after preflight), their secrets from the environment
 (:mod:`sinks.settings`). :mod:`lifecycle.cli` only parses and prints.
 
+The ledger is the state_dir's (``STATE_DIR/ledger``, or the PostgreSQL ledger
+recorded in ``STATE_DIR/ledger.location``), or the PostgreSQL ledger a
+``ledger`` URI names (see :func:`lifecycle.ledger.open_ledger`).
+
 * :func:`lingering` (read-only, the job may be running): every prepared
   transaction, announced Kafka transaction and staged Delta file of the job that
   the sinks hold, of every incarnation, each with the ledger's view of it.
@@ -26,8 +30,9 @@ from types import TracebackType
 from typing import Any
 
 from lifecycle.coordinator import Coordinator, Observer, PipelineSinks, sink_label
-from lifecycle.ledger import Checkpoint, FileLedger, read_ledger
+from lifecycle.ledger import Checkpoint, Ledger, open_ledger, read_ledger, stored_location
 from lifecycle.spark_log import SparkCommitLog
+from lifecycle.state.pg_location import PgLocation
 from sinks.base import LOST, Committable, LingeringTxn, Sink
 from sinks.errors import ConfigError, TwoPhaseError
 from sinks.settings import from_settings
@@ -42,11 +47,24 @@ class AbandonRefusedError(TwoPhaseError):
     one, or nothing in it is lost."""
 
 
-def read_state(state_dir: str | Path) -> dict[str, Any]:
-    """The ledger document of ``state_dir`` (see :func:`read_ledger`)."""
-    doc = read_ledger(state_dir)
+def ledger_place(state_dir: str | Path | None, ledger: str | None = None) -> str:
+    """Where the ledger of ``state_dir`` (or at ``ledger``) is, for messages
+    (a PostgreSQL URI without its password)."""
+    if ledger is not None:
+        return PgLocation.parse(ledger).display()
+    assert state_dir is not None
+    stored = stored_location(state_dir)
+    return str(state_dir) if stored is None else f"{stored} (the ledger of {state_dir})"
+
+
+def read_state(state_dir: str | Path | None, ledger: str | None = None) -> dict[str, Any]:
+    """The ledger document of ``state_dir`` or of the PostgreSQL ledger at
+    ``ledger`` (see :func:`read_ledger`)."""
+    if state_dir is None and ledger is None:
+        raise NoLedgerError("needs a STATE_DIR or a ledger URI")
+    doc = read_ledger(state_dir, ledger)
     if doc is None:
-        raise NoLedgerError(f"no ledger in {state_dir}")
+        raise NoLedgerError(f"no ledger in {ledger_place(state_dir, ledger)}")
     return doc
 
 
@@ -72,11 +90,11 @@ def _needed_labels(doc: Mapping[str, Any]) -> set[str]:
     }
 
 
-def _check_recorded(doc: Mapping[str, Any], state_dir: str | Path) -> None:
+def _check_recorded(doc: Mapping[str, Any], where: str) -> None:
     missing = sorted(_needed_labels(doc) - set(doc.get("sinks") or {}))
     if missing or not doc.get("sinks"):
         raise NoLedgerError(
-            f"the ledger in {state_dir} records no settings for sink(s) "
+            f"the ledger in {where} records no settings for sink(s) "
             f"{missing or '(any)'} (it was last run by a version that did not record them): "
             "run the job itself, which records them after preflight and recovers"
         )
@@ -159,12 +177,16 @@ def ledger_view(
 
 
 def lingering(
-    state_dir: str | Path, secrets: Mapping[str, str] | None = None
+    state_dir: str | Path | None,
+    secrets: Mapping[str, str] | None = None,
+    *,
+    ledger: str | None = None,
 ) -> tuple[dict[str, Any], list[Lingering]]:
     """The ledger document and everything the job's sinks hold unfinished (see
-    the module docstring). Reads only: the job may be running."""
-    doc = read_state(state_dir)
-    _check_recorded(doc, state_dir)
+    the module docstring). Reads only: the job may be running. ``ledger``: the
+    job's PostgreSQL ledger, when ``state_dir`` (then optional) does not record it."""
+    doc = read_state(state_dir, ledger)
+    _check_recorded(doc, ledger_place(state_dir, ledger))
     sinks = rebuild_sinks(doc["sinks"], secrets)
     owned = owners(doc)
     found: list[Lingering] = []
@@ -213,7 +235,8 @@ class Assessment:
 
 class Operator:
     """An operator's hold on a stopped job: the ledger (locked: refused while a
-    job runs) and the sinks rebuilt from it. Use as a context manager."""
+    job runs) and the sinks rebuilt from it. Use as a context manager.
+    ``ledger``: the job's PostgreSQL ledger, when ``state_dir`` does not record it."""
 
     def __init__(
         self,
@@ -221,11 +244,13 @@ class Operator:
         secrets: Mapping[str, str] | None = None,
         *,
         observer: Observer | None = None,
+        ledger: str | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
-        doc = read_state(state_dir)
-        _check_recorded(doc, state_dir)
-        self.ledger = FileLedger(self.state_dir / "ledger", doc["job"])  # the lock
+        doc = read_state(state_dir, ledger)
+        _check_recorded(doc, ledger_place(state_dir, ledger))
+        location = ledger if ledger is not None else stored_location(self.state_dir)
+        self.ledger: Ledger = open_ledger(location, self.state_dir, doc["job"])  # the lock
         try:
             self.sinks = rebuild_sinks(self.ledger.sinks_settings(), secrets)
         except BaseException:

@@ -2,7 +2,7 @@
 
 Every sink has ``settings()``: a small JSON-able dict with its ``kind``, its
 ``sink_id`` and the constructor arguments needed to build it again, with every
-secret taken out. The ledger records it (``FileLedger.record_sinks``), so the
+secret taken out. The ledger records it (``Ledger.record_sinks``), so the
 ``twophase`` commands can reach the sinks of a job without the job's code.
 :func:`from_settings` builds the sink again; the secrets come from the
 environment (or the mapping given), never from the ledger.

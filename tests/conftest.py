@@ -21,6 +21,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from tests.ledgers import LedgerBackend, pg_uri
 from tests.pgserver import PostgresServer
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -63,6 +64,21 @@ def pg_dsn(pg_admin_dsn: str) -> Iterator[str]:
             with psycopg.connect(psycopg.conninfo.make_conninfo(**info), autocommit=True) as c:
                 c.execute(f"ROLLBACK PREPARED '{gid}'")
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["file", "postgres"])
+def ledger_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LedgerBackend]:
+    """Each ledger backend in turn: the file ledger in ``tmp_path/state``, then the
+    PostgreSQL ledger in a fresh database (``pg_dsn``), found through the same
+    state_dir. Both run by default; ``-k file`` or ``-k postgres`` picks one."""
+    location = None
+    if request.param == "postgres":
+        location = pg_uri(request.getfixturevalue("pg_dsn"))
+    backend = LedgerBackend(request.param, tmp_path / "state", location)
+    try:
+        yield backend
+    finally:
+        backend.close_all()
 
 
 @pytest.fixture(scope="session")

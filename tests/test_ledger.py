@@ -1,4 +1,11 @@
-"""The ledger: persistence, crash atomicity, locking, compaction."""
+"""The ledger: persistence, crash atomicity, locking, compaction.
+
+Tests of what a ledger answers and how it changes take ``ledger_factory`` and
+run against both backends (``[file]`` and ``[postgres]``, both in the default
+run); tests of the file ledger's own format (journal, snapshots, compaction,
+format 1) use :class:`FileLedger` directly. The PostgreSQL ledger's own
+(locking, fencing, rows) are in ``test_pg_ledger.py``.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from inspect import signature
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +29,16 @@ from lifecycle.ledger import (
     Checkpoint,
     CorruptLedgerError,
     FileLedger,
+    Ledger,
     LedgerLockedError,
+    PostgresLedger,
     is_locked,
     read_ledger,
 )
 from lifecycle.state.file_ledger import read_directory
 from lifecycle.state.frames import scan
 from sinks.errors import ConfigError
+from tests.ledgers import LedgerBackend
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NEVER = 1 << 40  # compact_bytes that never compacts
@@ -37,20 +48,37 @@ def _c(name: str, rows: int = 1) -> dict[str, object]:
     return {"txn": name, "rows": rows}
 
 
-def test_round_trip_and_runs(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j")
+def test_both_backends_have_the_ledger_interface() -> None:
+    """FileLedger and PostgresLedger offer every member of the Ledger protocol,
+    with the same parameters; the coordinator and the job type against it."""
+    members = [m for m in vars(Ledger) if not m.startswith("_")]
+    assert len(members) == 28
+    for cls in (FileLedger, PostgresLedger):
+        for name in members:
+            ours, theirs = getattr(Ledger, name), getattr(cls, name, None)
+            assert theirs is not None, f"{cls.__name__} has no {name}"
+            if isinstance(ours, property):
+                assert isinstance(theirs, property), f"{cls.__name__}.{name}"
+                continue
+            params = [(p.name, p.kind, p.default) for p in signature(ours).parameters.values()]
+            got = [(p.name, p.kind, p.default) for p in signature(theirs).parameters.values()]
+            assert got == params, f"{cls.__name__}.{name}{signature(theirs)}"
+
+
+def test_round_trip_and_runs(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open()
     assert led.begin_run() == 1
     led.record_batch("p", 0, {"s": [_c("a"), _c("b")]})
     led.record_batch("p", 1, {"s": []})
     led.close()
-    led = FileLedger(tmp_path, "j")
+    led = ledger_factory.open()
     assert led.begin_run() == 2
     assert led.pending() == {"p": {0: {"s": [_c("a"), _c("b")]}, 1: {"s": []}}}
     assert led.owned_txns() == {"a", "b"}
 
 
-def test_decide_complete_moves_batches_to_history(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j")
+def test_decide_complete_moves_batches_to_history(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open()
     for b in range(3):
         led.record_batch("p", b, {"s": [_c(f"t{b}", 10)]})
     led.record_batch("q", 0, {"s": [_c("q0", 5)]})
@@ -66,14 +94,18 @@ def test_decide_complete_moves_batches_to_history(tmp_path: Path) -> None:
     led.complete(cp2, {"p/s": 10, "q/s": 5})
     assert led.pending() == {} and led.finished() == {"p", "q"}
     assert [c.kind for c in led.history()] == ["periodic", "final"]
+    led.close()
+    again = ledger_factory.open()
+    assert again.history() == led.history() and again.finished() == {"p", "q"}
+    assert again.totals() == {"p/s": 30, "q/s": 5} and again.pending() == {}
 
 
-def test_a_decision_survives_reopening(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j")
+def test_a_decision_survives_reopening(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open()
     led.record_batch("p", 0, {"s": [_c("a")]})
     cp = led.decide("periodic", {"p": 0}, [])
     led.close()
-    assert FileLedger(tmp_path, "j").decided() == cp
+    assert ledger_factory.open().decided() == cp
 
 
 def test_history_is_trimmed_and_the_files_stay_small(tmp_path: Path) -> None:
@@ -88,12 +120,14 @@ def test_history_is_trimmed_and_the_files_stay_small(tmp_path: Path) -> None:
     assert sum(f.stat().st_size for f in tmp_path.iterdir()) < 40_000
 
 
-def test_second_opener_is_refused(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j")
+def test_second_opener_is_refused(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open()
+    assert ledger_factory.locked()
     with pytest.raises(LedgerLockedError, match="in use by another process"):
-        FileLedger(tmp_path, "j")
+        ledger_factory.open()
     led.close()
-    FileLedger(tmp_path, "j").close()
+    assert not ledger_factory.locked()
+    ledger_factory.open().close()
 
 
 def test_another_jobs_ledger_is_refused(tmp_path: Path) -> None:
@@ -142,8 +176,10 @@ def test_failed_write_leaves_memory_and_disk_unchanged(tmp_path: Path) -> None:
 
 _WRITER = """
 import sys
-from lifecycle.ledger import FileLedger
-led = FileLedger(sys.argv[1], "j", compact_bytes=8192)  # compactions happen under the kill
+from lifecycle.ledger import open_ledger
+location = sys.argv[2] or None
+opts = {} if location else {"compact_bytes": 8192}  # compactions happen under the kill
+led = open_ledger(location, sys.argv[1], "j", **opts)
 b = 0
 while True:
     led.record_batch("p", b, {"s": [{"txn": "t%d" % b, "rows": 1}] * 50})
@@ -156,11 +192,12 @@ while True:
 
 @pytest.mark.parametrize("delay", [0.15, 0.4, 0.9])
 def test_sigkill_at_any_instant_keeps_every_acknowledged_record(
-    tmp_path: Path, delay: float
+    ledger_factory: LedgerBackend, delay: float
 ) -> None:
     """A real process writes the ledger in a loop and is SIGKILLed mid-stream."""
+    where = ledger_factory.location or ""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(tmp_path)],
+        [sys.executable, "-c", _WRITER, str(ledger_factory.state_dir), where],
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).resolve().parents[1],
@@ -172,7 +209,11 @@ def test_sigkill_at_any_instant_keeps_every_acknowledged_record(
     out, _ = proc.communicate()
     acked = [int(x) for x in (first + out).split()]
     assert acked, "the writer acknowledged nothing before it was killed"
-    led = FileLedger(tmp_path, "j")  # loads: never a torn record
+    deadline = time.monotonic() + 30
+    while ledger_factory.locked():  # the server ends the killed writer's sessions
+        assert time.monotonic() < deadline, "the killed writer's lock was never released"
+        time.sleep(0.05)
+    led = ledger_factory.open()  # loads: never a torn record, never a part of a change
     last = acked[-1]
     pending = led.pending().get("p", {})
     committed_upto = max((cp.cut["p"] for cp in led.history()), default=-1)
@@ -419,8 +460,23 @@ def test_incarnation_is_drawn_once_and_kept(tmp_path: Path) -> None:
     assert FileLedger(tmp_path / "b", "j").incarnation != incarnation
 
 
-def test_batches_answered_one_at_a_time(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j")
+def test_incarnation_is_kept_and_another_ledger_draws_its_own(
+    ledger_factory: LedgerBackend,
+) -> None:
+    led = ledger_factory.open()
+    incarnation = led.incarnation
+    assert re.fullmatch(r"[0-9a-f]{12}", incarnation)
+    led.begin_run()
+    led.close()
+    assert ledger_factory.open().incarnation == incarnation
+    assert ledger_factory.read()["incarnation"] == incarnation
+    other = ledger_factory.other("other")
+    assert other.open().incarnation != incarnation
+    assert ledger_factory.read()["incarnation"] == incarnation
+
+
+def test_batches_answered_one_at_a_time(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open()
     assert led.pending_pipelines() == [] and led.pending_batch_ids("p") == []
     assert led.pending_batch("p", 0) is None
     for b in (5, 1, 3):
@@ -440,13 +496,15 @@ def test_batches_answered_one_at_a_time(tmp_path: Path) -> None:
     led.complete(led.decide("periodic", {"p": 1, "a": 0}, []), {})
     assert led.pending_pipelines() == ["p"] and led.pending_batch_ids("p") == [5]
     led.close()
-    led = FileLedger(tmp_path, "j")
+    led = ledger_factory.open()
     assert led.pending_batch_ids("p") == [5]
     assert led.pending_batch("p", 5) == {"s": [_c("p5")], "t": [_c("p5t")]}
 
 
-def test_ownership_follows_registration_replacement_drop_and_commit(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j")
+def test_ownership_follows_registration_replacement_drop_and_commit(
+    ledger_factory: LedgerBackend,
+) -> None:
+    led = ledger_factory.open()
     led.record_batch("p", 0, {"s": [_c("a"), _c("b")], "t": [_c("c")]})
     led.record_batch("p", 1, {"s": [_c("d"), _c("d")]})
     assert all(led.is_owned(t) for t in "abcd") and not led.is_owned("e")
@@ -459,12 +517,12 @@ def test_ownership_follows_registration_replacement_drop_and_commit(tmp_path: Pa
     assert not led.is_owned("d") and not led.is_owned("e")
     led.record_batch("p", 3, {"s": [_c("f")]})
     led.close()
-    led = FileLedger(tmp_path, "j")
+    led = ledger_factory.open()
     assert led.owned_txns() == {"f"} and led.is_owned("f") and not led.is_owned("d")
 
 
-def test_digests_commit_with_their_batch_within_a_window(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j", digest_window=3)
+def test_digests_commit_with_their_batch_within_a_window(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open(digest_window=3)
     for b in range(6):
         led.record_batch("p", b, {"s": [_c(f"t{b}")]}, digest=f"offsets-{b}")
     led.record_batch("p", 6, {"s": [_c("t6")]})  # no digest
@@ -486,11 +544,14 @@ def test_digests_commit_with_their_batch_within_a_window(tmp_path: Path) -> None
     assert led.committed_digest("q", 0) == "q-0"
     assert (led.committed_cut("p"), led.committed_cut("q"), led.committed_cut("x")) == (6, 0, -1)
     led.close()
-    led = FileLedger(tmp_path, "j", digest_window=2)  # a smaller window applies at once
+    led = ledger_factory.open(digest_window=2)  # a smaller window applies at once
     assert [led.committed_digest("p", b) for b in (3, 4, 5)] == [None, "offsets-4", "offsets-5"]
     assert led.committed_cut("p") == 6
     led.close()
-    doc = read_ledger_dir(tmp_path)
+    led = ledger_factory.open(digest_window=2)
+    assert [led.committed_digest("p", b) for b in (3, 4, 5)] == [None, "offsets-4", "offsets-5"]
+    led.close()
+    doc = ledger_factory.read()
     assert doc["committed_digests"] == {
         "p": {"4": "offsets-4", "5": "offsets-5"},
         "q": {"0": "q-0"},
@@ -503,8 +564,8 @@ def read_ledger_dir(directory: Path) -> dict[str, Any]:
     return doc
 
 
-def test_a_digest_is_replaced_with_its_batch(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j")
+def test_a_digest_is_replaced_with_its_batch(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open()
     led.record_batch("p", 0, {"s": [_c("a")]}, digest="first")
     led.record_batch("p", 0, {"s": [_c("b")]}, digest="again")
     led.record_batch("p", 1, {"s": [_c("c")]}, digest="one")
@@ -516,28 +577,28 @@ def test_a_digest_is_replaced_with_its_batch(tmp_path: Path) -> None:
     assert led.pending_batch_ids("p") == []
 
 
-def test_spark_progress_only_goes_up(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j", compact_bytes=NEVER)
+def test_spark_progress_only_goes_up(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open(compact_bytes=NEVER)
     assert led.spark_completed("p") == -1
     led.record_spark_completed("p", 4)
-    size = (tmp_path / "journal.0.log").stat().st_size
+    written = ledger_factory.footprint()
     led.record_spark_completed("p", 2)  # lower: nothing happens, nothing is written
     led.record_spark_completed("p", 4)
-    assert (tmp_path / "journal.0.log").stat().st_size == size
+    assert ledger_factory.footprint() == written
     assert led.spark_completed("p") == 4 and led.spark_completed("q") == -1
     led.record_spark_completed("p", 9)
+    assert ledger_factory.footprint() != written
     led.close()
-    assert FileLedger(tmp_path, "j").spark_completed("p") == 9
+    assert ledger_factory.open().spark_completed("p") == 9
 
 
-def test_abandonments_are_kept(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path / "ledger", "j", compact_bytes=300)
+def test_abandonments_are_kept(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open(compact_bytes=300)
     t0 = time.time()
     led.record_abandoned(3, ["x", "y"], "the transactions were gone")
     for b in range(20):  # compactions
         led.record_batch("p", b, {"s": [_c(f"t{b}")]})
     led.record_abandoned(4, [], "nothing")
-    assert led.generation > 0
     got = led.abandoned()
     assert [(a["checkpoint"], a["txns"], a["note"]) for a in got] == [
         (3, ["x", "y"], "the transactions were gone"),
@@ -546,65 +607,97 @@ def test_abandonments_are_kept(tmp_path: Path) -> None:
     assert t0 <= got[0]["at"] <= got[1]["at"] <= time.time()
     got[0]["txns"].append("z")  # a copy
     assert led.abandoned()[0]["txns"] == ["x", "y"]
-    doc = read_ledger(tmp_path)
-    assert doc is not None and doc["abandoned"] == led.abandoned()
+    doc = ledger_factory.read()
+    assert doc["abandoned"] == led.abandoned()
     led.close()
-    assert FileLedger(tmp_path / "ledger", "j").abandoned() == doc["abandoned"]
+    assert ledger_factory.open().abandoned() == doc["abandoned"]
 
 
-def test_sink_settings_are_recorded_replaced_and_kept(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path / "ledger", "j", compact_bytes=NEVER)
-    assert led.sinks_settings() == {}
+def test_abandoned_txns_are_indexed_per_checkpoint(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open()
+    assert led.abandoned_txns(3) == set()
+    led.record_abandoned(3, ["x", "y"], "gone")
+    led.record_abandoned(3, ["z"], "gone too")
+    led.record_abandoned(4, ["w"], "another")
+    assert led.abandoned_txns(3) == {"x", "y", "z"} and led.abandoned_txns(4) == {"w"}
+    led.abandoned_txns(3).add("q")  # a copy
+    assert led.abandoned_txns(3) == {"x", "y", "z"} and led.abandoned_txns(5) == set()
+    led.close()
+    led = ledger_factory.open()
+    assert led.abandoned_txns(3) == {"x", "y", "z"} and led.abandoned_txns(4) == {"w"}
+
+
+def test_sink_settings_are_recorded_replaced_and_kept(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open(compact_bytes=NEVER)
+    assert led.sinks_settings() == {} and ledger_factory.read()["sinks"] == {}
     first = {"p/a": {"kind": "postgres", "sink_id": "a", "dsn": "host=h", "key": ["id"]}}
     assert led.record_sinks(first) is True
-    size = led._journal.size
+    written = ledger_factory.footprint()
     assert led.record_sinks(json.loads(json.dumps(first))) is False  # unchanged: no record
-    assert led._journal.size == size
+    assert ledger_factory.footprint() == written
     second = {"p/b": {"kind": "delta", "sink_id": "b", "table_uri": "/t"}, "q/c": {"kind": "x"}}
     assert led.record_sinks(second) is True
     assert led.sinks_settings() == second  # replaced, not merged
     led.sinks_settings()["p/b"]["table_uri"] = "/elsewhere"  # a copy
     assert led.sinks_settings() == second
+    changed = ledger_factory.footprint()
     with pytest.raises(TypeError):
         led.record_sinks({"p/d": {"password": object()}})  # JSON values only
     with pytest.raises(TypeError):
         led.record_sinks({"p/d": "not settings"})  # type: ignore[dict-item]
-    assert led.sinks_settings() == second and led._journal.size > size
-    doc = read_ledger(tmp_path)
-    assert doc is not None and doc["sinks"] == second
+    assert led.sinks_settings() == second and ledger_factory.footprint() == changed != written
+    assert ledger_factory.read()["sinks"] == second
     led.close()
-    led = FileLedger(tmp_path / "ledger", "j", compact_bytes=1)
+    led = ledger_factory.open()
     assert led.sinks_settings() == second
+    assert led.record_sinks({}) is True and led.sinks_settings() == {}
+    led.close()
+    assert ledger_factory.open().sinks_settings() == {} and ledger_factory.read()["sinks"] == {}
+
+
+def test_sink_settings_survive_a_compaction(tmp_path: Path) -> None:
+    settings = {"p/b": {"kind": "delta", "sink_id": "b", "table_uri": "/t"}}
+    led = FileLedger(tmp_path / "ledger", "j", compact_bytes=1)
+    assert led.record_sinks(settings) is True
     for b in range(100):  # until the journal outgrows the snapshot: a compaction
         led.record_batch("p", b, {"b": [_c(f"t{b}")]})
         if led.generation:
             break
-    assert led.generation > 0 and led.sinks_settings() == second
+    assert led.generation > 0 and led.sinks_settings() == settings
+    doc = read_ledger(tmp_path)
+    assert doc is not None and doc["sinks"] == settings
     led.close()
-    assert FileLedger(tmp_path / "ledger", "j").sinks_settings() == second
+    assert FileLedger(tmp_path / "ledger", "j").sinks_settings() == settings
 
 
-def test_history_length_is_configurable(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j", history=3)
+def test_history_length_is_configurable(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open(history=3)
     for b in range(5):
         led.record_batch("p", b, {"s": [_c(f"t{b}")]})
         led.complete(led.decide("periodic", {"p": b}, []), {"p/s": 1})
     assert [cp.id for cp in led.history()] == [3, 4, 5]
     assert led.totals() == {"p/s": 5} and led.committed_cut("p") == 4
     led.close()
-    led = FileLedger(tmp_path, "j", history=3)
+    led = ledger_factory.open(history=3)
     assert [cp.id for cp in led.history()] == [3, 4, 5]
     led.close()
-    led = FileLedger(tmp_path, "j", history=2)
+    led = ledger_factory.open(history=2)
     assert [cp.id for cp in led.history()] == [4, 5]
     led.close()
-    assert [cp["id"] for cp in read_ledger_dir(tmp_path)["history"]] == [4, 5]
+    assert [cp["id"] for cp in ledger_factory.read()["history"]] == [4, 5]
+    led = ledger_factory.open(history=0)
+    assert led.history() == [] and led.totals() == {"p/s": 5}
+    led.record_batch("p", 5, {"s": [_c("t5")]})
+    led.complete(led.decide("periodic", {"p": 5}, []), {"p/s": 1})
+    assert led.history() == [] and led.committed_cut("p") == 5
+    led.close()
+    assert ledger_factory.open(history=0).history() == []
 
 
-def test_a_change_that_does_not_fit_writes_nothing(tmp_path: Path) -> None:
-    led = FileLedger(tmp_path, "j", compact_bytes=NEVER)
+def test_a_change_that_does_not_fit_writes_nothing(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open(compact_bytes=NEVER)
     led.record_batch("p", 0, {"s": [_c("a")]})
-    size = (tmp_path / "journal.0.log").stat().st_size
+    written = ledger_factory.footprint()
     with pytest.raises(TypeError):
         led.record_batch("p", 1, {"s": [{"txn": "b", "rows": object()}]})  # not JSON
     with pytest.raises(TypeError):
@@ -613,9 +706,10 @@ def test_a_change_that_does_not_fit_writes_nothing(tmp_path: Path) -> None:
         led.decide("sometime", {"p": 0}, [])
     with pytest.raises(RuntimeError):
         led.complete(Checkpoint(id=7, kind="periodic", cut={"p": 0}), {})
-    assert (tmp_path / "journal.0.log").stat().st_size == size
+    assert ledger_factory.footprint() == written
+    led.record_batch("p", 1, {"s": [_c("b")]})  # the ledger still works
     led.close()
-    assert FileLedger(tmp_path, "j").pending() == {"p": {0: {"s": [_c("a")]}}}
+    assert ledger_factory.open().pending() == {"p": {0: {"s": [_c("a")]}, 1: {"s": [_c("b")]}}}
 
 
 # -- format 1 ------------------------------------------------------------------------
@@ -701,9 +795,9 @@ def test_a_format_1_ledger_of_another_job_is_refused(tmp_path: Path) -> None:
 # -- reading while a job runs ----------------------------------------------------------
 
 
-def test_read_ledger_while_a_job_holds_the_lock(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    led = FileLedger(state / "ledger", "j", compact_bytes=NEVER)
+def test_read_ledger_while_a_job_holds_the_lock(ledger_factory: LedgerBackend) -> None:
+    state = ledger_factory.state_dir
+    led = ledger_factory.open(compact_bytes=NEVER)
     led.begin_run()
     led.record_batch("p", 0, {"s": [_c("a", 4)]})
     led.record_batch("p", 1, {"s": [_c("b", 5)]})
@@ -711,7 +805,7 @@ def test_read_ledger_while_a_job_holds_the_lock(tmp_path: Path) -> None:
     led.record_abandoned(1, ["z"], "gone")
     assert is_locked(state)
     with pytest.raises(LedgerLockedError):
-        FileLedger(state / "ledger", "j")
+        ledger_factory.open()
     doc = read_ledger(state)
     assert doc is not None
     assert doc["job"] == "j" and doc["run"] == 1 and doc["next_checkpoint"] == 2
@@ -720,7 +814,15 @@ def test_read_ledger_while_a_job_holds_the_lock(tmp_path: Path) -> None:
     assert [cp["id"] for cp in doc["history"]] == [1] and doc["incarnation"] == led.incarnation
     assert [a["txns"] for a in doc["abandoned"]] == [["z"]]
     assert "p: batches 1..1 (1)" in format_status(doc)
-    # an append in progress: the reader sees the state without it
+    assert is_locked(state)
+
+
+def test_read_ledger_does_not_see_an_append_in_progress(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    led = FileLedger(state / "ledger", "j", compact_bytes=NEVER)
+    led.begin_run()
+    led.record_batch("p", 0, {"s": [_c("a", 4)]})
+    doc = read_ledger(state)
     journal = state / "ledger" / "journal.0.log"
     with open(journal, "ab") as f:
         f.write(b'000000ff 12345678 {"op":"run"')

@@ -25,7 +25,7 @@ import pytest
 from lifecycle import cli
 from lifecycle.coordinator import Coordinator, PipelineSinks
 from lifecycle.errors import CheckpointCommitError
-from lifecycle.ledger import FileLedger, read_ledger
+from lifecycle.ledger import FileLedger, Ledger, open_ledger, read_ledger, stored_location
 from lifecycle.operations import Operator, lingering
 from lifecycle.spark_log import SparkCommitLog
 from sinks import DeltaSink, KafkaSink, PostgresSink, from_settings
@@ -36,6 +36,7 @@ from tests import deltacheck
 from tests.kafkacheck import assert_exactly_once as kafka_exactly_once
 from tests.kafkacheck import assert_nothing_open, open_txns
 from tests.kafkalog import read_topic
+from tests.ledgers import pg_uri
 from tests.pgcheck import assert_exactly_once as pg_exactly_once
 from tests.pgcheck import job_prepared, rollback_prepared
 
@@ -66,7 +67,7 @@ class State:
     dir: Path
     job: str
     sinks: dict[str, Sink]
-    ledger: FileLedger
+    ledger: Ledger
     coord: Coordinator
     delta_uri: str
 
@@ -123,10 +124,11 @@ class State:
 @pytest.fixture
 def make_state(
     pg_dsn: str, kafka_bootstrap: str, kafka_topic: Callable[[int], str], tmp_path: Path
-) -> Iterator[Callable[[], State]]:
+) -> Iterator[Callable[..., State]]:
     made: list[State] = []
 
-    def make() -> State:
+    def make(ledger: str | None = None) -> State:
+        """A new state; ``ledger``: the PostgreSQL ledger's URI (None: the file ledger)."""
         job = f"op{uuid.uuid4().hex[:8]}"  # the Kafka registry topic is shared
         state_dir = tmp_path / "state"
         delta_uri = str(tmp_path / "delta" / "orders")
@@ -141,13 +143,13 @@ def make_state(
         }
         for s in sinks.values():
             s.preflight(SCHEMA)
-        ledger = FileLedger(state_dir / "ledger", job)
-        ledger.begin_run()
-        ledger.record_sinks({f"{PIPELINE}/{sid}": s.settings() for sid, s in sinks.items()})
+        led = open_ledger(ledger, state_dir, job)
+        led.begin_run()
+        led.record_sinks({f"{PIPELINE}/{sid}": s.settings() for sid, s in sinks.items()})
         log = SparkCommitLog(state_dir / "pipelines" / PIPELINE / "spark")
-        coord = Coordinator(job, ledger, [PipelineSinks(PIPELINE, sinks, log)])
+        coord = Coordinator(job, led, [PipelineSinks(PIPELINE, sinks, log)])
         coord.claim_sinks()
-        state = State(state_dir, job, sinks, ledger, coord, delta_uri)
+        state = State(state_dir, job, sinks, led, coord, delta_uri)
         made.append(state)
         return state
 
@@ -262,7 +264,7 @@ def test_settings_round_trip_per_sink(
 
 
 def test_the_ledger_holds_no_secret(
-    make_state: Callable[[], State], monkeypatch: pytest.MonkeyPatch
+    make_state: Callable[..., State], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sinks built with a password in the DSN, a secret storage option and a SASL
     password: the ledger's files (journal, and the snapshot after a compaction)
@@ -309,7 +311,7 @@ def test_the_ledger_holds_no_secret(
 
 
 def test_lingering_lists_each_sinks_work_with_the_ledger_view(
-    make_state: Callable[[], State], capsys: pytest.CaptureFixture[str]
+    make_state: Callable[..., State], capsys: pytest.CaptureFixture[str]
 ) -> None:
     state = make_state()
     decided = state.register(0)
@@ -351,11 +353,59 @@ def test_lingering_lists_each_sinks_work_with_the_ledger_view(
     assert "prepared at " in out and "staged file(s)" in out and "announced on registry" in out
 
 
+def test_lingering_and_recover_with_the_ledger_in_postgresql(
+    make_state: Callable[..., State],
+    pg_dsn: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A job whose ledger is in PostgreSQL: `twophase lingering --ledger URI`
+    needs no STATE_DIR, and finds the same through STATE_DIR/ledger.location;
+    `twophase recover --ledger URI` holds that ledger and settles the state."""
+    uri = pg_uri(pg_dsn)
+    state = make_state(uri)
+    assert not (state.dir / "ledger").exists() and stored_location(state.dir) is not None
+    decided = state.register(0)
+    state.spark_completed(0)
+    cp = state.ledger.decide("periodic", {PIPELINE: 0}, [])  # crash before the commit
+    pending = state.register(1)  # Spark never completed batch 1
+    state.crash()
+    txns = {c["txn"] for cs in (*decided.values(), *pending.values()) for c in cs}
+
+    code, out, err = run_cli(capsys, "lingering", "--ledger", uri)
+    assert code == 1, err
+    assert f"job {state.job}  incarnation {state.incarnation} (this state)" in out
+    assert all(t in out for t in txns)
+    assert f"part of decided checkpoint {cp.id} (batch 0)" in out
+    assert "owned by pending batch 1" in out
+    assert f"{len(txns)} lingering: {len(txns)} of this incarnation, 0 of others" in out
+    assert run_cli(capsys, "lingering", str(state.dir))[1] == out  # via ledger.location
+    code, _, err = run_cli(capsys, "lingering", str(tmp_path / "elsewhere"))
+    assert code == 2 and "no ledger in" in err
+    code, _, err = run_cli(capsys, "lingering")
+    assert code == 2 and "needs a STATE_DIR or --ledger URI" in err
+
+    held = open_ledger(uri, state.dir, state.job)  # a job holds the ledger
+    code, _, err = run_cli(capsys, "recover", str(state.dir), "--ledger", uri)
+    assert code == 2 and "in use by another process" in err
+    held.close()
+    code, out, err = run_cli(capsys, "recover", str(state.dir), "--ledger", uri)
+    assert code == 0, err
+    assert f"checkpoint {cp.id} (periodic) committed (finished before the stop)" in out
+    assert f"aborted   {PIPELINE}/pg: 2 transaction(s)" in out  # batch 1
+    pg_exactly_once(pg_dsn, "orders", 10)
+    doc = read_ledger(location=uri)
+    assert doc is not None and doc["pending"] == {} and doc["decided"] is None
+    assert set(doc["sinks"]) == {f"{PIPELINE}/{s}" for s in ("pg", "kafka", "delta")}
+    code, out, _ = run_cli(capsys, "lingering", "--ledger", uri)
+    assert (code, out.splitlines()[-1]) == (0, "nothing lingering")
+
+
 # -- recover ----------------------------------------------------------------------------------
 
 
 def test_recover_settles_a_crashed_state_without_running_the_job(
-    make_state: Callable[[], State],
+    make_state: Callable[..., State],
     pg_dsn: str,
     kafka_bootstrap: str,
     capsys: pytest.CaptureFixture[str],
@@ -414,7 +464,7 @@ def test_recover_settles_a_crashed_state_without_running_the_job(
 
 
 def test_abandon_a_lost_transaction_lets_the_rest_of_the_checkpoint_commit(
-    make_state: Callable[[], State],
+    make_state: Callable[..., State],
     pg_dsn: str,
     kafka_bootstrap: str,
     capsys: pytest.CaptureFixture[str],

@@ -8,6 +8,11 @@ executor, kills the driver) at the named point. The first run must die by
 SIGKILL (proving the point was reached); the second run, with no fault, must
 exit 0 and leave every input row in the table exactly once and no prepared
 transaction of the job behind.
+
+The crash matrix runs with the embedded (file) ledger; two of its points run
+again with the ledger in PostgreSQL (``Job(ledger=URI)``, in the test's
+database), where the restarted driver takes the ledger's advisory lock over
+from the killed one.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import pytest
 from lifecycle.ledger import read_ledger
 from tests import procs
 from tests.conftest import write_input
+from tests.ledgers import pg_uri
 from tests.pgcheck import assert_exactly_once, job_prepared
 from tests.procs import JobProcess
 
@@ -36,8 +42,10 @@ def run_job(
     interval: float = 0.0,
     files_per_batch: int = 1,
     timeout: float = 240,
+    ledger: str | None = None,
 ) -> JobProcess:
-    """Run ``tests/jobs/pg_job.py`` to its end (log in ``state``'s parent)."""
+    """Run ``tests/jobs/pg_job.py`` to its end (log in ``state``'s parent);
+    ``ledger``: a PostgreSQL URI for ``Job(ledger=...)``."""
     args = [
         "--dsn",
         dsn,
@@ -49,6 +57,7 @@ def run_job(
         str(interval),
         "--files-per-batch",
         str(files_per_batch),
+        *(["--ledger", ledger] if ledger else []),
     ]
     return procs.run_job("pg_job.py", args, state.parent / "job.log", fault, timeout)
 
@@ -71,9 +80,10 @@ def _crash_and_recover(dsn: str, tmp: Path, fault: str, **kw: object) -> None:
     assert second.proc.returncode == 0, second.tail()
     assert_exactly_once(dsn, "orders", n)
     assert job_prepared(dsn, "crash") == []
-    doc = read_ledger(state)
+    doc = read_ledger(state)  # from the ledger's location, when it is in PostgreSQL
     assert doc is not None and doc["pending"] == {} and doc["decided"] is None
-    assert doc["finished"] == ["load"]
+    assert doc["finished"] == ["load"] and doc["run"] == 2
+    assert (state / "ledger").exists() == (kw.get("ledger") is None)
 
 
 CRASH_POINTS = {
@@ -87,6 +97,19 @@ CRASH_POINTS = {
 @pytest.mark.parametrize("point", list(CRASH_POINTS), ids=list(CRASH_POINTS))
 def test_crash_at_each_phase(pg_dsn: str, tmp_path: Path, point: str) -> None:
     _crash_and_recover(pg_dsn, tmp_path, CRASH_POINTS[point])
+
+
+PG_LEDGER_POINTS = [
+    "after the ledger record, before Spark's commit log",
+    "after Spark's commit log, before our commit",
+]
+
+
+@pytest.mark.parametrize("point", PG_LEDGER_POINTS, ids=PG_LEDGER_POINTS)
+def test_crash_with_the_ledger_in_postgresql(pg_dsn: str, tmp_path: Path, point: str) -> None:
+    """The driver is SIGKILLed holding the ledger's advisory lock (its sessions die
+    with it); the restart takes the lock, moves the fencing token on, recovers."""
+    _crash_and_recover(pg_dsn, tmp_path, CRASH_POINTS[point], ledger=pg_uri(pg_dsn))
 
 
 def test_crash_in_the_middle_of_committing(pg_dsn: str, tmp_path: Path) -> None:

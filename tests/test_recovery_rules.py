@@ -2,7 +2,9 @@
 
 The sink here is a recording implementation of our own protocol (it keeps a
 set of "prepared" names in memory), so every decision can be observed
-directly; the PostgreSQL sink runs the same rules in the crash tests.
+directly; the PostgreSQL sink runs the same rules in the crash tests. Every
+test runs against both ledger backends (``ledger_factory``: ``[file]``, then
+``[postgres]``).
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import pytest
 
 from lifecycle.coordinator import Coordinator, PipelineSinks
 from lifecycle.errors import RecoveryRefusedError
-from lifecycle.ledger import FileLedger
+from lifecycle.ledger import Ledger
 from lifecycle.spark_log import SparkCommitLog
 from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
 from sinks.errors import ConfigError
 from sinks.naming import TxnName
+from tests.ledgers import LedgerBackend
 
 
 class RecordingSink(Sink):
@@ -84,7 +87,7 @@ class World:
     """One pipeline ``p`` with one recording sink, a ledger and a Spark checkpoint."""
 
     sink: RecordingSink
-    ledger: FileLedger
+    ledger: Ledger
     loc: Path
 
     def coordinator(self) -> Coordinator:
@@ -103,8 +106,8 @@ class World:
 
 
 @pytest.fixture
-def world(tmp_path: Path) -> World:
-    ledger = FileLedger(tmp_path / "ledger", "j")
+def world(tmp_path: Path, ledger_factory: LedgerBackend) -> World:
+    ledger = ledger_factory.open()
     _INCARNATION.append(ledger.incarnation)  # names in these tests are built with it
     ledger.begin_run()
     return World(RecordingSink(), ledger, tmp_path / "spark")

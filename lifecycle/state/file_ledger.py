@@ -22,32 +22,19 @@ drops a torn last record (a crash in the middle of an append).
 
 from __future__ import annotations
 
-import copy
 import fcntl
 import json
 import logging
 import os
-import secrets
-import threading
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from lifecycle.state.base import StateLedger
 from lifecycle.state.files import fsync_dir, remove_quietly
 from lifecycle.state.frames import CorruptLedgerError
 from lifecycle.state.journal import Journal, Record, read_records
-from lifecycle.state.model import (
-    DIGEST_WINDOW,
-    FORMAT,
-    HISTORY,
-    KINDS,
-    Batch,
-    Checkpoint,
-    LedgerState,
-    Op,
-    Pending,
-)
+from lifecycle.state.model import DIGEST_WINDOW, FORMAT, HISTORY, LedgerState, Op
+from lifecycle.state.protocol import LedgerLockedError, new_incarnation
 from lifecycle.state.snapshot import (
     generations,
     journal_generations,
@@ -58,7 +45,6 @@ from lifecycle.state.snapshot import (
     write_snapshot,
 )
 from lifecycle.state.upgrade import LEGACY, read_v1, retire_v1, state_from_v1
-from sinks.base import Committable
 from sinks.errors import ConfigError
 
 log = logging.getLogger("lifecycle.ledger")
@@ -67,13 +53,7 @@ COMPACT_BYTES = 1 << 20
 """The journal is never compacted below this size."""
 
 
-class LedgerLockedError(ConfigError):
-    """Another process holds the ledger (a second run of the same job?)."""
-
-
-def new_incarnation() -> str:
-    """A fresh incarnation id: 12 lowercase hex characters."""
-    return secrets.token_hex(6)
+__all__ = ["FileLedger", "LedgerLockedError", "is_locked", "read_directory", "read_ledger"]
 
 
 def _check_format(path: Path, doc: dict[str, Any]) -> None:
@@ -88,14 +68,6 @@ def _check_job(path: Path, doc: dict[str, Any], job: str) -> None:
         )
 
 
-def _check_batch(committables: dict[str, list[Committable]]) -> None:
-    if not isinstance(committables, dict) or not all(
-        isinstance(sid, str) and isinstance(cs, list) and all(isinstance(c, dict) for c in cs)
-        for sid, cs in committables.items()
-    ):
-        raise TypeError("committables must be a dict of sink id -> list of committables (dicts)")
-
-
 def _replay(state: LedgerState, records: list[Record], path: Path) -> None:
     for offset, payload in records:
         try:
@@ -104,7 +76,7 @@ def _replay(state: LedgerState, records: list[Record], path: Path) -> None:
             raise CorruptLedgerError(path, offset, f"a record that does not apply ({e})") from e
 
 
-class FileLedger:
+class FileLedger(StateLedger):
     """The embedded ledger in a local directory. Thread-safe within one process.
 
     ``history``: how many committed checkpoints are kept; ``digest_window``:
@@ -123,9 +95,9 @@ class FileLedger:
     ) -> None:
         if history < 0 or digest_window < 0:
             raise ValueError("history and digest_window must not be negative")
+        super().__init__()
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._mutex = threading.RLock()
         self._lock_fd: int | None = None
         self._compact_bytes = compact_bytes
         self._unusable: str | None = None  # why no further change may be made
@@ -249,201 +221,10 @@ class FileLedger:
         except OSError as e:
             log.warning("could not remove the previous ledger generation: %s", e)
 
-    # -- reading --------------------------------------------------------------------
-
-    @property
-    def job(self) -> str:
-        return self._state.job
-
-    @property
-    def run(self) -> int:
-        return self._state.run
-
-    @property
-    def incarnation(self) -> str:
-        """This ledger's random id, drawn when it was created and never changed."""
-        incarnation = self._state.incarnation
-        assert incarnation is not None
-        return incarnation
-
     @property
     def generation(self) -> int:
         """The current snapshot generation (grows at every compaction)."""
         return self._gen
-
-    def pending(self) -> Pending:
-        """A copy of all pending committables (costs as much as they are: prefer
-        :meth:`pending_batch`)."""
-        with self._mutex:
-            return copy.deepcopy(self._state.pending)
-
-    def pending_pipelines(self) -> list[str]:
-        """Pipelines with pending batches, sorted."""
-        with self._mutex:
-            return sorted(self._state.pending)
-
-    def pending_batch_ids(self, pipeline: str) -> list[int]:
-        """Ids of the pending batches of ``pipeline``, ascending."""
-        with self._mutex:
-            return list(self._state.batch_ids.get(pipeline, ()))
-
-    def pending_batch(self, pipeline: str, batch_id: int) -> Batch | None:
-        """A copy of the committables (sink -> list) of one pending batch, or None."""
-        with self._mutex:
-            return self._state.batch(pipeline, batch_id)
-
-    def is_owned(self, txn: str) -> bool:
-        """Whether a pending entry owns the transaction named ``txn``."""
-        with self._mutex:
-            return txn in self._state.owned
-
-    def owned_txns(self) -> set[str]:
-        """Names of every transaction a pending entry owns."""
-        with self._mutex:
-            return set(self._state.owned)
-
-    def decided(self) -> Checkpoint | None:
-        with self._mutex:
-            d = self._state.decided
-            return Checkpoint.from_json(copy.deepcopy(d)) if d else None
-
-    def history(self) -> list[Checkpoint]:
-        with self._mutex:
-            return [Checkpoint.from_json(copy.deepcopy(c)) for c in self._state.history]
-
-    def finished(self) -> set[str]:
-        with self._mutex:
-            return set(self._state.finished)
-
-    def totals(self) -> dict[str, int]:
-        with self._mutex:
-            return dict(self._state.totals)
-
-    def spark_completed(self, pipeline: str) -> int:
-        """The highest batch of ``pipeline`` Spark reported complete (-1: none)."""
-        with self._mutex:
-            return self._state.spark_completed.get(pipeline, -1)
-
-    def committed_cut(self, pipeline: str) -> int:
-        """The highest batch of ``pipeline`` a completed checkpoint committed (-1: none)."""
-        with self._mutex:
-            return self._state.committed_cut.get(pipeline, -1)
-
-    def committed_digest(self, pipeline: str, batch_id: int) -> str | None:
-        """The offsets digest recorded with a committed batch, while it is among
-        the last ``digest_window`` committed batches of ``pipeline`` that had one."""
-        with self._mutex:
-            return self._state.committed_digests.get(pipeline, {}).get(batch_id)
-
-    def abandoned(self) -> list[dict[str, Any]]:
-        """Every abandonment recorded: ``{"checkpoint", "txns", "note", "at"}``."""
-        with self._mutex:
-            return copy.deepcopy(self._state.abandoned)
-
-    def abandoned_txns(self, checkpoint_id: int) -> set[str]:
-        """Names of the transactions abandoned in checkpoint ``checkpoint_id``."""
-        with self._mutex:
-            return set(self._state.abandoned_txns.get(int(checkpoint_id), ()))
-
-    def sinks_settings(self) -> dict[str, dict[str, Any]]:
-        """The recorded settings of every sink of the job, by ``pipeline/sink_id``
-        (see :meth:`record_sinks`)."""
-        with self._mutex:
-            return copy.deepcopy(self._state.sinks)
-
-    # -- changes --------------------------------------------------------------------
-
-    def begin_run(self) -> int:
-        with self._mutex:
-            self._change({"op": "run"})
-            return self.run
-
-    def record_batch(
-        self,
-        pipeline: str,
-        batch_id: int,
-        committables: dict[str, list[Committable]],
-        digest: str | None = None,
-    ) -> None:
-        """Record the committables (and the offsets digest) of a pre-committed
-        batch; a batch recorded again replaces the earlier record."""
-        if digest is not None and not isinstance(digest, str):
-            raise TypeError(f"digest must be a str, not {type(digest).__name__}")
-        _check_batch(committables)
-        op = {"op": "batch", "p": pipeline, "b": int(batch_id), "c": committables, "d": digest}
-        self._change(op)
-
-    def drop_batches(self, pipeline: str, batch_ids: list[int]) -> None:
-        with self._mutex:
-            pending = self._state.pending.get(pipeline, {})
-            drop = [int(b) for b in batch_ids if b in pending]
-            if drop:
-                self._change({"op": "drop", "p": pipeline, "bs": drop})
-
-    def decide(self, kind: str, cut: dict[str, int], finished: list[str]) -> Checkpoint:
-        """Record a checkpoint decision. From here on it commits, whatever happens."""
-        if kind not in KINDS:
-            raise ValueError(f"unknown checkpoint kind {kind!r}")
-        with self._mutex:
-            if self._state.decided is not None:
-                raise RuntimeError("a checkpoint is already being committed")
-            cp = Checkpoint(
-                id=self._state.next_checkpoint,
-                kind=kind,
-                cut={p: int(b) for p, b in cut.items()},
-                finished=sorted(set(self._state.finished) | set(finished)),
-                decided_at=time.time(),
-            )
-            self._change({"op": "decide", "cp": asdict(cp)})
-            return cp
-
-    def complete(self, cp: Checkpoint, rows: dict[str, int]) -> Checkpoint:
-        """Record that ``cp`` committed: its batches leave ``pending``."""
-        with self._mutex:
-            decided = self._state.decided
-            if decided is None or decided["id"] != cp.id:
-                raise RuntimeError(f"checkpoint {cp.id} is not the decided one")
-            done = Checkpoint.from_json(
-                {**copy.deepcopy(decided), "committed_at": time.time(), "rows": dict(rows)}
-            )
-            op = {"op": "complete", "id": cp.id, "at": done.committed_at, "rows": done.rows}
-            self._change(op)
-            return done
-
-    def record_spark_completed(self, pipeline: str, batch_id: int) -> None:
-        """Spark reported ``batch_id`` of ``pipeline`` complete (a lower id than
-        the one recorded changes nothing)."""
-        with self._mutex:
-            if batch_id > self._state.spark_completed.get(pipeline, -1):
-                self._change({"op": "spark", "p": pipeline, "b": int(batch_id)})
-
-    def record_sinks(self, sinks: dict[str, dict[str, Any]]) -> bool:
-        """Record the settings of every sink of the job (``pipeline/sink_id`` ->
-        the sink's ``settings()``, which holds no secret), replacing the ones
-        recorded before; nothing is written when they are unchanged. Returns
-        whether a record was written. The ``twophase`` commands rebuild the
-        sinks from them (:func:`sinks.settings.from_settings`)."""
-        if not isinstance(sinks, dict) or not all(
-            isinstance(k, str) and isinstance(v, dict) for k, v in sinks.items()
-        ):
-            raise TypeError("sinks must map 'pipeline/sink_id' to a settings dict")
-        payload = json.loads(json.dumps(sinks, allow_nan=False))  # JSON values only
-        with self._mutex:
-            if payload == self._state.sinks:
-                return False
-            self._change({"op": "sinks", "s": payload})
-            return True
-
-    def record_abandoned(self, checkpoint_id: int, txns: list[str], note: str) -> None:
-        """Keep the record that checkpoint ``checkpoint_id`` abandoned ``txns``."""
-        op = {
-            "op": "abandon",
-            "checkpoint": int(checkpoint_id),
-            "txns": [str(t) for t in txns],
-            "note": str(note),
-            "at": time.time(),
-        }
-        self._change(op)
 
 
 def is_locked(state_dir: str | os.PathLike[str]) -> bool:

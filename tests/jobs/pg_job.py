@@ -25,6 +25,7 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=0.0)
     ap.add_argument("--files-per-batch", type=int, default=1)
     ap.add_argument("--key", default=None)
+    ap.add_argument("--ledger", default=None, help="Job(ledger=...): a PostgreSQL URI")
     args = ap.parse_args()
     spark = start_driver(args.job)
     df = (
@@ -32,7 +33,7 @@ def main() -> int:
         .option("maxFilesPerTrigger", args.files_per_batch)
         .json(args.input)
     )
-    job = Job(spark, args.job, args.state, checkpoint_interval=args.interval)
+    job = Job(spark, args.job, args.state, checkpoint_interval=args.interval, ledger=args.ledger)
     key = [args.key] if args.key else None
     job.add_pipeline("load", df, [PostgresSink(args.dsn, args.table, key=key)], bounded=True)
     return finish(spark, job.run())
