@@ -18,6 +18,7 @@ import pyarrow as pa
 from pyspark import TaskContext
 from pyspark.sql import DataFrame
 
+from lifecycle._columns import column
 from lifecycle.coordinator import Coordinator
 from lifecycle.failures import TaskFailure
 from sinks import _faults
@@ -71,7 +72,7 @@ def precommit(
     """Write ``df`` through ``sink`` on the executors; return the committables."""
     cols = sink.partition_columns()
     if cols:
-        df = df.repartition(*cols)
+        df = df.repartition(*map(column, cols))
     task = PrecommitTask(sink, scope, run, batch_id, schema)
     rows = df.mapInArrow(task, "committable string").collect()
     return [json.loads(r[0]) for r in rows]

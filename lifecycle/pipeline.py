@@ -44,6 +44,7 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import TimestampNTZType, TimestampType
 
+from lifecycle._columns import column
 from lifecycle.binding import BatchHandler
 from lifecycle.end_of_input import END_OF_TIME, marker_stream
 from sinks import _faults
@@ -116,7 +117,7 @@ class Pipeline:
         df = self.transform(source) if self.transform else source
         if self.event_time and self.event_time in df.columns:
             # the marker must never reach a sink, whatever the transform does
-            col = F.col(self.event_time)
+            col = column(self.event_time)
             end = F.lit(END_OF_TIME).cast(df.schema[self.event_time].dataType)
             df = df.where(col.isNull() | (col < end))
         return df

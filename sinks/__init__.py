@@ -9,12 +9,14 @@ from sinks.delta import DeltaSink
 from sinks.errors import (
     CommitError,
     ConfigError,
+    DataError,
     LockWaitError,
     PreflightError,
     TransactionLostError,
     TwoPhaseError,
 )
 from sinks.kafka import KafkaSink
+from sinks.keys import DuplicateKeyError, NullKeyError
 from sinks.postgres import PostgresSink
 from sinks.settings import from_settings
 
@@ -22,11 +24,14 @@ __all__ = [
     "CommitError",
     "Committable",
     "ConfigError",
+    "DataError",
     "DeltaSink",
+    "DuplicateKeyError",
     "JobScope",
     "KafkaSink",
     "LingeringTxn",
     "LockWaitError",
+    "NullKeyError",
     "PostgresSink",
     "PreflightError",
     "Sink",

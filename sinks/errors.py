@@ -30,3 +30,10 @@ class LockWaitError(TwoPhaseError):
     """A task waited longer than its sink's lock timeout for rows another
     transaction holds. The task fails so that Spark retries it (a retry rolls
     back this job's earlier executions of the partition) instead of hanging."""
+
+
+class DataError(TwoPhaseError):
+    """The rows cannot be written as they are (a null key, different rows of one
+    key in a batch, a value the target cannot hold). The message names the sink,
+    the column or key, and what to change. A task raises it before it prepares,
+    so nothing of its batch is committed; retrying the same rows cannot help."""

@@ -21,7 +21,7 @@ import pyarrow as pa
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from sinks import _faults, settings
+from sinks import _faults, keys, settings
 from sinks._retry import retry_transient
 from sinks.base import (
     COMMITTED,
@@ -64,7 +64,14 @@ class PostgresSink(Sink):
             appending; the table needs a unique index on exactly these columns.
             The input is hash-partitioned by the key so that one key is written
             by one task per batch (two prepared transactions holding the same
-            key would wait on each other until the commit).
+            key would wait on each other until the commit). The rules of keyed
+            writes are in :mod:`sinks.keys`: a null key is an error, and so are
+            different rows of one key in one batch unless ``order_by`` says
+            which one wins.
+        order_by: with ``key``, the column whose greatest value wins among the
+            rows of one key in a batch (e.g. ``"updated_at"``); a null in it, or
+            a tie at the greatest value between different rows, is an error.
+            Across batches the later batch wins.
         schema: schema of ``table`` when ``table`` has no dot (default ``public``).
         create_table: create the table from the DataFrame schema when missing
             (with a primary key on ``key``).
@@ -91,6 +98,7 @@ class PostgresSink(Sink):
         table: str,
         *,
         key: Sequence[str] | None = None,
+        order_by: str | None = None,
         schema: str | None = None,
         create_table: bool = False,
         sink_id: str | None = None,
@@ -107,6 +115,7 @@ class PostgresSink(Sink):
         self.schema = schema
         self.table = table
         self.key = list(key or [])
+        self.order_by = order_by
         self.create_table = create_table
         self.marker_schema, _, self.marker_name = marker_table.rpartition(".")
         if not self.marker_schema:
@@ -119,6 +128,7 @@ class PostgresSink(Sink):
         self.lock_timeout = lock_timeout if lock_timeout is not None else _auto_lock_timeout(0.0)
         self.marker_table = marker_table
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
+        keys.check_config(self.describe(), self.key, order_by)
         self._wire: pa.Schema | None = None
         self._claims = ClaimedScopes()
 
@@ -165,6 +175,7 @@ class PostgresSink(Sink):
             "schema": self.schema,
             "table": self.table,
             "key": list(self.key),
+            "order_by": self.order_by,
             "create_table": self.create_table,
             "marker_table": self.marker_table,
             "commit_timeout": self.commit_timeout,
@@ -188,6 +199,7 @@ class PostgresSink(Sink):
             s["table"],
             schema=s["schema"],
             key=s["key"],
+            order_by=s.get("order_by"),
             create_table=s["create_table"],
             sink_id=s["sink_id"],
             marker_table=s["marker_table"],
@@ -202,7 +214,7 @@ class PostgresSink(Sink):
         return f"PostgreSQL table {self.schema}.{self.table} at {where}"
 
     def __repr__(self) -> str:
-        return f"PostgresSink({self.describe()}, key={self.key})"
+        return f"PostgresSink({self.describe()}, key={self.key}, order_by={self.order_by!r})"
 
     def partition_columns(self) -> list[str] | None:
         return self.key or None
@@ -263,6 +275,7 @@ class PostgresSink(Sink):
                 columns = catalog.table_columns(conn, self.schema, self.table)
                 assert columns is not None
             targets = catalog.check_columns(where, columns, schema, self.key)
+            keys.preflight(self.describe(), schema, self.key, self.order_by)
             if self.key and set(self.key) not in catalog.unique_keys(conn, self.schema, self.table):
                 raise PreflightError(
                     f"upsert by key {self.key} needs a unique index or primary key on exactly "
@@ -296,25 +309,6 @@ class PostgresSink(Sink):
         if self._wire is None:
             raise RuntimeError("PostgresSink.preflight() must run before writers open")
         return PostgresWriter(self, ctx, self._wire)
-
-    def upsert_statement(self, stage: sql.Composable, names: list[str]) -> sql.Composable:
-        cols = sql.SQL(", ").join(map(sql.Identifier, names))
-        keys = sql.SQL(", ").join(map(sql.Identifier, self.key))
-        others = [n for n in names if n not in self.key]
-        action = (
-            sql.SQL("DO UPDATE SET {}").format(
-                sql.SQL(", ").join(
-                    sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in others
-                )
-            )
-            if others
-            else sql.SQL("DO NOTHING")
-        )
-        # The last row of a key in the partition wins (ctid follows COPY order).
-        return sql.SQL(
-            "INSERT INTO {t} ({cols}) SELECT DISTINCT ON ({keys}) {cols} FROM {s} "
-            "ORDER BY {keys}, ctid DESC ON CONFLICT ({keys}) {action}"
-        ).format(t=self.table_ident, cols=cols, keys=keys, s=stage, action=action)
 
     # -- progress and claims -----------------------------------------------------------
 

@@ -12,8 +12,10 @@ import psycopg
 import pyarrow as pa
 from psycopg import sql
 
+from sinks import keys
 from sinks.base import Committable, SinkWriter, WriteContext
 from sinks.errors import LockWaitError
+from sinks.postgres.upsert import Upsert
 
 if TYPE_CHECKING:
     from sinks.postgres.sink import PostgresSink
@@ -30,8 +32,8 @@ def stage_table(gid: str) -> str:
 
 class PostgresWriter(SinkWriter):
     """Writes one task's partition: ``BEGIN``; binary ``COPY`` (append) or COPY
-    into a staging table then ``INSERT ... ON CONFLICT`` (upsert); a marker row;
-    ``PREPARE TRANSACTION '<gid>'``.
+    into a staging table then ``INSERT ... ON CONFLICT`` (upsert,
+    :mod:`sinks.postgres.upsert`); a marker row; ``PREPARE TRANSACTION '<gid>'``.
 
     Nothing is opened until the first non-empty batch arrives, so an empty
     partition costs no connection and leaves no transaction. Record batches are
@@ -41,6 +43,7 @@ class PostgresWriter(SinkWriter):
     def __init__(self, sink: PostgresSink, ctx: WriteContext, wire: pa.Schema) -> None:
         self._sink = sink
         self._name = ctx.txn_name()
+        self._batch_id = ctx.batch_id
         self._gid = str(self._name)
         self._job = ctx.scope.job
         self._wire = wire
@@ -50,7 +53,7 @@ class PostgresWriter(SinkWriter):
         self._encoder: pgpq.ArrowToPostgresBinaryEncoder | None = None
         self._rows = 0
         self._prepared = False
-        self._stage: sql.Composable | None = None
+        self._upsert: Upsert | None = None
 
     def _columns(self) -> sql.Composable:
         return sql.SQL(", ").join(sql.Identifier(n) for n in self._wire.names)
@@ -64,11 +67,17 @@ class PostgresWriter(SinkWriter):
         conn.execute("BEGIN")
         target = sink.table_ident
         if sink.key:
-            # A regular (unlogged) table: PREPARE TRANSACTION refuses temp objects.
-            # Created and dropped in this transaction, so no one else ever sees it.
-            self._stage = sql.Identifier(sink.marker_schema, stage_table(self._gid))
-            conn.execute(sql.SQL("CREATE UNLOGGED TABLE {} (LIKE {})").format(self._stage, target))
-            target = self._stage
+            self._upsert = Upsert(
+                target=target,
+                stage=sql.Identifier(sink.marker_schema, stage_table(self._gid)),
+                columns=self._wire.names,
+                key=sink.key,
+                order_by=sink.order_by,
+                sink=sink.describe(),
+                batch_id=self._batch_id,
+            )
+            self._upsert.create_stage(conn)
+            target = self._upsert.stage
         self._encoder = pgpq.ArrowToPostgresBinaryEncoder(self._wire)
         self._copy_cm = conn.cursor().copy(
             sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(target, self._columns())
@@ -102,6 +111,9 @@ class PostgresWriter(SinkWriter):
             raise self._lock_wait_error() from e
 
     def _write(self, batch: pa.RecordBatch) -> None:
+        sink = self._sink
+        if sink.key:
+            keys.check_nulls(sink.describe(), batch, sink.key, sink.order_by, self._batch_id)
         if self._conn is None:
             self._begin()
         assert self._encoder is not None
@@ -138,9 +150,8 @@ class PostgresWriter(SinkWriter):
         self._copy.write(self._encoder.finish())
         cm, self._copy_cm = self._copy_cm, None
         cm.__exit__(None, None, None)
-        if self._stage is not None:
-            conn.execute(sink.upsert_statement(self._stage, self._wire.names))
-            conn.execute(sql.SQL("DROP TABLE {}").format(self._stage))
+        if self._upsert is not None:
+            self._upsert.merge(conn)
         conn.execute(
             sql.SQL("INSERT INTO {} (gid, job) VALUES (%s, %s)").format(sink.marker_ident),
             (self._gid, self._job),
