@@ -48,6 +48,7 @@ from lifecycle.state.pg_rows import load_doc, write_op
 from lifecycle.state.pg_schema import Statements, ensure_schema
 from lifecycle.state.protocol import LedgerLockedError, LedgerLostError, new_incarnation
 from sinks.errors import ConfigError
+from sinks.postgres.liveness import dead_peer_options
 
 log = logging.getLogger("lifecycle.ledger")
 
@@ -55,8 +56,11 @@ log = logging.getLogger("lifecycle.ledger")
 def connect(where: PgLocation, purpose: str, **kwargs: Any) -> psycopg.Connection:
     """A connection to the ledger's database; a failure names the (password-free) URI."""
     try:
+        conninfo = where.conninfo()
         return psycopg.connect(
-            where.conninfo(), application_name=f"twophase ledger {purpose}", **kwargs
+            conninfo,
+            application_name=f"twophase ledger {purpose}",
+            **{**dead_peer_options(conninfo), **kwargs},
         )
     except psycopg.OperationalError as e:
         raise ConfigError(f"cannot connect to the ledger at {where.display()}: {e}") from e

@@ -39,6 +39,7 @@ from sinks.base import (
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
 from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.postgres import catalog
+from sinks.postgres.liveness import dead_peer_options
 from sinks.postgres.progress import PROGRESS_DDL, ProgressTable
 from sinks.postgres.types import wire_type
 from sinks.postgres.writer import PostgresWriter
@@ -238,11 +239,15 @@ class PostgresSink(Sink):
     # -- connections --------------------------------------------------------------
 
     def connect(self, application_name: str = "twophase") -> psycopg.Connection:
+        """A connection that notices a dead server within a third of
+        ``commit_timeout`` (at most 30 s; :mod:`sinks.postgres.liveness`), so
+        a half-open connection cannot outlast the commit's retries."""
         return psycopg.connect(
             self.dsn,
             autocommit=True,
             connect_timeout=max(1, int(self.connect_timeout)),
             application_name=application_name,
+            **dead_peer_options(self.dsn, self.commit_timeout / 3),
         )
 
     # -- preflight ----------------------------------------------------------------
