@@ -103,6 +103,7 @@ class Coordinator:
         self._checkpointing = threading.Lock()  # one checkpoint at a time
         self.checkpoints_taken: list[Checkpoint] = []
         self._observer = observer
+        self._early: str | None = None  # why the next checkpoint should not wait
 
     def _tell(self, what: str, pipeline: str, sink_id: str, txns: Iterable[str]) -> None:
         names = sorted(txns)
@@ -224,6 +225,16 @@ class Coordinator:
             self._abort_batch(pipeline, stale)
         digest = self._pipeline(pipeline).commit_log.offsets_digest(batch_id)
         self.ledger.record_batch(pipeline, batch_id, committables, digest)
+        for sid, cs in committables.items():
+            reason = self._sink(pipeline, sid).checkpoint_pressure(cs)
+            if reason is not None:
+                self._early = reason
+
+    def take_early_checkpoint(self) -> str | None:
+        """Why a sink asked for the next checkpoint now (see
+        :meth:`sinks.base.Sink.checkpoint_pressure`), once; None if none did."""
+        reason, self._early = self._early, None
+        return reason
 
     def abort_unregistered(self, pipeline: str, committables: dict[str, list[Committable]]) -> None:
         """Abort work of a batch that failed before registration (best effort)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ from lifecycle.failures import TaskFailure, cause_of, full_trace
 from lifecycle.ledger import Ledger, check_location, new_state_advice, open_ledger
 from lifecycle.pipeline import Pipeline, PipelineState, Transform
 from lifecycle.spark_log import SparkCommitLog
-from sinks.base import Sink
+from sinks.base import ExpectedLoad, Sink
 from sinks.errors import ConfigError, PreflightError, TwoPhaseError
 from sinks.naming import check_id, check_incarnation
 
@@ -342,6 +343,7 @@ class Job:
             for s in p.sinks:
                 s.check_checkpoint_interval(self.checkpoint_interval)
                 s.preflight(p.schema)
+                s.expect_load(self._expected_load(p, s))
         # what the `twophase` commands rebuild the sinks from (no secrets)
         ledger.record_sinks(
             {
@@ -438,6 +440,19 @@ class Job:
                     "start afresh."
                 )
 
+    def _expected_load(self, p: Pipeline, sink: Sink) -> ExpectedLoad:
+        """What ``sink`` may prepare between two checkpoints in pipeline ``p``:
+        a keyed sink's tasks are Spark's shuffle partitions, others follow the
+        source (the default parallelism is the guess); an available-now batch
+        is taken to last a second at least."""
+        spark = self.spark
+        if sink.partition_columns():
+            tasks = int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
+        else:
+            tasks = spark.sparkContext.defaultParallelism
+        batch_s = 1.0 if p.bounded else p.trigger_interval
+        return ExpectedLoad(tasks, 1 + math.ceil(self.checkpoint_interval / batch_s))
+
     def _loop(self, coord: Coordinator) -> float | None:
         """The run loop. Returns the monotonic time the last input was consumed
         (None when no pipeline consumed input in this run)."""
@@ -476,7 +491,10 @@ class Job:
                 consumed = [p.input_done_at for p in self._pipelines.values() if p.input_done_at]
                 return max(consumed) if consumed else None
             now = time.monotonic()
-            if interval == 0 or now - last >= interval:
+            early = coord.take_early_checkpoint()
+            if early is not None:
+                log.info("taking a checkpoint early: %s", early)
+            if interval == 0 or now - last >= interval or early is not None:
                 last = now
                 coord.checkpoint("periodic", finished=[p.name for p in done_logic])
                 self._finished(done_logic)

@@ -123,6 +123,22 @@ class WriteContext:
         )
 
 
+@dataclass(frozen=True)
+class ExpectedLoad:
+    """What a job expects to prepare between two checkpoints, per sink: an
+    estimate (adaptive execution changes partition counts, and how many batches
+    an available-now run fits into an interval is unknown)."""
+
+    tasks_per_batch: int
+    """Spark tasks that write one batch"""
+    batches_per_checkpoint: int
+    """batches prepared and awaiting commit at most, before a checkpoint commits them"""
+
+    @property
+    def transactions(self) -> int:
+        return self.tasks_per_batch * self.batches_per_checkpoint
+
+
 class SinkWriter(abc.ABC):
     """Executor-side writer for one task attempt."""
 
@@ -232,6 +248,16 @@ class Sink(abc.ABC):
     def check_checkpoint_interval(self, checkpoint_interval_s: float) -> None:  # noqa: B027
         """Raise :class:`sinks.errors.PreflightError` when prepared work could expire
         before a checkpoint of this interval (plus a restart) commits it."""
+
+    def expect_load(self, load: ExpectedLoad) -> None:  # noqa: B027
+        """Warn (log) when the target may not hold the work that waits for a
+        checkpoint under ``load`` (called once, after :meth:`preflight`)."""
+
+    def checkpoint_pressure(self, batch: Sequence[Committable]) -> str | None:
+        """After a batch prepared ``batch`` and it was recorded: a reason to take
+        the next checkpoint now rather than at its interval (the target is
+        close to a limit on work awaiting commit), or None."""
+        return None
 
     def close(self) -> None:  # noqa: B027
         """Release driver-side resources (called when ``Job.run`` ends)."""

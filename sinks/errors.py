@@ -37,3 +37,8 @@ class DataError(TwoPhaseError):
     key in a batch, a value the target cannot hold). The message names the sink,
     the column or key, and what to change. A task raises it before it prepares,
     so nothing of its batch is committed; retrying the same rows cannot help."""
+
+
+class PreparedLimitError(TwoPhaseError):
+    """PostgreSQL refused to prepare a transaction: its ``max_prepared_transactions``
+    is reached. The message says which setting to raise."""

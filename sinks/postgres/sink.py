@@ -29,6 +29,7 @@ from sinks.base import (
     PREPARED,
     ClaimedScopes,
     Committable,
+    ExpectedLoad,
     JobScope,
     LingeringTxn,
     OrphanTest,
@@ -132,6 +133,8 @@ class PostgresSink(Sink):
         keys.check_config(self.describe(), self.key, order_by)
         self._wire: pa.Schema | None = None
         self._claims = ClaimedScopes()
+        self.max_prepared: int | None = None
+        """the server's ``max_prepared_transactions``, read at preflight"""
 
     # -- identity ---------------------------------------------------------------
 
@@ -268,6 +271,7 @@ class PostgresSink(Sink):
                     "Spark tasks that write at once times the batches awaiting commit "
                     "(e.g. 100), and restart the server."
                 )
+            self.max_prepared = mpt
             self._ensure_markers(conn)
             columns = catalog.table_columns(conn, self.schema, self.table)
             if columns is None:
@@ -307,6 +311,47 @@ class PostgresSink(Sink):
                     f"{self.marker_schema}.{self.marker_name} ({e}); create it as an admin "
                     "or grant CREATE, or pass marker_table= naming a schema you may write"
                 ) from e
+
+    # -- prepared transactions: the server's limit -----------------------------------
+
+    def expect_load(self, load: ExpectedLoad) -> None:
+        """Warn when this sink alone may hold more prepared transactions between
+        two checkpoints than the server's ``max_prepared_transactions``."""
+        limit = self.max_prepared
+        if limit is None or load.transactions < limit:
+            return
+        log.warning(
+            "%s: max_prepared_transactions is %d, and this sink may hold about %d prepared "
+            "transactions between two checkpoints (%d tasks per batch x %d batches). Set "
+            "max_prepared_transactions to at least %d in postgresql.conf (a server restart; "
+            "other jobs on the server count too), or checkpoint more often. Meanwhile the "
+            "job takes a checkpoint early when the server comes close to the limit",
+            self.describe(),
+            limit,
+            load.transactions,
+            load.tasks_per_batch,
+            load.batches_per_checkpoint,
+            2 * load.transactions,
+        )
+
+    def checkpoint_pressure(self, batch: Sequence[Committable]) -> str | None:
+        """A reason to checkpoint now when the server's prepared transactions
+        (all databases, all jobs) leave less room than two more batches like
+        this one; None otherwise (also when the server cannot be asked)."""
+        limit = self.max_prepared
+        if not batch or limit is None:
+            return None
+        try:
+            with self.connect(application_name="twophase-capacity") as conn:
+                held = conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone()[0]
+        except psycopg.OperationalError:
+            return None  # the commit will say what is wrong with the server
+        if held + 2 * len(batch) <= limit:
+            return None
+        return (
+            f"{self.describe()}: {held} of max_prepared_transactions={limit} are prepared "
+            f"and the last batch prepared {len(batch)}"
+        )
 
     # -- executor side --------------------------------------------------------------
 

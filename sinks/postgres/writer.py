@@ -14,7 +14,7 @@ from psycopg import sql
 
 from sinks import keys
 from sinks.base import Committable, SinkWriter, WriteContext
-from sinks.errors import LockWaitError
+from sinks.errors import LockWaitError, PreparedLimitError
 from sinks.postgres.upsert import Upsert
 
 if TYPE_CHECKING:
@@ -156,7 +156,19 @@ class PostgresWriter(SinkWriter):
             sql.SQL("INSERT INTO {} (gid, job) VALUES (%s, %s)").format(sink.marker_ident),
             (self._gid, self._job),
         )
-        conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(self._gid)))
+        try:
+            conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(self._gid)))
+        except psycopg.errors.OutOfMemory as e:
+            if "prepared transactions" not in str(e):
+                raise
+            raise PreparedLimitError(
+                f"task {self._gid}: {sink.describe()} holds as many prepared transactions as "
+                f"its max_prepared_transactions allows ({e.diag.message_hint or e}). This "
+                "job's batches awaiting a checkpoint count, and so do other jobs'. Raise "
+                "max_prepared_transactions in postgresql.conf (a server restart), or take "
+                "checkpoints more often (Job(checkpoint_interval=...)); the job takes one "
+                "early when it sees the server close to the limit"
+            ) from e
         self._prepared = True
         return {"txn": self._gid, "rows": self._rows}
 
