@@ -12,6 +12,7 @@ from sinks.errors import (
     DataError,
     LockWaitError,
     PreflightError,
+    PreparedLimitError,
     TransactionLostError,
     TwoPhaseError,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "NullKeyError",
     "PostgresSink",
     "PreflightError",
+    "PreparedLimitError",
     "Sink",
     "SinkWriter",
     "TransactionLostError",

@@ -11,9 +11,8 @@ import pyarrow as pa
 import pytest
 
 from lifecycle import Job
-from sinks import PostgresSink
+from sinks import PostgresSink, PreparedLimitError
 from sinks.base import ExpectedLoad, JobScope, WriteContext
-from sinks.errors import PreparedLimitError
 from tests.conftest import write_input
 from tests.pgcheck import assert_exactly_once, job_prepared
 from tests.pgserver import PostgresServer
