@@ -190,6 +190,11 @@ class Sink(abc.ABC):
     #: short kind name used in ids and messages ("postgres", "kafka", "delta")
     kind: str = "sink"
 
+    #: whether prepared work has a deadline that runs from its first write (a
+    #: Kafka transaction's timeout): such sinks pre-commit after the others of
+    #: their pipeline, so that their work waits as briefly as possible
+    prepared_work_expires: bool = False
+
     @property
     @abc.abstractmethod
     def sink_id(self) -> str:

@@ -98,7 +98,7 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.errors import ConfigError, PreflightError
-from sinks.kafka import checks, encode, outcome, txn
+from sinks.kafka import checks, encode, outcome, txn, txn_age
 from sinks.kafka.progress import ProgressStore
 from sinks.kafka.registry import (
     ABORTED,
@@ -160,6 +160,7 @@ class KafkaSink(Sink):
     """
 
     kind = "kafka"
+    prepared_work_expires = True
 
     def __init__(
         self,
@@ -202,6 +203,7 @@ class KafkaSink(Sink):
         self.replication_factor = replication_factor
         self.producer_config = dict(producer_config or {})
         self.commit_timeout = commit_timeout
+        self._checkpoint_interval_s = 0.0
         self.registry_topic = registry_topic
         self.flush_timeout = flush_timeout
         self.connect_timeout = connect_timeout
@@ -450,6 +452,18 @@ class KafkaSink(Sink):
         checks.check_checkpoint_interval(
             self, checkpoint_interval_s, batch_duration_s=batch_duration_s, restart_s=restart_s
         )
+        self._checkpoint_interval_s = checkpoint_interval_s
+
+    def checkpoint_pressure(self, batch: Sequence[Committable]) -> str | None:
+        """Checkpoint now when the batch's transactions, measured, may reach half
+        of ``transaction_timeout_ms`` by their commit (:mod:`sinks.kafka.txn_age`)."""
+        return txn_age.pressure(
+            self.describe(),
+            batch,
+            timeout_ms=self.transaction_timeout_ms,
+            checkpoint_interval_s=self._checkpoint_interval_s,
+            commit_timeout_s=self.commit_timeout,
+        )
 
     # -- executor side -------------------------------------------------------------------
 
@@ -507,6 +521,9 @@ class KafkaSink(Sink):
         pending = {c["transactional_id"]: c for c in committables}
         if not pending:
             return
+        txn_age.check_at_commit(
+            self.describe(), committables, timeout_ms=self.transaction_timeout_ms
+        )
         total = len(pending)
         replayed: list[str] = []
         done = 0

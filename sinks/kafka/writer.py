@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -72,6 +73,7 @@ class KafkaWriter(SinkWriter):
         self._errors: list[BaseException] = []
         self._rows = 0
         self._prepared = False
+        self._opened_at: float | None = None
 
     # -- opening ----------------------------------------------------------------------
 
@@ -81,6 +83,7 @@ class KafkaWriter(SinkWriter):
         self._producer = producer
         producer.init_transactions()
         producer.begin_transaction()
+        self._opened_at = time.time()  # the broker's timer starts with the first record
         if sink.registry_topic:
             producer.send(
                 sink.registry_topic, key=self._tid.encode(), value=announcement(sink.topic)
@@ -182,6 +185,7 @@ class KafkaWriter(SinkWriter):
             "rows": self._rows,
             "topic": self._sink.topic,
             "partitions": offsets,
+            "opened_at": round(self._opened_at or time.time(), 3),
         }
 
     def close(self, failed: bool = False) -> None:
