@@ -40,9 +40,10 @@ import sys
 import time
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, NoReturn
 
 from lifecycle import control, operations
+from lifecycle._exit import leave
 from lifecycle.errors import CheckpointCommitError
 from lifecycle.ledger import is_locked, new_state_advice, read_ledger, stored_location
 from lifecycle.state.pg_location import PgLocation
@@ -419,5 +420,20 @@ def _command(args: argparse.Namespace) -> int:
     return 0
 
 
+def entry() -> NoReturn:
+    """The ``twophase`` console command: :func:`main`, then leave with its
+    status, exit handlers run but no interpreter teardown after them
+    (:mod:`lifecycle._exit`: deltalake can abort a process as it finalizes)."""
+    try:
+        status = main()
+    except SystemExit as e:  # argparse's --help and usage errors
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            status = 1
+    leave(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
