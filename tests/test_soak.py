@@ -1,0 +1,98 @@
+"""Soak: hundreds of random driver SIGKILLs across one job writing PostgreSQL,
+Kafka and Delta, restarted each time (``-m soak``; not in the default run).
+
+A round is one bounded job (``tests/jobs/multi_sink_job.py``: one pipeline,
+the same batches to the three sinks) over an input of many small files, two a
+batch. The job is started, SIGKILLed with its JVM and Python workers after a
+random time (anywhere from Spark's start-up to the middle of a commit), and
+started again on the same state, until a run ends by itself; then every row
+must be in every sink exactly once, with nothing prepared, open or staged,
+and the ledger's checkpoints must map one to one onto Delta versions. Rounds
+repeat until ``TWOPHASE_SOAK_KILLS`` kills (default 200) were made.
+
+Resumable: with ``TWOPHASE_SOAK_LOG=FILE`` the kills, rounds and rows of
+earlier invocations are read from and added to ``FILE`` (one JSON object), so
+the soak can run in chunks (``TWOPHASE_SOAK_KILLS`` then counts the kills of
+this chunk). The figures are printed at the end (run with ``-s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.conftest import write_input
+from tests.multisink import Run
+
+pytestmark = pytest.mark.soak
+
+FILES = 40
+ROWS_PER_FILE = 25
+KILL_AFTER = (2.0, 22.0)  # seconds after a start: from JVM start-up to commits
+MAX_RUNS_PER_ROUND = 60
+
+
+def _totals(path: Path | None) -> dict[str, int]:
+    if path is not None and path.exists():
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    return {"kills": 0, "rounds": 0, "rows": 0, "clean_exits": 0}
+
+
+def test_random_driver_kills(
+    pg_dsn: str, kafka_bootstrap: str, kafka_topic: Callable[[int], str], tmp_path: Path
+) -> None:
+    target = int(os.environ.get("TWOPHASE_SOAK_KILLS", "200"))
+    log_env = os.environ.get("TWOPHASE_SOAK_LOG")
+    log = Path(log_env) if log_env else None
+    totals = _totals(log)
+    rng = random.Random(int(os.environ.get("TWOPHASE_SOAK_SEED", str(time.time_ns()))))
+    kills = 0
+    round_no = 0
+    started = time.monotonic()
+    while kills < target:
+        round_no += 1
+        root = tmp_path / f"round{round_no}"
+        n = write_input(root / "in", files=FILES, rows_per_file=ROWS_PER_FILE)
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute("DROP TABLE IF EXISTS orders")
+            c.execute(
+                "CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8, part bigint)"
+            )
+        run = Run(root, pg_dsn, kafka_bootstrap, kafka_topic(3))
+        for _ in range(MAX_RUNS_PER_ROUND):
+            job = run.start(files_per_batch=2, wait=False)
+            after = rng.uniform(*KILL_AFTER)
+            try:
+                job.proc.wait(after)
+            except subprocess.TimeoutExpired:
+                job.kill()
+                job.wait(60)
+                assert job.killed(), job.tail()
+                kills += 1
+                continue
+            job.wait(60)
+            assert job.proc.returncode == 0, job.tail()
+            totals["clean_exits"] += 1
+            break
+        else:
+            pytest.fail(f"round {round_no} did not finish in {MAX_RUNS_PER_ROUND} runs")
+        run.check(n)
+        totals["rounds"] += 1
+        totals["rows"] += n
+        print(
+            f"soak: round {round_no} exactly once after {kills} kills so far "
+            f"({time.monotonic() - started:.0f}s)",
+            flush=True,
+        )
+    totals["kills"] += kills
+    if log is not None:
+        log.write_text(json.dumps(totals))
+    print(f"soak: this chunk {kills} kills in {round_no} rounds; all chunks {totals}", flush=True)
