@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import tenacity
 
@@ -20,13 +23,25 @@ def retry_transient(
     what: str,
     transient: tuple[type[BaseException], ...],
     deadline: float,
+    in_flight: Callable[[], str | None] | None = None,
 ) -> T:
     """Call ``fn`` until it succeeds, retrying ``transient`` errors with
     exponential backoff for at most ``deadline`` seconds.
 
     Each retry is logged (a commit waiting for a restarting server shows
     progress). After the deadline a :class:`CommitError` names what failed; the
-    caller's decision stays recorded and the next start finishes it."""
+    caller's decision stays recorded and the next start finishes it.
+
+    With ``in_flight`` (what ``fn`` is waiting for right now, e.g. the
+    transaction being committed), a call that gets no answer at all is also
+    bounded by the deadline: it runs in a thread of its own, which is left
+    behind when the deadline passes (a server process that is stopped, not
+    dead, keeps its connection alive and answers nothing; the call ends when it
+    resumes). The :class:`CommitError` then names what it was waiting for."""
+    call = fn
+    if in_flight is not None:
+        ends = time.monotonic() + deadline
+        call = functools.partial(_answered_by, fn, ends, what, deadline, in_flight)
 
     def _log(state: tenacity.RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
@@ -46,7 +61,39 @@ def retry_transient(
         reraise=False,
     )
     try:
-        return retrying(fn)
+        return retrying(call)
     except tenacity.RetryError as e:
         last = e.last_attempt.exception()
         raise CommitError(f"{what} did not succeed within {deadline:.0f}s: {last}") from last
+
+
+def _answered_by(
+    fn: Callable[[], T],
+    ends: float,
+    what: str,
+    deadline: float,
+    in_flight: Callable[[], str | None],
+) -> T:
+    """``fn()``, or :class:`CommitError` when it has not returned by ``ends``."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed over to the caller
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name=f"twophase: {what}", daemon=True)
+    worker.start()
+    worker.join(max(0.0, ends - time.monotonic()))
+    if worker.is_alive():
+        waiting = in_flight()
+        raise CommitError(
+            f"{what} got no answer within {deadline:.0f}s"
+            + (f", waiting for {waiting}" if waiting else "")
+            + ": the server holds the connection open but does not answer (a stopped or "
+            "hung server process?). The decision stays recorded; the next start finishes it"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -12,7 +14,7 @@ import psycopg
 import pytest
 from pyspark.sql.pandas.types import to_arrow_schema
 
-from lifecycle import Job, JobFailedError
+from lifecycle import CheckpointCommitError, Job, JobFailedError
 from lifecycle.ledger import read_ledger
 from sinks import LockWaitError, PostgresSink, PreflightError, TransactionLostError, _faults
 from tests.conftest import write_input
@@ -24,7 +26,7 @@ from tests.sparkutil import INPUT_SCHEMA
 def _job(spark, dsn: str, tmp: Path, name: str, **sink: Any) -> Job:  # type: ignore[no-untyped-def]
     df = spark.readStream.schema(INPUT_SCHEMA).json(str(tmp / "in"))  # one batch
     job = Job(spark, name, tmp / "state", checkpoint_interval=0)
-    sinks = [PostgresSink(dsn, "orders", commit_timeout=60, **sink)]
+    sinks = [PostgresSink(dsn, "orders", **{"commit_timeout": 60, **sink})]
     job.add_pipeline("load", df, sinks, bounded=True)
     return job
 
@@ -128,3 +130,46 @@ def test_upsert_refuses_a_lock_timeout_shorter_than_the_interval(pg_dsn):  # typ
     auto.check_checkpoint_interval(100.0)
     assert auto.lock_timeout == 360.0
     PostgresSink(pg_dsn, "orders", lock_timeout=5).check_checkpoint_interval(10.0)  # append: ok
+
+
+def _commit_backend(dsn: str) -> int:
+    with psycopg.connect(dsn) as c:
+        row = c.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'twophase-commit'"
+        ).fetchone()
+    assert row is not None, "no commit connection"
+    return int(row[0])
+
+
+def test_a_stopped_backend_fails_the_commit_after_commit_timeout(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    """The server process committing the job's transactions is SIGSTOPped between
+    two COMMIT PREPAREDs: its connection stays alive (the kernel answers) and it
+    answers nothing. The commit fails after commit_timeout naming the gid it
+    waited for; with the process resumed, the next start finishes the commit."""
+    n = write_input(tmp_path / "in", files=3, rows_per_file=50)
+    _create(pg_dsn)
+    stopped: list[int] = []
+
+    def stop_backend() -> None:
+        pid = _commit_backend(pg_dsn)
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    _faults.register("driver.mid_commit", stop_backend)
+    started = time.monotonic()
+    try:
+        with pytest.raises(CheckpointCommitError) as e:
+            _job(spark, pg_dsn, tmp_path, "stopped", commit_timeout=6).run()
+    finally:
+        _faults.clear()
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    took = time.monotonic() - started
+    assert stopped and took < 60
+    cause = str(e.value)
+    assert "got no answer within 6s" in cause and "COMMIT PREPARED 'tp2.stopped." in cause
+    doc = read_ledger(tmp_path / "state")
+    assert doc is not None and doc["decided"] is not None  # kept for the next start
+    _job(spark, pg_dsn, tmp_path, "stopped").run()
+    assert_exactly_once(pg_dsn, "orders", n)
+    assert job_prepared(pg_dsn, "stopped") == []

@@ -402,14 +402,16 @@ class PostgresSink(Sink):
     def commit(self, committables: Sequence[Committable]) -> None:
         gids = [c["txn"] for c in committables]
         if gids:
+            doing: list[str] = []  # the statement in flight, for a commit that hangs
             retry_transient(
-                lambda: self._commit_once(gids),
+                lambda: self._commit_once(gids, doing),
                 what=f"commit of {len(gids)} transaction(s) to {self.describe()}",
                 transient=_TRANSIENT,
                 deadline=self.commit_timeout,
+                in_flight=lambda: doing[-1] if doing else None,
             )
 
-    def _commit_once(self, gids: list[str]) -> None:
+    def _commit_once(self, gids: list[str], doing: list[str]) -> None:
         with self.connect(application_name="twophase-commit") as conn:
             prepared = self._prepared(conn, gids)
             missing = [g for g in gids if g not in prepared]
@@ -435,6 +437,7 @@ class PostgresSink(Sink):
             for gid in gids:
                 if gid not in prepared or gid in replays:
                     continue
+                doing.append(f"COMMIT PREPARED '{gid}'")
                 try:
                     conn.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
                 except psycopg.errors.UndefinedObject:
