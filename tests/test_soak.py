@@ -96,3 +96,21 @@ def test_random_driver_kills(
     if log is not None:
         log.write_text(json.dumps(totals))
     print(f"soak: this chunk {kills} kills in {round_no} rounds; all chunks {totals}", flush=True)
+
+
+def test_a_delta_job_exits_zero_every_time(tmp_path: Path) -> None:
+    """deltalake can abort a process as the interpreter finalizes (delta-rs#2184):
+    a job whose final checkpoint committed must still exit 0, every time.
+    ``TWOPHASE_SOAK_EXITS`` runs (default 50) of a bounded job with a Delta sink,
+    each a fresh driver process."""
+    runs = int(os.environ.get("TWOPHASE_SOAK_EXITS", "50"))
+    statuses: dict[int, int] = {}
+    for i in range(runs):
+        root = tmp_path / f"r{i}"
+        n = write_input(root / "in", files=2, rows_per_file=20)
+        run = Run(root, None, None, None, sinks="delta")
+        job = run.start()
+        statuses[job.proc.returncode] = statuses.get(job.proc.returncode, 0) + 1
+        assert job.proc.returncode == 0, job.tail()
+        run.check(n)
+    print(f"soak: {runs} Delta job runs, exit statuses {statuses}", flush=True)
