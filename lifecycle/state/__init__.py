@@ -6,7 +6,11 @@
 * :mod:`lifecycle.state.snapshot`: numbered snapshots of the ledger (generations);
 * :mod:`lifecycle.state.model`: the ledger's state in memory and its operations;
 * :mod:`lifecycle.state.upgrade`: reading a ledger of the previous format (1);
-* :mod:`lifecycle.state.file_ledger`: the embedded ledger that puts them together.
+* :mod:`lifecycle.state.file_ledger`: the embedded ledger that puts them together;
+* :mod:`lifecycle.state.store`: the state store, by the form of ``state_dir``: a
+  local directory, or (:mod:`lifecycle.state.hadoop_store`) a Hadoop-compatible
+  URI through Spark's Hadoop FileSystem in the driver JVM. Spark checkpoint
+  locations, end-of-input flags and control files go through it.
 
 :mod:`lifecycle.ledger` is the public face; import from there.
 """
