@@ -6,6 +6,14 @@
                                                      from incarnation ID (state lost)
     twophase version
 
+Each command takes ``--ledger DIR`` too: the job's ``ledger=``, needed when
+STATE_DIR is a URI (``viewfs://``, ``hdfs://``, ``s3a://``, ...). The control
+files of such a STATE_DIR are written through Hadoop's FileSystem in a JVM
+that the command starts only then (PySpark's gateway, no SparkContext), with
+the Hadoop configuration a job's session gets (``HADOOP_CONF_DIR``, the
+``spark.hadoop.*`` settings of ``spark-defaults.conf`` or
+``PYSPARK_SUBMIT_ARGS``); a plain path needs no JVM.
+
 ``twophase stop`` exits 0 when the job stopped with its final (``--drain``) or
 savepoint checkpoint committed and nothing left undecided, 1 when it did not,
 2 when no job is running on STATE_DIR or it did not stop within the timeout.
@@ -24,6 +32,7 @@ from typing import Any
 
 from lifecycle import control
 from lifecycle.ledger import is_locked, read_ledger
+from lifecycle.state.store import open_store, scheme_of
 from sinks.errors import ConfigError
 from sinks.naming import check_incarnation
 
@@ -79,21 +88,37 @@ def format_status(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def stop(state_dir: str, *, drain: bool, timeout: float) -> int:
+def ledger_root(state_dir: str, ledger: str | None) -> str:
+    """The directory whose ``ledger/`` holds the job's ledger: ``--ledger`` when
+    given, else a local ``state_dir``."""
+    if ledger is not None:
+        return ledger
+    if scheme_of(state_dir) is not None:
+        raise ConfigError(
+            f"state_dir {state_dir} is a URI, which holds no ledger: pass --ledger DIR "
+            "(the job's ledger=)"
+        )
+    return state_dir
+
+
+def stop(state_dir: str, *, drain: bool, timeout: float, ledger: str | None = None) -> int:
     """Ask the job on ``state_dir`` to stop, wait for it to exit, report the outcome."""
-    if not is_locked(state_dir):
+    root = ledger_root(state_dir, ledger)
+    if not is_locked(root):
         print(f"twophase: no job is running with state_dir {state_dir}", file=sys.stderr)
         return 2
-    req = control.write_request(state_dir, drain=drain, source=f"twophase stop (pid {os.getpid()})")
+    req = control.write_request(
+        open_store(state_dir, None), drain=drain, source=f"twophase stop (pid {os.getpid()})"
+    )
     what = "drain" if drain else "stop (savepoint)"
     print(f"asked the job to {what}; waiting for it to exit ...", flush=True)
     deadline = time.monotonic() + timeout
-    while is_locked(state_dir):
+    while is_locked(root):
         if time.monotonic() > deadline:
             print(f"twophase: the job did not exit within {timeout:.0f}s", file=sys.stderr)
             return 2
         time.sleep(0.2)
-    doc = read_ledger(state_dir) or {}
+    doc = read_ledger(root) or {}
     kind = "final" if drain else "savepoint"
     last = (doc.get("history") or [None])[-1]
     ok = (
@@ -108,20 +133,21 @@ def stop(state_dir: str, *, drain: bool, timeout: float) -> int:
         return 0
     print(
         "twophase: the job exited without committing its "
-        f"{kind} checkpoint; see the job's log and `twophase status {state_dir}`",
+        f"{kind} checkpoint; see the job's log and `twophase status {state_dir}"
+        f"{f' --ledger {ledger}' if ledger else ''}`",
         file=sys.stderr,
     )
     return 1
 
 
-def start_over(state_dir: str, incarnation: str) -> int:
+def start_over(state_dir: str, incarnation: str, ledger: str | None = None) -> int:
     """Record the operator's choice to start over from ``incarnation``."""
     try:
         check_incarnation(incarnation)
     except ConfigError as e:
         print(f"twophase: {e}", file=sys.stderr)
         return 2
-    doc = read_ledger(state_dir)
+    doc = read_ledger(ledger_root(state_dir, ledger))
     if doc is not None and doc.get("incarnation") == incarnation:
         print(
             f"twophase: {incarnation} is the incarnation of {state_dir} itself; starting "
@@ -129,7 +155,9 @@ def start_over(state_dir: str, incarnation: str) -> int:
             file=sys.stderr,
         )
         return 2
-    control.request_start_over(state_dir, incarnation, source=f"twophase (pid {os.getpid()})")
+    control.request_start_over(
+        open_store(state_dir, None), incarnation, source=f"twophase (pid {os.getpid()})"
+    )
     print(
         f"the next run with state_dir {state_dir} takes every sink over from incarnation "
         f"{incarnation}: it aborts what that incarnation left prepared, keeps what it "
@@ -163,21 +191,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         required=True,
         help="the incarnation id the job's refusal named",
     )
+    for p in (st, sp, so):
+        p.add_argument(
+            "--ledger",
+            default=None,
+            metavar="DIR",
+            help="the job's ledger= (needed when STATE_DIR is a URI)",
+        )
     sub.add_parser("version", help="print the version")
     args = ap.parse_args(argv)
-    if args.cmd == "stop":
-        return stop(args.state_dir, drain=args.drain, timeout=args.timeout)
-    if args.cmd == "start-over":
-        return start_over(args.state_dir, args.incarnation)
     if args.cmd == "version":
         try:
             print(version("twophase"))
         except PackageNotFoundError:
             print("unknown (not installed)")
         return 0
-    doc = read_ledger(args.state_dir)
+    try:
+        return _command(args)
+    except ConfigError as e:
+        print(f"twophase: {e}", file=sys.stderr)
+        return 2
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.cmd == "stop":
+        return stop(args.state_dir, drain=args.drain, timeout=args.timeout, ledger=args.ledger)
+    if args.cmd == "start-over":
+        return start_over(args.state_dir, args.incarnation, ledger=args.ledger)
+    root = ledger_root(args.state_dir, args.ledger)
+    doc = read_ledger(root)
     if doc is None:
-        print(f"twophase: no ledger in {args.state_dir}", file=sys.stderr)
+        print(f"twophase: no ledger in {root}", file=sys.stderr)
         return 2
     print(json.dumps(doc, indent=2, sort_keys=True) if args.json else format_status(doc))
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from lifecycle.failures import TaskFailure, cause_of, full_trace
 from lifecycle.ledger import FileLedger
 from lifecycle.pipeline import Pipeline, PipelineState, Transform
 from lifecycle.spark_log import SparkCommitLog
+from lifecycle.state.store import LocalStore, StateStore, open_store, scheme_of
 from sinks.base import Sink
 from sinks.errors import ConfigError, PreflightError, TwoPhaseError
 from sinks.naming import check_id, check_incarnation
@@ -83,15 +85,40 @@ class _Wakeup(StreamingQueryListener):
         self._event.set()
 
 
+def ledger_directory(store: StateStore, ledger: str | os.PathLike[str] | None) -> Path:
+    """The local directory of the job's file ledger: ``<ledger>/ledger`` when
+    ``ledger`` is given, else ``<state_dir>/ledger`` of a local state_dir."""
+    if ledger is None:
+        if isinstance(store, LocalStore):
+            return store.path("ledger")
+        raise ConfigError(
+            f"state_dir {store.uri()!r} is a URI, and the embedded ledger needs a local "
+            'directory (fsync, flock): pass ledger="postgresql://..." (a ledger that a '
+            "driver restarting on another host reaches) or ledger=LOCAL_DIR (a file ledger "
+            "on this host only)"
+        )
+    if scheme_of(ledger) is not None:
+        raise ConfigError(
+            f"ledger={os.fspath(ledger)!r}: this version keeps the ledger in a local directory "
+            "only; pass a plain path"
+        )
+    return Path(ledger) / "ledger"
+
+
 class Job:
     """A set of pipelines whose sinks commit together, exactly once.
 
     Args:
         spark: the SparkSession every pipeline runs in.
         name: the job's id (``[A-Za-z0-9_-]``, part of every transaction name).
-        state_dir: local directory holding the ledger and every pipeline's Spark
-            checkpoint location. Running again with the same ``state_dir``
-            recovers, then resumes.
+        state_dir: where the job's state lives: every pipeline's Spark checkpoint
+            location, its end-of-input flags and control files, and (for a local
+            directory) the ledger. A plain path is a local directory; a URI
+            with a scheme (``file://``, ``viewfs://``, ``hdfs://``,
+            ``s3a://``, ...) is reached through Spark's Hadoop FileSystem in
+            the driver JVM, so that a driver restarting on another host finds it
+            (see :mod:`lifecycle.state.store`). Running again with the same
+            ``state_dir`` recovers, then resumes.
         checkpoint_interval: seconds between checkpoints. 0 commits every
             micro-batch as soon as Spark has completed it; a positive interval
             groups all completed batches of all pipelines into one checkpoint
@@ -111,18 +138,23 @@ class Job:
             Without it, a job whose sinks hold output of another incarnation
             refuses before any data moves. ``twophase start-over STATE_DIR
             --from ID`` makes the same choice for the next run.
+        ledger: where the ledger lives when not in ``state_dir``: a local
+            directory (the file ledger goes in its ``ledger/`` subdirectory).
+            Needed when ``state_dir`` is a URI: the file ledger needs a local
+            directory (``fsync``, ``flock``).
     """
 
     def __init__(
         self,
         spark: SparkSession,
         name: str,
-        state_dir: str | Path,
+        state_dir: str | os.PathLike[str],
         checkpoint_interval: float = 5.0,
         *,
         final_checkpoint: str = "shared",
         stop_grace: float = 10.0,
         start_over_from: str | None = None,
+        ledger: str | os.PathLike[str] | None = None,
     ) -> None:
         if checkpoint_interval < 0:
             raise ConfigError("checkpoint_interval must be >= 0 seconds")
@@ -132,7 +164,9 @@ class Job:
             raise ConfigError(f"final_checkpoint must be one of {FINAL_MODES}")
         self.spark = spark
         self.name = check_id("job name", name)
-        self.state_dir = Path(state_dir)
+        self.state_dir = os.fspath(state_dir)
+        self.store: StateStore = open_store(state_dir, spark)
+        self.ledger_dir = ledger_directory(self.store, ledger)
         self.checkpoint_interval = float(checkpoint_interval)
         self.final_checkpoint = final_checkpoint
         self.stop_grace = float(stop_grace)
@@ -215,7 +249,8 @@ class Job:
             bounded=bounded,
             trigger_interval=float(trigger_interval),
             output_mode=output_mode,
-            location=self.state_dir / "pipelines" / name,
+            store=self.store,
+            location=f"pipelines/{name}",
             transform=transform,
             event_time=event_time,
         )
@@ -261,8 +296,7 @@ class Job:
                 "a speculative one still running, so exactly-once sinks refuse it; set "
                 "spark.speculation=false for this job"
             )
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        ledger = FileLedger(self.state_dir / "ledger", self.name)
+        ledger = FileLedger(self.ledger_dir, self.name)
         self._running = True
         self._outcome = ""  # a stop() that came before run() is honoured
         signals = control.SignalHandlers(self.stop) if handle_signals else contextlib.nullcontext()
@@ -318,7 +352,9 @@ class Job:
             ledger,
             [
                 PipelineSinks(
-                    p.name, {s.sink_id: s for s in p.sinks}, SparkCommitLog(p.spark_location)
+                    p.name,
+                    {s.sink_id: s for s in p.sinks},
+                    SparkCommitLog(self.store, p.spark_location),
                 )
                 for p in self._pipelines.values()
             ],
@@ -330,10 +366,10 @@ class Job:
                 s.preflight(p.schema)
         start_over = self._start_over_choice(ledger)
         coord.claim_sinks(start_over)
-        control.clear_start_over(self.state_dir)
+        control.clear_start_over(self.store)
         coord.recover()
         coord.check_sinks_behind_ledger()
-        stale = control.take_request(self.state_dir)
+        stale = control.take_request(self.store)
         if stale is not None:
             log.warning("ignoring a stop request made while the job was not running")
         finished = ledger.finished()
@@ -364,7 +400,7 @@ class Job:
     def _start_over_choice(self, ledger: FileLedger) -> str | None:
         """The incarnation to start over from: the argument, or a ``twophase
         start-over`` request for this state_dir."""
-        requested = control.start_over_request(self.state_dir)
+        requested = control.start_over_request(self.store)
         if requested and self.start_over_from and requested != self.start_over_from:
             raise ConfigError(
                 f"Job(start_over_from={self.start_over_from!r}) and `twophase start-over "
@@ -407,12 +443,12 @@ class Job:
         totals = ledger.totals()
         for p in self._pipelines.values():
             committed = any(k.startswith(p.name + "/") for k in totals)
-            if committed and not SparkCommitLog(p.spark_location).exists():
+            if committed and not SparkCommitLog(self.store, p.spark_location).exists():
                 raise RecoveryRefusedError(
                     f"pipeline {p.name!r} committed output in earlier runs, but its Spark "
-                    f"checkpoint {p.spark_location} is missing: starting over would write its "
-                    "input twice. Restore the directory, or use a new state_dir (and an empty "
-                    "target) to start afresh."
+                    f"checkpoint {self.store.uri(p.spark_location)} is missing: starting over "
+                    "would write its input twice. Restore the directory, or use a new "
+                    "state_dir (and an empty target) to start afresh."
                 )
 
     def _loop(self, coord: Coordinator) -> float | None:
@@ -424,7 +460,7 @@ class Job:
             wait = 0.2 if interval == 0 else max(0.05, min(0.5, last + interval - time.monotonic()))
             self._wake.wait(wait)
             self._wake.clear()
-            request = control.take_request(self.state_dir)
+            request = control.take_request(self.store)
             if request is not None:
                 log.warning("stop requested by %s (drain=%s)", request.source, request.drain)
                 self.stop(drain=request.drain)
