@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--files-per-batch", type=int, default=1)
     ap.add_argument("--sinks", default="pg,kafka,delta")
     ap.add_argument("--start-over-from", default=None)
+    ap.add_argument("--ledger", default=None, help="the ledger's directory (state on a URI)")
     ap.add_argument("--probe", default=None, help="a driver-side path executors must not see")
     args = ap.parse_args()
     spark = start_driver(args.job)
@@ -81,6 +82,7 @@ def main() -> int:
         args.state,
         checkpoint_interval=args.interval,
         start_over_from=args.start_over_from,
+        ledger=args.ledger,
     )
     job.add_pipeline("load", df, sinks, bounded=True)
     return finish(spark, job.run())
