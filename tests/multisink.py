@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lifecycle.coordinator import sink_label
 from lifecycle.ledger import read_ledger
+from lifecycle.state.pg_location import is_pg_location
 from sinks.base import JobScope
 from sinks.delta.sink import app_id
 from tests import deltacheck
@@ -37,10 +38,10 @@ class Run:
         sinks: str | None = None,
         state: Path | str | None = None,
         env: dict[str, str] | None = None,
-        ledger: Path | None = None,
+        ledger: Path | str | None = None,
     ) -> None:
         """``state``: the job's state_dir (a URI: give ``ledger``, the job's
-        ``ledger=`` directory, too)."""
+        ``ledger=``, too: a directory, or a PostgreSQL URI as a str)."""
         self.tmp = tmp
         self.dsn = dsn
         self.bootstrap = bootstrap
@@ -90,6 +91,13 @@ class Run:
             cwd=self.cwd,
         )
 
+    def ledger_location(self) -> Path | str | None:
+        """The job's ``ledger=`` as the checks read it: a PostgreSQL URI names the
+        job (so no URI state_dir is read for its ``ledger.location``)."""
+        if isinstance(self.ledger, str) and is_pg_location(self.ledger):
+            return f"{self.ledger}{'&' if '?' in self.ledger else '?'}job={self.job}"
+        return self.ledger
+
     def check(self, n: int, per_checkpoint: bool = True) -> list[deltacheck.Version]:
         """Exactly once and nothing left behind in every sink; the ledger's
         checkpoints committed all three sinks together. Returns the Delta
@@ -109,7 +117,7 @@ class Run:
             kafka_exactly_once(self.bootstrap, self.topic, n)
             assert_nothing_open(self.bootstrap, self.topic, self.job)
 
-        doc = read_ledger(self.ledger or self.state)
+        doc = read_ledger(self.state, self.ledger_location())
         assert doc is not None and doc["pending"] == {} and doc["decided"] is None
         assert doc["finished"] == ["load"]
         assert doc["totals"] == {label: n for label in labels}

@@ -6,7 +6,7 @@ here, so the URIs are the ones it can prove: ``viewfs://`` mounted (in a
 ``core-site.xml`` under ``HADOOP_CONF_DIR``, as a cluster configures it) onto a
 second directory that stands in for shared storage, and ``file://`` naming such
 a directory. The ledger is a file ledger in a local directory (``ledger=``),
-standing in for a PostgreSQL ledger.
+or a PostgreSQL ledger (``ledger="postgresql://..."``, the test server's).
 
 * A bounded and an unbounded pipeline write Delta tables; ``twophase status``
   and ``twophase stop`` work on the URI; the restart finds the finished
@@ -15,6 +15,8 @@ standing in for a PostgreSQL ledger.
 * The driver is SIGKILLed mid-run and restarted from another working directory
   with another temp dir and Spark local dir (the first "host" deleted): the
   state on a ``file://`` URI is all it needs; exactly once, nothing staged.
+  Again with the state on ``viewfs://`` and the ledger in PostgreSQL: the URI's
+  ``ledger.location`` leads ``twophase status`` to the ledger.
 
 Both check that no code treated the URI as a local path (no ``viewfs:`` or
 ``file:`` directory appears in the jobs' working directories).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,12 +35,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from lifecycle.ledger import read_ledger
 from tests import deltacheck
 from tests.conftest import write_input
+from tests.ledgers import pg_uri
 from tests.multisink import Run
+from tests.pgcheck import job_prepared
 from tests.procs import ROOT, JobProcess, wait_for
 
 
@@ -223,6 +229,72 @@ def test_a_killed_driver_restarts_elsewhere_from_a_file_uri(
     assert deltacheck.runs_of_batch(ours, 2) == {batch2_run}
     commits = shared / "state" / "pipelines" / "load" / "spark" / "commits"
     assert sorted(int(f) for f in os.listdir(commits) if f.isdigit()) == [0, 1, 2]
+    no_uri_paths(second_host / "cwd", ROOT)
+
+
+@pytest.mark.crash
+def test_a_killed_driver_restarts_elsewhere_with_its_state_on_viewfs_and_the_ledger_in_postgresql(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """The state on ``viewfs://`` and the ledger in PostgreSQL: what a driver
+    restarting on another host needs. The driver is SIGKILLed after the ledger
+    recorded batch 2 (prepared in PostgreSQL, staged in Delta, Spark's commit
+    log without it) and restarted from another working directory, temp dir and
+    Spark local dir: it finds its ledger (the killed driver's advisory lock gone
+    with its sessions), Spark replays batch 2, every row is in each sink exactly
+    once and nothing is left prepared or staged. ``twophase status STATE_URI``
+    finds the ledger through the URI's ``ledger.location`` (read through Hadoop),
+    before and after the restart."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    base, vfs = viewfs_env(tmp_path, shared)
+    state = f"{base}/job"
+    ledger = pg_uri(pg_dsn)
+    run = Run(tmp_path, pg_dsn, None, None, sinks="delta,pg", state=state, ledger=ledger)
+    n = write_input(tmp_path / "in", files=3, rows_per_file=100)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(
+            "CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8, part bigint)"
+        )
+
+    def host(name: str) -> Path:
+        """A driver host of its own: working directory, temp dir, Spark local dir."""
+        h = tmp_path / name
+        for d in ("cwd", "tmp", "spark-local"):
+            (h / d).mkdir(parents=True)
+        run.cwd = h / "cwd"
+        run.env = {**vfs, "TMPDIR": str(h / "tmp"), "SPARK_LOCAL_DIRS": str(h / "spark-local")}
+        return h
+
+    first_host = host("host1")
+    first = run.start("driver.after_record@2=kill")
+    assert first.proc.returncode == -signal.SIGKILL, first.tail(3000)
+    assert deltacheck.markers(run.delta), "the killed run left no staged Delta work behind"
+    assert job_prepared(pg_dsn, run.job), "the killed run left nothing prepared in PostgreSQL"
+    assert os.listdir(first_host / "spark-local"), "Spark did not use the host's local dir"
+    no_uri_paths(first_host / "cwd")
+    shutil.rmtree(first_host)  # that host is gone
+    recorded = (shared / "job" / "ledger.location").read_text()
+    assert recorded.startswith("postgresql://") and f"job={run.job}" in recorded
+    assert "ledger" not in os.listdir(shared / "job")  # no file ledger on the URI
+    status = twophase("status", state, env=vfs)  # no --ledger: the URI's ledger.location
+    assert status.returncode == 0, status.stderr
+    assert f"job {run.job}" in status.stdout
+    assert re.search(r"load: batches \d+\.\.2 ", status.stdout), status.stdout  # batch 2
+
+    second_host = host("host2")
+    second = run.start(None)
+    assert second.proc.returncode == 0, second.tail(5000)
+    assert second.result()["committed"] is True
+    ours = run.check(n)  # exactly once in both sinks, nothing staged or prepared
+    assert deltacheck.runs_of_batch(ours, 2) == {2}  # Spark replayed batch 2
+    commits = shared / "job" / "pipelines" / "load" / "spark" / "commits"
+    assert sorted(int(f) for f in os.listdir(commits) if f.isdigit()) == [0, 1, 2]
+    after = twophase("status", "--json", state, env=vfs)
+    assert after.returncode == 0, after.stderr
+    doc = json.loads(after.stdout)
+    assert doc["job"] == run.job and doc["pending"] == {} and doc["decided"] is None
+    assert doc["finished"] == ["load"] and doc["run"] == 2
     no_uri_paths(second_host / "cwd", ROOT)
 
 
