@@ -25,7 +25,7 @@ connections are opened inside methods.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,34 @@ class JobScope:
     def key(self) -> str:
         """``job/pipeline/sink``: the scope in progress records and messages."""
         return f"{self.job}/{self.pipeline}/{self.sink_id}"
+
+
+class ClaimedScopes:
+    """The scopes a driver-side sink instance claimed, and for which incarnation.
+
+    A committable commits in the scope of the incarnation its name carries. A
+    first-format name (no incarnation, prepared before an upgrade) commits as
+    the incarnation that claimed its scope: the upgraded ledger owns it."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[str, str, str], str] = {}
+
+    def remember(self, scope: JobScope) -> None:
+        """Record that ``scope.incarnation`` holds the claim of ``scope``."""
+        assert scope.incarnation is not None
+        self._by_key[(scope.job, scope.pipeline, scope.sink_id)] = scope.incarnation
+
+    def owner(self, job: str, pipeline: str, sink_id: str, incarnation: str | None) -> str | None:
+        """The incarnation work named with ``incarnation`` commits as."""
+        return incarnation or self._by_key.get((job, pipeline, sink_id))
+
+    def group(self, names: Iterable[TxnName]) -> dict[JobScope, list[TxnName]]:
+        """``names`` by the scope, with its owning incarnation, they commit in."""
+        groups: dict[JobScope, list[TxnName]] = {}
+        for n in names:
+            owner = self.owner(n.job, n.pipeline, n.sink_id, n.incarnation)
+            groups.setdefault(JobScope(n.job, n.pipeline, n.sink_id, owner), []).append(n)
+        return groups
 
 
 @dataclass(frozen=True)

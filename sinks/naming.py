@@ -99,6 +99,14 @@ class TxnName:
         return (f"tp1.{job}.", f"tp2.{job}.")
 
     @classmethod
+    def require(cls, text: str) -> TxnName:
+        """Parse a name that must be one of this scheme (a committable's)."""
+        name = cls.parse(text)
+        if name is None:
+            raise ValueError(f"{text!r} is not a transaction name of this project")
+        return name
+
+    @classmethod
     def parse(cls, text: str) -> TxnName | None:
         """Parse a name; ``None`` when ``text`` is not a name of this scheme."""
         m = _NAME.match(text)

@@ -1,6 +1,6 @@
 """What the Kafka sink remembers of its progress, and its claim, against a real broker.
 
-tansu, started natively for this module (``tests/kafkabroker.py``); nothing is
+tansu, the test session's broker (``tests/conftest.py``, ``tests/kafkabroker.py``); nothing is
 mocked. Every test uses fresh topics and job names; all share the default
 registry topic, as jobs on one cluster do. What is committed is checked from
 the raw log with the control markers (``tests/kafkalog.py``).
@@ -23,7 +23,6 @@ from sinks.kafka.progress import PARTITION, ProgressBook, claim_key
 from sinks.kafka.registry import DEFAULT_TOPIC, RegistryView
 from sinks.kafka.wire import KafkaWire
 from sinks.progress import IncarnationConflictError, SinkProgress
-from tests.kafkabroker import KafkaBroker
 from tests.kafkalog import read_topic
 from tests.test_kafka_unit import (
     SCHEMA,
@@ -38,19 +37,10 @@ from tests.test_kafka_unit import (
 A, B, C = "aaaaaaaaaaaa", "bbbbbbbbbbbb", "cccccccccccc"
 
 
-@pytest.fixture(scope="module")
-def broker() -> Iterator[KafkaBroker]:
-    b = KafkaBroker()
-    b.start()
-    try:
-        yield b
-    finally:
-        b.cleanup()
-
-
 @pytest.fixture
-def bootstrap(broker: KafkaBroker) -> str:
-    return broker.bootstrap
+def bootstrap(kafka_bootstrap: str) -> str:
+    """The test session's broker (tests/conftest.py)."""
+    return kafka_bootstrap
 
 
 @pytest.fixture

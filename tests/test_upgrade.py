@@ -72,7 +72,10 @@ def test_a_crashed_state_of_the_previous_version_recovers(
     assert old.killed(), old.tail()
     before = (run.state / "ledger" / "ledger.json").read_text()
     assert '"format": 1' in before and '"decided": {' in before, before[:500]
-    assert any(g.startswith("tp1.") for g in job_prepared(pg_dsn, run.job))
+    if point == "driver.before_commit=kill":
+        # mid_commit stops inside whichever sink commits first, which may be
+        # PostgreSQL: only before_commit leaves its transactions prepared for sure
+        assert any(g.startswith("tp1.") for g in job_prepared(pg_dsn, run.job))
 
     # this version on the same state_dir
     new = run.start()

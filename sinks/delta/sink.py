@@ -61,6 +61,7 @@ from sinks.base import (
     COMMITTED,
     LOST,
     PREPARED,
+    ClaimedScopes,
     Committable,
     JobScope,
     LingeringTxn,
@@ -149,8 +150,7 @@ class DeltaSink(Sink):
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
         self._storage = TableStorage(self.table_uri, self.storage_options)
         self._layout: Layout | None = None
-        # (job, pipeline, sink id) -> the incarnation this instance claimed it for
-        self._owners: dict[tuple[str, str, str], str] = {}
+        self._claims = ClaimedScopes()
 
     def _default_id(self) -> str:
         digest = hashlib.sha1(self.table_uri.encode()).hexdigest()[:6]
@@ -310,7 +310,7 @@ class DeltaSink(Sink):
             transient=_TRANSIENT,
             deadline=self.commit_timeout,
         )
-        self._owners[(scope.job, scope.pipeline, scope.sink_id)] = ours
+        self._claims.remember(scope)
         return found
 
     # -- driver side: commit ---------------------------------------------------------
@@ -321,7 +321,7 @@ class DeltaSink(Sink):
         cs = [c for c in committables if c.get("adds")]
         if not cs:
             return
-        names = [_parse(c["txn"]) for c in cs]
+        names = [TxnName.require(c["txn"]) for c in cs]
         scopes = {JobScope(n.job, n.pipeline, n.sink_id, n.incarnation) for n in names}
         if len(scopes) != 1 or next(iter(scopes)).sink_id != self.sink_id:
             raise ValueError(
@@ -349,7 +349,7 @@ class DeltaSink(Sink):
                 f"{where} does not exist any more; the staged files of {len(cs)} "
                 "transaction(s) cannot be committed"
             )
-        owner = scope.incarnation or self._owners.get((scope.job, scope.pipeline, scope.sink_id))
+        owner = self._claims.owner(scope.job, scope.pipeline, scope.sink_id, scope.incarnation)
         found = progress.read(dt, scope)
         if found.owner is not None and owner is not None and found.owner != owner:
             raise conflict(where, scope.key(), found, owner, at_commit=True)
@@ -514,7 +514,7 @@ class DeltaSink(Sink):
             layout = table.layout_of(dt)
             found: dict[str, str] = {}
             for c in committables:
-                name = _parse(c["txn"])
+                name = TxnName.require(c["txn"])
                 scope = JobScope(name.job, name.pipeline, name.sink_id, name.incarnation)
                 done = dt.transaction_version(app_id(scope))
                 if done is not None and done >= name.batch_id:
@@ -563,13 +563,6 @@ class DeltaSink(Sink):
         if aborted:
             log.info("%s: deleted the staged files of %s", self.describe(), aborted)
         return aborted
-
-
-def _parse(txn: str) -> TxnName:
-    name = TxnName.parse(txn)
-    if name is None:
-        raise ValueError(f"{txn!r} is not a transaction name of this project")
-    return name
 
 
 def _is_staged_path(rel: str, stem: str) -> bool:

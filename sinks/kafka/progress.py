@@ -50,7 +50,7 @@ from typing import Any
 import kafka.errors as Errors
 from kafka import KafkaProducer
 
-from sinks.base import JobScope
+from sinks.base import ClaimedScopes, JobScope
 from sinks.kafka.registry import COMMITTED, RegistryView
 from sinks.kafka.wire import KafkaWire
 from sinks.naming import TxnName, scope_prefix
@@ -142,8 +142,7 @@ class ProgressStore:
         self.where = where
         self.book = ProgressBook(target)
         self.view = RegistryView(registry, self.book)
-        # (job, pipeline, sink id) -> the incarnation this sink claimed it for
-        self.claimed: dict[tuple[str, str, str], str] = {}
+        self.claims = ClaimedScopes()
 
     # -- reading ----------------------------------------------------------------------
 
@@ -200,7 +199,7 @@ class ProgressStore:
         if not may_claim(found, ours, start_over_from):
             raise conflict(self.where, scope.key(), found, ours)  # nothing appended
         if found.owner == ours:
-            self.claimed[(scope.job, scope.pipeline, scope.sink_id)] = ours
+            self.claims.remember(scope)
             return found
         value = {
             "kind": _CLAIM,
@@ -218,18 +217,8 @@ class ProgressStore:
         if found.owner != ours:
             assert found.owner is not None
             raise conflict(self.where, scope.key(), found, ours)
-        self.claimed[(scope.job, scope.pipeline, scope.sink_id)] = ours
+        self.claims.remember(scope)
         return found
-
-    def owner_scopes(self, names: Iterable[TxnName]) -> dict[JobScope, list[TxnName]]:
-        """Group ``names`` by the scope (with the owning incarnation) they commit in:
-        the incarnation this sink claimed, else the one in the name (a
-        first-format name recovered by an upgraded ledger commits as its owner)."""
-        groups: dict[JobScope, list[TxnName]] = {}
-        for n in names:
-            owner = self.claimed.get((n.job, n.pipeline, n.sink_id), n.incarnation)
-            groups.setdefault(JobScope(n.job, n.pipeline, n.sink_id, owner), []).append(n)
-        return groups
 
     def replays(self, wire: KafkaWire, pending: dict[str, dict[str, Any]]) -> list[str]:
         """Before a commit of ``pending`` (committables by transactional id): raise
@@ -237,9 +226,9 @@ class ProgressStore:
         re-write batches their incarnation recorded committed already (replays,
         never to be committed)."""
         self.view.refresh(wire)
-        names = {_parse(c["txn"]): tid for tid, c in pending.items()}
+        names = {TxnName.require(c["txn"]): tid for tid, c in pending.items()}
         replays: list[str] = []
-        for scope, group in self.owner_scopes(names).items():
+        for scope, group in self.claims.group(names).items():
             if scope.incarnation is None:
                 continue  # first-format work of a ledger that never claimed
             self.check_owner(scope)
@@ -295,19 +284,14 @@ class ProgressStore:
         """Append the progress record of every scope among the committed
         transactional ``ids`` (before their announcements are tombstoned).
 
-        ``as_named``: record each under the incarnation in its name (a sweep
-        settling what another incarnation committed, e.g. after a start-over),
-        not the one this sink claimed; first-format names then record nothing."""
+        Each is recorded under the incarnation in its name; a first-format name
+        under the incarnation this sink claimed its scope for, except with
+        ``as_named`` (a sweep settling what another incarnation committed, e.g.
+        after a start-over), where first-format names record nothing."""
         names = [n for n in (TxnName.parse(t[len(self.id_prefix) :]) for t in ids) if n]
-        groups: dict[JobScope, list[TxnName]] = {}
         if as_named:
-            for n in names:
-                groups.setdefault(JobScope(n.job, n.pipeline, n.sink_id, n.incarnation), []).append(
-                    n
-                )
-        else:
-            groups = self.owner_scopes(names)
-        for scope, group in groups.items():
+            names = [n for n in names if n.incarnation is not None]
+        for scope, group in self.claims.group(names).items():
             if scope.incarnation is not None:  # first-format work: no progress to record
                 batch = max(n.batch_id for n in group)
                 self.record_settled(wire, producer, scope, batch, timeout_s)
@@ -334,13 +318,6 @@ class ProgressStore:
                     "but is not readable yet"
                 )
             time.sleep(0.05)
-
-
-def _parse(name: str) -> TxnName:
-    parsed = TxnName.parse(name)
-    if parsed is None:
-        raise ValueError(f"{name!r} is not a transaction name of this project")
-    return parsed
 
 
 def _json(value: dict[str, Any]) -> bytes:

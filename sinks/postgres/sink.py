@@ -27,6 +27,7 @@ from sinks.base import (
     COMMITTED,
     LOST,
     PREPARED,
+    ClaimedScopes,
     Committable,
     JobScope,
     LingeringTxn,
@@ -119,8 +120,7 @@ class PostgresSink(Sink):
         self.marker_table = marker_table
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
         self._wire: pa.Schema | None = None
-        # (job, pipeline, sink id) -> the incarnation this instance claimed it for
-        self._owners: dict[tuple[str, str, str], str] = {}
+        self._claims = ClaimedScopes()
 
     # -- identity ---------------------------------------------------------------
 
@@ -342,20 +342,8 @@ class PostgresSink(Sink):
             transient=_TRANSIENT,
             deadline=self.commit_timeout,
         )
-        assert scope.incarnation is not None
-        self._owners[(scope.job, scope.pipeline, scope.sink_id)] = scope.incarnation
+        self._claims.remember(scope)
         return found
-
-    def _owner_scopes(self, gids: list[str]) -> dict[JobScope, list[str]]:
-        """Group ``gids`` by the scope (with the owning incarnation) they commit in:
-        the incarnation in the name; for first-format names, the one this
-        instance claimed the scope for."""
-        groups: dict[JobScope, list[str]] = {}
-        for gid in gids:
-            n = _parse(gid)
-            owner = n.incarnation or self._owners.get((n.job, n.pipeline, n.sink_id))
-            groups.setdefault(JobScope(n.job, n.pipeline, n.sink_id, owner), []).append(gid)
-        return groups
 
     # -- driver side: commit, abort, sweep --------------------------------------------
 
@@ -384,12 +372,12 @@ class PostgresSink(Sink):
             if missing:
                 self._check_committed(conn, missing)
             replays: list[str] = []
-            for scope, names in self._owner_scopes(sorted(prepared)).items():
+            for scope, names in self._claims.group(map(TxnName.require, prepared)).items():
                 if scope.incarnation is None:
                     continue  # first-format work of a ledger that never claimed
                 self.progress_table.check_owner(conn, scope)
                 settled = self.progress_table.settled_batch(conn, scope)
-                replays += [g for g in names if _parse(g).batch_id <= settled]
+                replays += sorted(str(n) for n in names if n.batch_id <= settled)
             if replays:
                 log.warning(
                     "%s: %d transaction(s) re-write batches this sink holds committed "
@@ -531,9 +519,9 @@ class PostgresSink(Sink):
             return
         try:
             with self.connect(application_name="twophase-cleanup") as conn:
-                for scope, names in self._owner_scopes(gids).items():
-                    batch = max(_parse(g).batch_id for g in names)
-                    self.progress_table.settle(conn, scope, batch, names)
+                for scope, names in self._claims.group(map(TxnName.require, gids)).items():
+                    batch = max(n.batch_id for n in names)
+                    self.progress_table.settle(conn, scope, batch, [str(n) for n in names])
         except psycopg.OperationalError as e:  # harmless: the markers still say it
             log.warning(
                 "could not record the progress of %d committed transactions (%s); their "
@@ -541,10 +529,3 @@ class PostgresSink(Sink):
                 len(gids),
                 e,
             )
-
-
-def _parse(gid: str) -> TxnName:
-    name = TxnName.parse(gid)
-    if name is None:
-        raise ValueError(f"{gid!r} is not a transaction name of this project")
-    return name
