@@ -11,12 +11,27 @@
                                                      the decided checkpoint N
     twophase version
 
-A job whose ledger is in PostgreSQL (``Job(ledger=URI)``) recorded the URI,
-without its password, in ``STATE_DIR/ledger.location``: the commands find it
-there, with the password from libpq's environment (``PGPASSWORD``,
-``~/.pgpass``). ``--ledger URI`` names it instead, for every command but
-``version`` (``status`` and ``lingering`` then need no STATE_DIR; ``?job=NAME``
-picks the job when the schema holds several).
+Every command but ``version`` takes ``--ledger``, the job's ``ledger=``:
+
+* a job whose ledger is in PostgreSQL (``Job(ledger=URI)``) recorded the URI,
+  without its password, in ``STATE_DIR/ledger.location``: the commands find it
+  there, with the password from libpq's environment (``PGPASSWORD``,
+  ``~/.pgpass``). ``--ledger URI`` names it instead (``status`` and
+  ``lingering`` then need no STATE_DIR; ``?job=NAME`` picks the job when the
+  schema holds several);
+* a job whose file ledger is in a local directory of its own
+  (``Job(ledger=DIR)``) needs ``--ledger DIR`` (``status`` and ``lingering``
+  then need no STATE_DIR either); without ``--ledger`` the ledger of a local
+  STATE_DIR is ``STATE_DIR/ledger``.
+
+STATE_DIR may be a URI (``viewfs://``, ``hdfs://``, ``s3a://``, ...): its
+control files and ``ledger.location`` are read and written through Hadoop's
+FileSystem in a JVM that the command starts only then, and only when it needs
+them (PySpark's gateway, no SparkContext), with the Hadoop configuration a
+job's session gets (``HADOOP_CONF_DIR``, the ``spark.hadoop.*`` settings of
+``spark-defaults.conf`` or ``PYSPARK_SUBMIT_ARGS``); a plain path needs no JVM.
+A URI STATE_DIR holds no file ledger: without a ``ledger.location`` the
+commands need ``--ledger``.
 
 ``twophase stop`` exits 0 when the job stopped with its final (``--drain``) or
 savepoint checkpoint committed and nothing left undecided, 1 when it did not,
@@ -45,8 +60,16 @@ from typing import Any, NoReturn
 from lifecycle import control, operations
 from lifecycle._exit import leave
 from lifecycle.errors import CheckpointCommitError
-from lifecycle.ledger import is_locked, new_state_advice, read_ledger, stored_location
+from lifecycle.ledger import (
+    check_location,
+    is_locked,
+    locate,
+    new_state_advice,
+    read_ledger,
+    stored_location,
+)
 from lifecycle.state.pg_location import PgLocation
+from lifecycle.state.store import open_store
 from sinks.errors import ConfigError, TransactionLostError, TwoPhaseError
 from sinks.naming import check_incarnation
 
@@ -116,16 +139,22 @@ def _fail(message: object, code: int) -> int:
     return code
 
 
+def _shown(ledger: str) -> str:
+    """``--ledger``'s value as messages show it (a URI without its password)."""
+    where = check_location(ledger)
+    return PgLocation.parse(where).display() if isinstance(where, str) else str(where)
+
+
 def _ledger_arg(ledger: str | None) -> str:
-    """`` --ledger URI`` (without its password) for a command line to suggest."""
-    return f" --ledger '{PgLocation.parse(ledger).display()}'" if ledger else ""
+    """`` --ledger URI|DIR`` (a URI without its password) for a command line to suggest."""
+    return f" --ledger '{_shown(ledger)}'" if ledger else ""
 
 
 def lingering(state_dir: str | None, *, ledger: str | None = None) -> int:
     """List the unfinished work the job's sinks hold, with the ledger's view
-    (``ledger``: the job's PostgreSQL ledger, when STATE_DIR does not record it)."""
+    (``ledger``: the job's ``ledger=``, see the module docstring)."""
     if state_dir is None and ledger is None:
-        return _fail("lingering needs a STATE_DIR or --ledger URI", 2)
+        return _fail("lingering needs a STATE_DIR or --ledger URI (or DIR)", 2)
     try:
         doc, found = operations.lingering(state_dir, ledger=ledger)
     except (TwoPhaseError, NotImplementedError) as e:
@@ -151,7 +180,7 @@ def lingering(state_dir: str | None, *, ledger: str | None = None) -> int:
 
 def recover(state_dir: str, *, ledger: str | None = None) -> int:
     """Apply the recovery rules to a stopped job, without Spark (``ledger``: the
-    job's PostgreSQL ledger, when STATE_DIR does not record it)."""
+    job's ``ledger=``, see the module docstring)."""
     moves: list[tuple[str, str, list[str]]] = []
 
     def observe(what: str, label: str, txns: list[str]) -> None:
@@ -216,7 +245,7 @@ def abandon(
     state_dir: str, checkpoint: int, *, yes: bool, note: str, ledger: str | None = None
 ) -> int:
     """Give up the lost transactions of the decided checkpoint, after confirmation
-    (``ledger``: the job's PostgreSQL ledger, when STATE_DIR does not record it)."""
+    (``ledger``: the job's ``ledger=``, see the module docstring)."""
     try:
         op = operations.Operator(state_dir, ledger=ledger)
     except TwoPhaseError as e:
@@ -268,20 +297,23 @@ def abandon(
 
 def stop(state_dir: str, *, drain: bool, timeout: float, ledger: str | None = None) -> int:
     """Ask the job on ``state_dir`` to stop, wait for it to exit, report the outcome
-    (``ledger``: the job's PostgreSQL ledger, when STATE_DIR does not record it)."""
-    if not is_locked(state_dir, ledger):
+    (``ledger``: the job's ``ledger=``, see the module docstring)."""
+    where = locate(state_dir, ledger)
+    if not is_locked(location=where):  # before any JVM a URI state_dir needs
         print(f"twophase: no job is running with state_dir {state_dir}", file=sys.stderr)
         return 2
-    req = control.write_request(state_dir, drain=drain, source=f"twophase stop (pid {os.getpid()})")
+    req = control.write_request(
+        open_store(state_dir, None), drain=drain, source=f"twophase stop (pid {os.getpid()})"
+    )
     what = "drain" if drain else "stop (savepoint)"
     print(f"asked the job to {what}; waiting for it to exit ...", flush=True)
     deadline = time.monotonic() + timeout
-    while is_locked(state_dir, ledger):
+    while is_locked(location=where):
         if time.monotonic() > deadline:
             print(f"twophase: the job did not exit within {timeout:.0f}s", file=sys.stderr)
             return 2
         time.sleep(0.2)
-    doc = read_ledger(state_dir, ledger) or {}
+    doc = read_ledger(location=where) or {}
     kind = "final" if drain else "savepoint"
     last = (doc.get("history") or [None])[-1]
     ok = (
@@ -296,7 +328,8 @@ def stop(state_dir: str, *, drain: bool, timeout: float, ledger: str | None = No
         return 0
     print(
         "twophase: the job exited without committing its "
-        f"{kind} checkpoint; see the job's log and `twophase status {state_dir}`",
+        f"{kind} checkpoint; see the job's log and `twophase status {state_dir}"
+        f"{_ledger_arg(ledger)}`",
         file=sys.stderr,
     )
     return 1
@@ -318,7 +351,9 @@ def start_over(state_dir: str, incarnation: str, ledger: str | None = None) -> i
             file=sys.stderr,
         )
         return 2
-    control.request_start_over(state_dir, incarnation, source=f"twophase (pid {os.getpid()})")
+    control.request_start_over(
+        open_store(state_dir, None), incarnation, source=f"twophase (pid {os.getpid()})"
+    )
     print(
         f"the next run with state_dir {state_dir} takes every sink over from incarnation "
         f"{incarnation}: it aborts what that incarnation left prepared, keeps what it "
@@ -331,12 +366,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="twophase", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     ledger_help = (
-        "the job's PostgreSQL ledger (postgresql://user@host/db[?schema=S&job=J]), when "
-        "STATE_DIR does not record it; the password from PGPASSWORD or ~/.pgpass"
+        "the job's ledger=: its PostgreSQL ledger (postgresql://user@host/db[?schema=S&job=J]) "
+        "when STATE_DIR does not record it, the password from PGPASSWORD or ~/.pgpass; or the "
+        "local directory of its file ledger (needed when it is not STATE_DIR/ledger, as for a "
+        "URI STATE_DIR)"
     )
     st = sub.add_parser("status", help="show a job's checkpoints and pending transactions")
     st.add_argument("state_dir", nargs="?")
-    st.add_argument("--ledger", help=ledger_help)
+    st.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
     st.add_argument("--json", action="store_true", help="print the raw ledger document")
     sp = sub.add_parser("stop", help="stop a running job (a savepoint, or --drain)")
     sp.add_argument("state_dir")
@@ -346,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="end every pipeline's input and commit one final checkpoint",
     )
     sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (600)")
-    sp.add_argument("--ledger", help=ledger_help)
+    sp.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
     so = sub.add_parser(
         "start-over",
         help="let the next run on STATE_DIR take the sinks over from a lost incarnation",
@@ -358,19 +395,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         required=True,
         help="the incarnation id the job's refusal named",
     )
-    so.add_argument("--ledger", help=ledger_help)
+    so.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
     li = sub.add_parser(
         "lingering",
         help="list the prepared transactions, open Kafka transactions and staged Delta "
         "files the job's sinks hold, with the ledger's view of each",
     )
     li.add_argument("state_dir", nargs="?")
-    li.add_argument("--ledger", help=ledger_help)
+    li.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
     rc = sub.add_parser(
         "recover", help="apply the recovery rules to a stopped job without running it"
     )
     rc.add_argument("state_dir")
-    rc.add_argument("--ledger", help=ledger_help)
+    rc.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
     ab = sub.add_parser(
         "abandon",
         help="give up the lost transactions of the decided checkpoint so the rest commits",
@@ -379,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ab.add_argument("--checkpoint", type=int, required=True, help="the decided checkpoint's id")
     ab.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     ab.add_argument("--note", default="", help="why, kept in the ledger with the record")
-    ab.add_argument("--ledger", help=ledger_help)
+    ab.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
     sub.add_parser("version", help="print the version")
     args = ap.parse_args(argv)
     if args.cmd == "version":
@@ -390,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return _command(args)
-    except ConfigError as e:  # a ledger that cannot be found or reached
+    except ConfigError as e:  # a ledger or state that cannot be found or reached
         print(f"twophase: {e}", file=sys.stderr)
         return 2
 
@@ -409,11 +446,11 @@ def _command(args: argparse.Namespace) -> int:
     if args.cmd == "start-over":
         return start_over(args.state_dir, args.incarnation, args.ledger)
     if args.state_dir is None and args.ledger is None:
-        print("twophase: status needs a STATE_DIR or --ledger URI", file=sys.stderr)
+        print("twophase: status needs a STATE_DIR or --ledger URI (or DIR)", file=sys.stderr)
         return 2
     doc = read_ledger(args.state_dir, args.ledger)
     if doc is None:
-        where = PgLocation.parse(args.ledger).display() if args.ledger else args.state_dir
+        where = _shown(args.ledger) if args.ledger else args.state_dir
         print(f"twophase: no ledger in {where}", file=sys.stderr)
         return 2
     print(json.dumps(doc, indent=2, sort_keys=True) if args.json else format_status(doc))

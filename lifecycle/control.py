@@ -14,23 +14,32 @@ Starting over is asked the same way: ``twophase start-over STATE_DIR --from ID``
 writes ``STATE_DIR/control/start_over.json``; the next ``Job.run`` on that
 state_dir takes every sink's claim over from incarnation ``ID`` (see
 :mod:`sinks.progress`) and removes the file.
+
+Both files are read and written through the job's state store
+(:mod:`lifecycle.state.store`), so they live wherever ``state_dir`` does, a
+Hadoop-compatible URI included.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from lifecycle.state.store import StateStore
+
 log = logging.getLogger("lifecycle.control")
+
+STOP = "control/stop.json"
+"""the stop request, in the job's state store"""
+START_OVER = "control/start_over.json"
+"""the start-over request, in the job's state store"""
 
 
 @dataclass(frozen=True)
@@ -40,59 +49,42 @@ class StopRequest:
     source: str
 
 
-def request_path(state_dir: str | os.PathLike[str]) -> Path:
-    return Path(state_dir) / "control" / "stop.json"
-
-
-def write_request(state_dir: str | os.PathLike[str], *, drain: bool, source: str) -> StopRequest:
-    """Ask the job running on ``state_dir`` to stop (crash-safe file write)."""
+def write_request(store: StateStore, *, drain: bool, source: str) -> StopRequest:
+    """Ask the job running on ``store``'s state_dir to stop (crash-safe write)."""
     req = StopRequest(drain=drain, requested_at=time.time(), source=source)
-    path = request_path(state_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(req.__dict__))
-    tmp.rename(path)
+    store.write_atomic(STOP, json.dumps(req.__dict__).encode())
     return req
 
 
-def start_over_path(state_dir: str | os.PathLike[str]) -> Path:
-    return Path(state_dir) / "control" / "start_over.json"
+def request_start_over(store: StateStore, incarnation: str, source: str) -> None:
+    """Ask the next run on ``store``'s state_dir to start over from ``incarnation``."""
+    doc = {"from": incarnation, "at": time.time(), "source": source}
+    store.write_atomic(START_OVER, json.dumps(doc).encode())
 
 
-def request_start_over(state_dir: str | os.PathLike[str], incarnation: str, source: str) -> None:
-    """Ask the next run on ``state_dir`` to start over from ``incarnation``."""
-    path = start_over_path(state_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"from": incarnation, "at": time.time(), "source": source}))
-    tmp.rename(path)
-
-
-def start_over_request(state_dir: str | os.PathLike[str]) -> str | None:
+def start_over_request(store: StateStore) -> str | None:
     """The incarnation a ``twophase start-over`` asked the next run to take over."""
-    try:
-        return str(json.loads(start_over_path(state_dir).read_text())["from"])
-    except FileNotFoundError:
-        return None
+    data = store.read(START_OVER)
+    return None if data is None else str(json.loads(data)["from"])
 
 
-def clear_start_over(state_dir: str | os.PathLike[str]) -> None:
+def clear_start_over(store: StateStore) -> None:
     """Remove a start-over request once the claims are taken."""
-    start_over_path(state_dir).unlink(missing_ok=True)
+    store.delete(START_OVER)
 
 
-def take_request(state_dir: str | os.PathLike[str]) -> StopRequest | None:
+def take_request(store: StateStore) -> StopRequest | None:
     """Read and remove a pending stop request, if any."""
-    path = request_path(state_dir)
+    raw = store.read(STOP)
+    if raw is None:
+        return None
     try:
-        data: dict[str, Any] = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
+        data: dict[str, Any] = json.loads(raw)
     except ValueError:
-        log.warning("ignoring an unreadable stop request %s", path)
-        path.unlink(missing_ok=True)
+        log.warning("ignoring an unreadable stop request %s", store.uri(STOP))
+        store.delete(STOP)
         return None
-    path.unlink(missing_ok=True)
+    store.delete(STOP)
     return StopRequest(
         drain=bool(data.get("drain")),
         requested_at=float(data.get("requested_at", time.time())),

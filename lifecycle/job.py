@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -27,9 +28,16 @@ from lifecycle.binding import batch_handler
 from lifecycle.coordinator import Coordinator, PipelineSinks, sink_label
 from lifecycle.errors import JobFailedError, PipelineFailedError, RecoveryRefusedError
 from lifecycle.failures import TaskFailure, cause_of, full_trace
-from lifecycle.ledger import Ledger, check_location, new_state_advice, open_ledger
+from lifecycle.ledger import (
+    Ledger,
+    check_location,
+    ledger_directory,
+    new_state_advice,
+    open_ledger,
+)
 from lifecycle.pipeline import Pipeline, PipelineState, Transform
 from lifecycle.spark_log import SparkCommitLog
+from lifecycle.state.store import StateStore, open_store
 from sinks.base import ExpectedLoad, Sink
 from sinks.errors import ConfigError, PreflightError, TwoPhaseError
 from sinks.naming import check_id, check_incarnation
@@ -90,9 +98,15 @@ class Job:
     Args:
         spark: the SparkSession every pipeline runs in.
         name: the job's id (``[A-Za-z0-9_-]``, part of every transaction name).
-        state_dir: local directory holding the ledger (unless ``ledger`` puts it
-            elsewhere) and every pipeline's Spark checkpoint location. Running
-            again with the same ``state_dir`` recovers, then resumes.
+        state_dir: where the job's state lives: every pipeline's Spark checkpoint
+            location, its end-of-input flags and control files, and (for a local
+            directory, unless ``ledger`` puts it elsewhere) the ledger. A plain
+            path is a local directory; a URI with a scheme (``file://``,
+            ``viewfs://``, ``hdfs://``, ``s3a://``, ...) is reached through
+            Spark's Hadoop FileSystem in the driver JVM, so that a driver
+            restarting on another host finds it (see
+            :mod:`lifecycle.state.store`). Running again with the same
+            ``state_dir`` recovers, then resumes.
         checkpoint_interval: seconds between checkpoints. 0 commits every
             micro-batch as soon as Spark has completed it; a positive interval
             groups all completed batches of all pipelines into one checkpoint
@@ -113,7 +127,7 @@ class Job:
             refuses before any data moves. ``twophase start-over STATE_DIR
             --from ID`` makes the same choice for the next run.
         ledger: where the ledger lives. None (default): the local directory
-            ``state_dir/ledger``. A PostgreSQL URI
+            ``state_dir/ledger`` (a local ``state_dir`` only). A PostgreSQL URI
             (``postgresql://user@host/dbname``, optionally ``?schema=NAME``,
             default ``twophase_ledger``): the ledger is kept there, as rows, for
             a driver that can restart on another machine; the password comes
@@ -121,21 +135,25 @@ class Job:
             An advisory lock keeps it to one driver, and a fencing token makes
             a driver that lost the lock fail instead of writing. The URI
             without its password is recorded in ``state_dir/ledger.location``
-            for ``twophase``. A state_dir keeps the kind of ledger it started
-            with; one job name has one ledger per schema.
+            (through the state store, so a URI ``state_dir`` holds it too) for
+            ``twophase``. A local directory (a plain path): the file ledger in
+            its ``ledger/`` subdirectory, on this host only. A ``state_dir``
+            that is a URI needs one of the two: the file ledger needs a local
+            directory (``fsync``, ``flock``). A state_dir keeps the kind of
+            ledger it started with; one job name has one ledger per schema.
     """
 
     def __init__(
         self,
         spark: SparkSession,
         name: str,
-        state_dir: str | Path,
+        state_dir: str | os.PathLike[str],
         checkpoint_interval: float = 5.0,
         *,
         final_checkpoint: str = "shared",
         stop_grace: float = 10.0,
         start_over_from: str | None = None,
-        ledger: str | None = None,
+        ledger: str | os.PathLike[str] | None = None,
     ) -> None:
         if checkpoint_interval < 0:
             raise ConfigError("checkpoint_interval must be >= 0 seconds")
@@ -145,8 +163,15 @@ class Job:
             raise ConfigError(f"final_checkpoint must be one of {FINAL_MODES}")
         self.spark = spark
         self.name = check_id("job name", name)
-        self.state_dir = Path(state_dir)
+        self.state_dir = os.fspath(state_dir)
+        self.store: StateStore = open_store(state_dir, spark)
         self.ledger_location = check_location(ledger)
+        self.ledger_dir: Path | None = (
+            None
+            if isinstance(self.ledger_location, str)
+            else ledger_directory(self.store, self.ledger_location)
+        )
+        """the file ledger's directory (None: the ledger is in PostgreSQL)"""
         self.checkpoint_interval = float(checkpoint_interval)
         self.final_checkpoint = final_checkpoint
         self.stop_grace = float(stop_grace)
@@ -229,7 +254,8 @@ class Job:
             bounded=bounded,
             trigger_interval=float(trigger_interval),
             output_mode=output_mode,
-            location=self.state_dir / "pipelines" / name,
+            store=self.store,
+            location=f"pipelines/{name}",
             transform=transform,
             event_time=event_time,
         )
@@ -275,8 +301,7 @@ class Job:
                 "a speculative one still running, so exactly-once sinks refuse it; set "
                 "spark.speculation=false for this job"
             )
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        ledger = open_ledger(self.ledger_location, self.state_dir, self.name)
+        ledger = open_ledger(self.ledger_location, self.store, self.name)
         self._running = True
         self._outcome = ""  # a stop() that came before run() is honoured
         signals = control.SignalHandlers(self.stop) if handle_signals else contextlib.nullcontext()
@@ -332,7 +357,9 @@ class Job:
             ledger,
             [
                 PipelineSinks(
-                    p.name, {s.sink_id: s for s in p.sinks}, SparkCommitLog(p.spark_location)
+                    p.name,
+                    {s.sink_id: s for s in p.sinks},
+                    SparkCommitLog(self.store, p.spark_location),
                 )
                 for p in self._pipelines.values()
             ],
@@ -354,10 +381,10 @@ class Job:
         )
         start_over = self._start_over_choice(ledger)
         coord.claim_sinks(start_over)
-        control.clear_start_over(self.state_dir)
+        control.clear_start_over(self.store)
         coord.recover()
         coord.check_sinks_behind_ledger()
-        stale = control.take_request(self.state_dir)
+        stale = control.take_request(self.store)
         if stale is not None:
             log.warning("ignoring a stop request made while the job was not running")
         finished = ledger.finished()
@@ -388,7 +415,7 @@ class Job:
     def _start_over_choice(self, ledger: Ledger) -> str | None:
         """The incarnation to start over from: the argument, or a ``twophase
         start-over`` request for this state_dir."""
-        requested = control.start_over_request(self.state_dir)
+        requested = control.start_over_request(self.store)
         if requested and self.start_over_from and requested != self.start_over_from:
             raise ConfigError(
                 f"Job(start_over_from={self.start_over_from!r}) and `twophase start-over "
@@ -431,11 +458,11 @@ class Job:
         totals = ledger.totals()
         for p in self._pipelines.values():
             committed = any(k.startswith(p.name + "/") for k in totals)
-            if committed and not SparkCommitLog(p.spark_location).exists():
+            if committed and not SparkCommitLog(self.store, p.spark_location).exists():
                 raise RecoveryRefusedError(
                     f"pipeline {p.name!r} committed output in earlier runs, but its Spark "
-                    f"checkpoint {p.spark_location} is missing: starting over would write its "
-                    "input twice. Restore the directory, or use "
+                    f"checkpoint {self.store.uri(p.spark_location)} is missing: starting over "
+                    "would write its input twice. Restore the directory, or use "
                     f"{new_state_advice(self.ledger_location)} (and an empty target) to "
                     "start afresh."
                 )
@@ -462,7 +489,7 @@ class Job:
             wait = 0.2 if interval == 0 else max(0.05, min(0.5, last + interval - time.monotonic()))
             self._wake.wait(wait)
             self._wake.clear()
-            request = control.take_request(self.state_dir)
+            request = control.take_request(self.store)
             if request is not None:
                 log.warning("stop requested by %s (drain=%s)", request.source, request.drain)
                 self.stop(drain=request.drain)

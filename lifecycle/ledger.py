@@ -35,16 +35,22 @@ rows it touches; an advisory lock and a fencing token keep it to one driver.
 It is for a driver that can restart on another machine:
 ``Job(..., ledger="postgresql://...")``. Both implement :class:`Ledger`.
 
-Where a job's ledger is: :func:`open_ledger` takes the location (None: the
-local directory ``STATE_DIR/ledger``; a ``postgresql://`` URI: that
-database) and the state_dir. A state_dir whose ledger is in PostgreSQL holds
-the URI without its password in ``STATE_DIR/ledger.location``, which is how
-:func:`read_ledger`, :func:`is_locked` and the ``twophase`` commands find it.
+Where a job's ledger is: :func:`open_ledger` takes the location (the job's
+``ledger=``: None, the local directory ``STATE_DIR/ledger``; a local
+directory DIR: ``DIR/ledger``; a ``postgresql://`` URI: that database) and the
+state_dir or its state store (:mod:`lifecycle.state.store`). A state_dir that
+is a URI holds no file ledger (it needs ``fsync`` and ``flock``): its ledger
+is in PostgreSQL or in a local directory named by ``ledger=``. A state_dir
+whose ledger is in PostgreSQL holds the URI without its password in
+``STATE_DIR/ledger.location``, written and read through the state store, which
+is how :func:`read_ledger`, :func:`is_locked` and the ``twophase`` commands
+find it (:func:`locate`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +60,10 @@ from lifecycle.state.files import atomic_write
 from lifecycle.state.frames import CorruptLedgerError
 from lifecycle.state.model import DIGEST_WINDOW, FORMAT, HISTORY, KINDS, Checkpoint, Pending
 from lifecycle.state.pg_ledger import PostgresLedger, pg_is_locked, read_pg_ledger
-from lifecycle.state.pg_location import PgLocation
+from lifecycle.state.pg_location import PgLocation, is_pg_location
 from lifecycle.state.protocol import Ledger, LedgerLockedError, LedgerLostError
 from lifecycle.state.snapshot import generations, journal_generations
+from lifecycle.state.store import LocalStore, StateStore, open_store
 from lifecycle.state.upgrade import LEGACY
 from sinks.errors import ConfigError
 
@@ -77,6 +84,8 @@ __all__ = [
     "atomic_write",
     "check_location",
     "is_locked",
+    "ledger_directory",
+    "locate",
     "new_state_advice",
     "open_ledger",
     "read_ledger",
@@ -84,26 +93,75 @@ __all__ = [
 ]
 
 LOCATION_FILE = "ledger.location"
-"""In a state_dir whose ledger is in PostgreSQL: its URI, without the password."""
+"""In a state_dir whose ledger is in PostgreSQL: its URI, without the password
+(in the state store, so a URI state_dir holds it too)."""
 
 StateDir = str | os.PathLike[str]
+State = StateDir | StateStore
+"""a state_dir, or its store when the caller has opened it (a job: in its SparkSession)"""
+Location = str | os.PathLike[str] | None
+"""a job's ``ledger=``: None, a PostgreSQL URI or a local directory"""
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
+_CONNINFO = re.compile(r"(^|\s)(host|hostaddr|dbname|user|password|port|service)\s*=")
 
 
-def check_location(location: str | None) -> str | None:
-    """``location`` when it is a valid ledger location (None or a PostgreSQL URI);
-    raises ConfigError otherwise."""
-    if location is not None:
-        PgLocation.parse(location)
-    return location
-
-
-def stored_location(state_dir: StateDir) -> str | None:
-    """The PostgreSQL ledger URI recorded in ``state_dir`` (None: its ledger is local)."""
-    try:
-        text = (Path(state_dir) / LOCATION_FILE).read_text().strip()
-    except FileNotFoundError:
+def check_location(location: Location) -> str | Path | None:
+    """``location`` as a ledger location: None (the file ledger in
+    ``STATE_DIR/ledger``), a PostgreSQL URI (a str, checked) or a local directory
+    (a Path: the file ledger in ``DIR/ledger``). Raises ConfigError for anything
+    else (another scheme, a libpq keyword string), without showing a password."""
+    if location is None:
         return None
+    text = os.fspath(location)
+    if isinstance(location, str) and is_pg_location(text):
+        PgLocation.parse(text)
+        return text
+    scheme = _SCHEME.match(text)
+    if scheme is not None and not isinstance(location, str):
+        raise ConfigError(
+            f"ledger={text!r} looks like a URI but was given as a path object (which "
+            "collapses '//'): pass the URI as a str"
+        )
+    if scheme is not None or _CONNINFO.search(text):
+        what = f"a {scheme.group(1)}: URI" if scheme else "a libpq keyword string"
+        raise ConfigError(
+            f"ledger= is {what}: a ledger location is a PostgreSQL URI "
+            "(postgresql://user@host/dbname), a local directory (the file ledger in its "
+            "ledger/), or None (STATE_DIR/ledger)"
+        )
+    return Path(text)
+
+
+def _store(state: State) -> StateStore:
+    """The store of ``state`` (a URI without a SparkSession: a JVM of its own)."""
+    return state if isinstance(state, StateStore) else open_store(state, None)
+
+
+def stored_location(state: State) -> str | None:
+    """The PostgreSQL ledger URI recorded in ``state`` (None: its ledger is a file
+    ledger), read through the state store."""
+    data = _store(state).read(LOCATION_FILE)
+    text = data.decode().strip() if data is not None else ""
     return text or None
+
+
+def ledger_directory(store: StateStore, location: str | Path | None) -> Path:
+    """The local directory of the job's file ledger: ``DIR/ledger`` for a
+    ``location`` DIR, else ``STATE_DIR/ledger`` of a local state_dir (a URI
+    state_dir holds no file ledger: it needs ``fsync`` and ``flock``)."""
+    if isinstance(location, Path):
+        return location / "ledger"
+    if location is not None:
+        raise ValueError(f"not the location of a file ledger: {location}")
+    if isinstance(store, LocalStore):
+        return store.path("ledger")
+    raise ConfigError(
+        f"state_dir {store.uri()!r} is a URI, and the embedded ledger needs a local "
+        'directory (fsync, flock): pass ledger="postgresql://..." (a ledger that a '
+        "driver restarting on another host reaches) or ledger=LOCAL_DIR (a file ledger "
+        "on this host only)"
+    )
 
 
 def _holds_file_ledger(directory: Path) -> bool:
@@ -112,92 +170,122 @@ def _holds_file_ledger(directory: Path) -> bool:
     )
 
 
-def new_state_advice(location: str | None) -> str:
+def new_state_advice(location: Location) -> str:
     """How to give a job a new state (after a state was lost or reset)."""
-    if location is None:
+    where = check_location(location)
+    if where is None:
         return "a new state_dir"
-    schema = PgLocation.parse(location).schema
+    if isinstance(where, Path):
+        return (
+            f"a new state_dir together with a new ledger directory (ledger=) or the old "
+            f"ledger removed ({where / 'ledger'})"
+        )
+    schema = PgLocation.parse(where).schema
     return (
         f"a new state_dir together with another ledger schema (?schema=NAME in the ledger "
         f"URI) or the old ledger dropped (DELETE FROM {schema}.ledgers WHERE job = ...)"
     )
 
 
-def open_ledger(location: str | None, state_dir: StateDir, job: str, **opts: Any) -> Ledger:
-    """Open (creating if needed) the ledger of ``job`` whose state is ``state_dir``.
+def open_ledger(location: Location, state: State, job: str, **opts: Any) -> Ledger:
+    """Open (creating if needed) the ledger of ``job`` whose state is ``state`` (a
+    state_dir, or its store).
 
-    ``location`` None: the embedded ledger in ``state_dir/ledger``. A
-    ``postgresql://`` (or ``postgres://``) URI: a :class:`PostgresLedger`, whose
-    URI without the password is then recorded in ``state_dir/ledger.location``.
-    A state_dir that never used the PostgreSQL ledger is a new state: a ledger
-    of the job that already began a run is refused there (one per job name and
-    schema). A state_dir is never switched between a local and a PostgreSQL
-    ledger (the other's state would be ignored): that is refused too.
-    ``opts``: the backend's options (``history``, ``digest_window``; the file
-    ledger's ``compact_bytes``)."""
-    state = Path(state_dir)
-    stored = stored_location(state)
-    if location is None:
+    ``location`` None: the embedded ledger in ``STATE_DIR/ledger`` (a local
+    state_dir only). A local directory: the embedded ledger in ``DIR/ledger``.
+    A ``postgresql://`` (or ``postgres://``) URI: a :class:`PostgresLedger`,
+    whose URI without the password is then recorded in
+    ``STATE_DIR/ledger.location``, through the state store (so on a URI
+    state_dir too). A state_dir that never used the PostgreSQL ledger is a new
+    state: a ledger of the job that already began a run is refused there (one
+    per job name and schema). A state_dir is never switched between a file and
+    a PostgreSQL ledger (the other's state would be ignored): that is refused
+    too. ``opts``: the backend's options (``history``, ``digest_window``; the
+    file ledger's ``compact_bytes``)."""
+    where = check_location(location)
+    store = _store(state)
+    stored = stored_location(store)
+    local = store.path("ledger") if isinstance(store, LocalStore) else None
+    if not isinstance(where, str):
         if stored is not None:
             raise ConfigError(
-                f"the ledger of state_dir {state} is in PostgreSQL ({stored}, recorded in "
-                f"{state / LOCATION_FILE}): pass Job(ledger=...) with that URI"
+                f"the ledger of state_dir {store.uri()} is in PostgreSQL ({stored}, recorded "
+                f"in {store.uri(LOCATION_FILE)}): pass Job(ledger=...) with that URI"
             )
-        return FileLedger(state / "ledger", job, **opts)
-    if _holds_file_ledger(state / "ledger"):
+        directory = ledger_directory(store, where)
+        moved = local is not None and directory.resolve() != local.resolve()
+        if moved and local is not None and _holds_file_ledger(local):
+            raise ConfigError(
+                f"state_dir {store.uri()} holds a local ledger ({local}); a ledger in "
+                f"{directory} would ignore its state: run without ledger=, or use a new "
+                "state_dir"
+            )
+        return FileLedger(directory, job, **opts)
+    if local is not None and _holds_file_ledger(local):
         raise ConfigError(
-            f"state_dir {state} holds a local ledger ({state / 'ledger'}); a PostgreSQL "
+            f"state_dir {store.uri()} holds a local ledger ({local}); a PostgreSQL "
             "ledger would ignore its state: run without ledger=, or use a new state_dir"
         )
-    ledger = PostgresLedger(location, job, new_state=stored is None, **opts)
+    ledger = PostgresLedger(where, job, new_state=stored is None, **opts)
     try:
         record = ledger.location.display()
         if stored != record:
-            state.mkdir(parents=True, exist_ok=True)
-            atomic_write(state / LOCATION_FILE, f"{record}\n".encode())
+            store.write_atomic(LOCATION_FILE, f"{record}\n".encode())
     except BaseException:
         ledger.close()
         raise
     return ledger
 
 
-def _pg_location(state_dir: StateDir | None, location: str | None) -> str | None:
-    """The PostgreSQL ledger to read: ``location`` (its job, when it names none,
-    from the state_dir's record), else the state_dir's record; None: a file ledger."""
-    stored = stored_location(state_dir) if state_dir is not None else None
-    if location is None:
+def locate(state: State | None, location: Location = None) -> str | Path:
+    """Where the ledger of ``state`` (or at ``location``) is: a PostgreSQL URI (with
+    the job of the state's record when it names none), or the directory whose
+    ``ledger/`` holds a file ledger. ``location`` (the job's ``ledger=``) wins;
+    else the state's ``ledger.location`` (read through the store: a URI
+    state_dir starts a JVM then), else a local state_dir itself. Raises
+    ConfigError for a URI state_dir that records no PostgreSQL ledger."""
+    where = check_location(location)
+    if isinstance(where, Path):
+        return where
+    if where is not None:
+        if state is None or PgLocation.parse(where).job is not None:
+            return where
+        stored = stored_location(state)
+        job = PgLocation.parse(stored).job if stored is not None else None
+        return where if job is None else where + ("&" if "?" in where else "?") + f"job={job}"
+    if state is None:
+        raise ValueError("needs a state_dir or a ledger location")
+    store = _store(state)
+    stored = stored_location(store)
+    if stored is not None:
         return stored
-    where = PgLocation.parse(location)
-    if where.job is None and stored is not None:
-        job = PgLocation.parse(stored).job
-        if job is not None:
-            return location + ("&" if "?" in location else "?") + f"job={job}"
-    return location
+    if not isinstance(store, LocalStore):
+        raise ConfigError(
+            f"state_dir {store.uri()} is a URI and records no PostgreSQL ledger "
+            f"({LOCATION_FILE}): its ledger is where the job's ledger= put it; pass it "
+            "(--ledger DIR, or the PostgreSQL URI)"
+        )
+    return store.root
 
 
-def read_ledger(
-    state_dir: StateDir | None = None, location: str | None = None
-) -> dict[str, Any] | None:
-    """The ledger document of ``state_dir`` (or of the PostgreSQL ledger at
-    ``location``) for display, without taking the lock (the job may be
-    running): keys ``format``, ``job``, ``incarnation``, ``run``,
-    ``next_checkpoint``, ``pending`` (pipeline -> str(batch) -> sink ->
-    committables), ``decided``, ``history``, ``finished``, ``totals``,
-    ``abandoned``, ``sinks`` (``pipeline/sink_id`` -> recorded settings) and
-    the rest of ``LedgerState.to_doc``; None when there is no ledger."""
-    where = _pg_location(state_dir, location)
-    if where is not None:
+def read_ledger(state_dir: State | None = None, location: Location = None) -> dict[str, Any] | None:
+    """The ledger document of ``state_dir`` (or of the ledger at ``location``: a
+    PostgreSQL URI or a file ledger's directory, see :func:`locate`) for
+    display, without taking the lock (the job may be running): keys ``format``,
+    ``job``, ``incarnation``, ``run``, ``next_checkpoint``, ``pending``
+    (pipeline -> str(batch) -> sink -> committables), ``decided``,
+    ``history``, ``finished``, ``totals``, ``abandoned``, ``sinks``
+    (``pipeline/sink_id`` -> recorded settings) and the rest of
+    ``LedgerState.to_doc``; None when there is no ledger."""
+    where = locate(state_dir, location)
+    if isinstance(where, str):
         return read_pg_ledger(where)
-    if state_dir is None:
-        raise ValueError("read_ledger needs a state_dir or a PostgreSQL location")
-    return file_ledger.read_ledger(state_dir)
+    return file_ledger.read_ledger(where)
 
 
-def is_locked(state_dir: StateDir | None = None, location: str | None = None) -> bool:
+def is_locked(state_dir: State | None = None, location: Location = None) -> bool:
     """Whether a job currently holds the ledger of ``state_dir`` (or at ``location``)."""
-    where = _pg_location(state_dir, location)
-    if where is not None:
+    where = locate(state_dir, location)
+    if isinstance(where, str):
         return pg_is_locked(where)
-    if state_dir is None:
-        raise ValueError("is_locked needs a state_dir or a PostgreSQL location")
-    return file_ledger.is_locked(state_dir)
+    return file_ledger.is_locked(where)

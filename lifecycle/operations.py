@@ -4,16 +4,21 @@ The sinks are rebuilt from the settings the ledger records (``record_sinks``,
 written by ``Job.run`` after preflight), their secrets from the environment
 (:mod:`sinks.settings`). :mod:`lifecycle.cli` only parses and prints.
 
-The ledger is the state_dir's (``STATE_DIR/ledger``, or the PostgreSQL ledger
-recorded in ``STATE_DIR/ledger.location``), or the PostgreSQL ledger a
-``ledger`` URI names (see :func:`lifecycle.ledger.open_ledger`).
+The ledger is the one a ``ledger`` location names (the job's ``ledger=``: a
+PostgreSQL URI, or the local directory of a file ledger), else the
+state_dir's (the PostgreSQL ledger recorded in ``STATE_DIR/ledger.location``,
+or ``STATE_DIR/ledger`` of a local state_dir): see
+:func:`lifecycle.ledger.locate`. STATE_DIR may be a URI: its files
+(``ledger.location``, Spark's commit log) are read through the state store, in
+a JVM of the command's own (:func:`lifecycle.state.store.open_store`).
 
 * :func:`lingering` (read-only, the job may be running): every prepared
   transaction, announced Kafka transaction and staged Delta file of the job that
   the sinks hold, of every incarnation, each with the ledger's view of it.
 * :class:`Operator` (holds the ledger's lock, so no job runs meanwhile):
   ``recover`` applies the coordinator's recovery rules, reading Spark's commit
-  log from ``STATE_DIR/pipelines/<p>/spark/commits``; ``lost`` finds the
+  log from ``STATE_DIR/pipelines/<p>/spark/commits`` (through the state
+  store); ``lost`` finds the
   transactions of the decided checkpoint a commit would find lost, and
   ``abandon`` records an operator's decision to give them up.
 """
@@ -30,9 +35,10 @@ from types import TracebackType
 from typing import Any
 
 from lifecycle.coordinator import Coordinator, Observer, PipelineSinks, sink_label
-from lifecycle.ledger import Checkpoint, Ledger, open_ledger, read_ledger, stored_location
+from lifecycle.ledger import Checkpoint, Ledger, State, locate, open_ledger, read_ledger
 from lifecycle.spark_log import SparkCommitLog
 from lifecycle.state.pg_location import PgLocation
+from lifecycle.state.store import StateStore, open_store
 from sinks.base import LOST, Committable, LingeringTxn, Sink
 from sinks.errors import ConfigError, TwoPhaseError
 from sinks.settings import from_settings
@@ -47,25 +53,29 @@ class AbandonRefusedError(TwoPhaseError):
     one, or nothing in it is lost."""
 
 
-def ledger_place(state_dir: str | Path | None, ledger: str | None = None) -> str:
-    """Where the ledger of ``state_dir`` (or at ``ledger``) is, for messages
-    (a PostgreSQL URI without its password)."""
-    if ledger is not None:
-        return PgLocation.parse(ledger).display()
-    assert state_dir is not None
-    stored = stored_location(state_dir)
-    return str(state_dir) if stored is None else f"{stored} (the ledger of {state_dir})"
+def ledger_place(where: str | Path, state: State | None = None, *, named: bool = False) -> str:
+    """Where the ledger at ``where`` (:func:`~lifecycle.ledger.locate`) is, for
+    messages: a PostgreSQL URI without its password (with the state_dir that
+    recorded it, unless ``named`` on the command line), or a directory."""
+    if isinstance(where, Path):
+        return str(where)
+    shown = PgLocation.parse(where).display()
+    if named or state is None:
+        return shown
+    state_dir = state.uri() if isinstance(state, StateStore) else state
+    return f"{shown} (the ledger of {state_dir})"
 
 
-def read_state(state_dir: str | Path | None, ledger: str | None = None) -> dict[str, Any]:
-    """The ledger document of ``state_dir`` or of the PostgreSQL ledger at
-    ``ledger`` (see :func:`read_ledger`)."""
-    if state_dir is None and ledger is None:
-        raise NoLedgerError("needs a STATE_DIR or a ledger URI")
-    doc = read_ledger(state_dir, ledger)
+def read_state(state: State | None, ledger: str | None = None) -> tuple[dict[str, Any], str | Path]:
+    """The ledger document of ``state`` (a state_dir or its store) or of the
+    ledger at ``ledger`` (see :func:`read_ledger`), and where that ledger is."""
+    if state is None and ledger is None:
+        raise NoLedgerError("needs a STATE_DIR or a ledger location")
+    where = locate(state, ledger)
+    doc = read_ledger(location=where)
     if doc is None:
-        raise NoLedgerError(f"no ledger in {ledger_place(state_dir, ledger)}")
-    return doc
+        raise NoLedgerError(f"no ledger in {ledger_place(where, state, named=ledger is not None)}")
+    return doc, where
 
 
 def rebuild_sinks(
@@ -184,9 +194,9 @@ def lingering(
 ) -> tuple[dict[str, Any], list[Lingering]]:
     """The ledger document and everything the job's sinks hold unfinished (see
     the module docstring). Reads only: the job may be running. ``ledger``: the
-    job's PostgreSQL ledger, when ``state_dir`` (then optional) does not record it."""
-    doc = read_state(state_dir, ledger)
-    _check_recorded(doc, ledger_place(state_dir, ledger))
+    job's ``ledger=`` (then ``state_dir`` is optional)."""
+    doc, where = read_state(state_dir, ledger)
+    _check_recorded(doc, ledger_place(where, state_dir, named=ledger is not None))
     sinks = rebuild_sinks(doc["sinks"], secrets)
     owned = owners(doc)
     found: list[Lingering] = []
@@ -236,7 +246,8 @@ class Assessment:
 class Operator:
     """An operator's hold on a stopped job: the ledger (locked: refused while a
     job runs) and the sinks rebuilt from it. Use as a context manager.
-    ``ledger``: the job's PostgreSQL ledger, when ``state_dir`` does not record it."""
+    ``ledger``: the job's ``ledger=`` (needed when ``state_dir`` does not lead to
+    it: a file ledger of its own directory, a PostgreSQL ledger not recorded)."""
 
     def __init__(
         self,
@@ -246,11 +257,11 @@ class Operator:
         observer: Observer | None = None,
         ledger: str | None = None,
     ) -> None:
-        self.state_dir = Path(state_dir)
-        doc = read_state(state_dir, ledger)
-        _check_recorded(doc, ledger_place(state_dir, ledger))
-        location = ledger if ledger is not None else stored_location(self.state_dir)
-        self.ledger: Ledger = open_ledger(location, self.state_dir, doc["job"])  # the lock
+        self.state_dir = state_dir
+        self.store = open_store(state_dir, None)  # a URI: a JVM of its own
+        doc, where = read_state(self.store, ledger)
+        _check_recorded(doc, ledger_place(where, self.store, named=ledger is not None))
+        self.ledger: Ledger = open_ledger(where, self.store, doc["job"])  # the lock
         try:
             self.sinks = rebuild_sinks(self.ledger.sinks_settings(), secrets)
         except BaseException:
@@ -260,7 +271,7 @@ class Operator:
             self.ledger.job,
             self.ledger,
             [
-                PipelineSinks(p, by_id, SparkCommitLog(self.state_dir / "pipelines" / p / "spark"))
+                PipelineSinks(p, by_id, SparkCommitLog(self.store, f"pipelines/{p}/spark"))
                 for p, by_id in self.sinks.items()
             ],
             observer=observer,

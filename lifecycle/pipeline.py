@@ -16,8 +16,8 @@ unioned before ``transform``, and the query runs once more (available-now): the
 watermark passes every window, Spark emits them, and the marker's own window
 never closes. A drained unbounded pipeline is restarted with an available-now
 trigger the same way. A flag file (``ending_input.json``, read and written only
-by the driver) records that input is ending, so a restart resumes the drain
-instead of reading new input.
+by the driver, through the job's state store) records that input is ending,
+so a restart resumes the drain instead of reading new input.
 
 The extra source is :mod:`lifecycle.end_of_input`, a Python streaming data
 source, not a file: the driver tells it at query start whether input has
@@ -35,7 +35,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow as pa
 from pyspark.sql import DataFrame
@@ -47,6 +46,7 @@ from pyspark.sql.types import TimestampNTZType, TimestampType
 from lifecycle._columns import column
 from lifecycle.binding import BatchHandler
 from lifecycle.end_of_input import END_OF_TIME, marker_stream
+from lifecycle.state.store import StateStore
 from sinks import _faults
 from sinks.base import Sink
 from sinks.errors import ConfigError
@@ -77,7 +77,8 @@ class Pipeline:
     bounded: bool
     trigger_interval: float
     output_mode: str
-    location: Path  # state_dir/pipelines/<name>
+    store: StateStore  # the job's state_dir
+    location: str  # "pipelines/<name>" in the store
     transform: Transform | None = None
     event_time: str | None = None
     state: PipelineState = PipelineState.RUNNING
@@ -100,16 +101,18 @@ class Pipeline:
     # -- locations ----------------------------------------------------------------
 
     @property
-    def spark_location(self) -> Path:
-        return self.location / "spark"
+    def spark_location(self) -> str:
+        """The Spark checkpoint location, in the store (``store.uri()`` of it is
+        what Spark gets)."""
+        return f"{self.location}/spark"
 
     @property
-    def _ending_flag(self) -> Path:
-        return self.location / "ending_input.json"
+    def _ending_flag(self) -> str:
+        return f"{self.location}/ending_input.json"
 
     def ending_input(self) -> bool:
         """Whether ending input was started (in this run or one before a crash)."""
-        return self._ending_flag.exists()
+        return self.store.exists(self._ending_flag)
 
     # -- the query -------------------------------------------------------------------
 
@@ -143,7 +146,7 @@ class Pipeline:
             self._dataframe()
             .writeStream.queryName(f"{job}.{self.name}")
             .outputMode(self.output_mode)
-            .option("checkpointLocation", str(self.spark_location))
+            .option("checkpointLocation", self.store.uri(self.spark_location))
             .foreachBatch(handler)
         )
         available_now = self.bounded or self.state is PipelineState.ENDING_INPUT
@@ -183,7 +186,7 @@ class Pipeline:
         """Record that input ends. The caller (re)starts the query afterwards;
         with ``event_time``, the restarted query feeds the end-of-input marker."""
         self.state = PipelineState.ENDING_INPUT
-        if not self._ending_flag.exists():
-            self.location.mkdir(parents=True, exist_ok=True)
-            self._ending_flag.write_text(json.dumps({"at": time.time(), "drain": drain}))
+        if not self.store.exists(self._ending_flag):
+            flag = {"at": time.time(), "drain": drain}
+            self.store.write_atomic(self._ending_flag, json.dumps(flag).encode())
         _faults.hit("driver.ending_input")

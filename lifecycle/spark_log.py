@@ -2,35 +2,39 @@
 
 Spark writes ``<checkpointLocation>/commits/<batchId>`` (atomically, by rename)
 once a micro-batch has finished, and never replays a batch that has one. That
-file is the "checkpoint complete" truth for a batch; it is read from disk, so
-the answer is the same during a run and after a crash.
+file is the "checkpoint complete" truth for a batch; it is read from the
+checkpoint location itself (through the job's state store, so on whatever
+storage the location is), and the answer is the same during a run and after a
+crash.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
+
+from lifecycle.state.store import LocalStore, StateStore
 
 
 class SparkCommitLog:
-    """The commit log of one streaming query (a local checkpoint location)."""
+    """The commit log of one streaming query: its checkpoint location is
+    ``location`` in ``store``, or the local directory ``store`` when no
+    location is given."""
 
-    def __init__(self, checkpoint_location: str | os.PathLike[str]) -> None:
-        self.location = Path(checkpoint_location)
-        self.commits = self.location / "commits"
+    def __init__(self, store: StateStore | str | os.PathLike[str], location: str = "") -> None:
+        self.store = store if isinstance(store, StateStore) else LocalStore(store)
+        self.location = location
+
+    def _rel(self, *names: str) -> str:
+        return "/".join(n for n in (self.location, *names) if n)
 
     def exists(self) -> bool:
         """Whether the query has ever started (its checkpoint has metadata)."""
-        return (self.location / "metadata").exists()
+        return self.store.exists(self._rel("metadata"))
 
     def latest(self) -> int:
         """Highest batch id Spark has completed, or -1 when none."""
-        try:
-            names = os.listdir(self.commits)
-        except FileNotFoundError:
-            return -1
-        ids = [int(n) for n in names if n.isdigit()]
+        ids = [int(n) for n in self.store.list(self._rel("commits")) if n.isdigit()]
         return max(ids, default=-1)
 
     def completed(self, batch_id: int) -> bool:
@@ -40,8 +44,8 @@ class SparkCommitLog:
         """A digest of the source offsets Spark planned for ``batch_id`` (its
         ``offsets/<batch_id>`` entry without the metadata line, which holds
         times), or None when Spark has not planned the batch."""
-        try:
-            lines = (self.location / "offsets" / str(batch_id)).read_text().splitlines()
-        except FileNotFoundError:
+        data = self.store.read(self._rel("offsets", str(batch_id)))
+        if data is None:
             return None
+        lines = data.decode().splitlines()
         return hashlib.sha256("\n".join(lines[2:]).encode()).hexdigest()[:32]

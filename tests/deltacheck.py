@@ -160,6 +160,11 @@ def versions(uri: str | Path) -> list[Version]:
     return out
 
 
+def runs_of_batch(versions: list[Version], batch: int) -> set[int]:
+    """The job runs whose staged files of ``batch`` the table committed."""
+    return {n.run for v in versions for n in v.txn_names() if n.batch_id == batch}
+
+
 def assert_created_once(uri: str | Path) -> list[Version]:
     """Version 0 created the table (``CREATE TABLE``, or a first ``WRITE`` carrying
     the metadata); no later version re-created it or changed its metadata.

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lifecycle.coordinator import sink_label
 from lifecycle.ledger import read_ledger
+from lifecycle.state.pg_location import is_pg_location
 from sinks.base import JobScope
 from sinks.delta.sink import app_id
 from tests import deltacheck
@@ -35,9 +36,12 @@ class Run:
         topic: str | None,
         *,
         sinks: str | None = None,
-        state: Path | None = None,
+        state: Path | str | None = None,
         env: dict[str, str] | None = None,
+        ledger: Path | str | None = None,
     ) -> None:
+        """``state``: the job's state_dir (a URI: give ``ledger``, the job's
+        ``ledger=``, too: a directory, or a PostgreSQL URI as a str)."""
         self.tmp = tmp
         self.dsn = dsn
         self.bootstrap = bootstrap
@@ -47,6 +51,8 @@ class Run:
         self.job = f"dc{uuid.uuid4().hex[:8]}"  # the Kafka registry topic is shared
         self.sinks = sinks or (ORDER if dsn else "delta")
         self.env = env
+        self.ledger = ledger
+        self.cwd: Path | None = None  # the jobs' working directory (None: the checkout)
 
     def start(
         self,
@@ -67,14 +73,30 @@ class Run:
             "interval": str(interval),
             "files-per-batch": str(files_per_batch),
             "sinks": self.sinks,
+            "ledger": str(self.ledger) if self.ledger else None,
         }
         args = [a for k, v in opts.items() if v is not None for a in (f"--{k}", v)]
         log = self.tmp / f"job-{'fault' if fault else 'clean'}.log"
         if not wait:
-            return JobProcess("multi_sink_job.py", [*args, *(extra or [])], log, fault, self.env)
+            return JobProcess(
+                "multi_sink_job.py", [*args, *(extra or [])], log, fault, self.env, cwd=self.cwd
+            )
         return run_job(
-            "multi_sink_job.py", [*args, *(extra or [])], log, fault, timeout=240, env=self.env
+            "multi_sink_job.py",
+            [*args, *(extra or [])],
+            log,
+            fault,
+            timeout=240,
+            env=self.env,
+            cwd=self.cwd,
         )
+
+    def ledger_location(self) -> Path | str | None:
+        """The job's ``ledger=`` as the checks read it: a PostgreSQL URI names the
+        job (so no URI state_dir is read for its ``ledger.location``)."""
+        if isinstance(self.ledger, str) and is_pg_location(self.ledger):
+            return f"{self.ledger}{'&' if '?' in self.ledger else '?'}job={self.job}"
+        return self.ledger
 
     def check(self, n: int, per_checkpoint: bool = True) -> list[deltacheck.Version]:
         """Exactly once and nothing left behind in every sink; the ledger's
@@ -95,7 +117,7 @@ class Run:
             kafka_exactly_once(self.bootstrap, self.topic, n)
             assert_nothing_open(self.bootstrap, self.topic, self.job)
 
-        doc = read_ledger(self.state)
+        doc = read_ledger(self.state, self.ledger_location())
         assert doc is not None and doc["pending"] == {} and doc["decided"] is None
         assert doc["finished"] == ["load"]
         assert doc["totals"] == {label: n for label in labels}

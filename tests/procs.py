@@ -30,9 +30,11 @@ class JobProcess:
         fault: str | None = None,
         env: dict[str, str] | None = None,
         root: Path = ROOT,
+        cwd: Path | None = None,
     ):
         """``root``: the source tree whose job script and packages run (another
-        version of the project, for upgrade tests)."""
+        version of the project, for upgrade tests); ``cwd``: the job's working
+        directory (default ``root``)."""
         env = {**os.environ, **(env or {})}
         if root != ROOT:
             env["PYTHONPATH"] = str(root)
@@ -49,7 +51,7 @@ class JobProcess:
             env=env,
             stdout=self._out,
             stderr=subprocess.STDOUT,
-            cwd=root,
+            cwd=cwd or root,
             start_new_session=True,
         )
 
@@ -114,9 +116,11 @@ def run_job(
     fault: str | None = None,
     timeout: float = 240,
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> JobProcess:
-    """Run a job script to its end (``env``: variables added to the job's)."""
-    jp = JobProcess(script, args, log, fault, env)
+    """Run a job script to its end (``env``: variables added to the job's;
+    ``cwd``: its working directory)."""
+    jp = JobProcess(script, args, log, fault, env, cwd=cwd)
     jp.wait(timeout)
     return jp
 

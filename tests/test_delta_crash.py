@@ -40,11 +40,6 @@ from tests.multisink import LABELS, Run
 pytestmark = pytest.mark.crash
 
 
-def _runs_of_batch(versions: list[deltacheck.Version], batch: int) -> set[int]:
-    """The job runs whose staged files of ``batch`` the table committed."""
-    return {n.run for v in versions for n in v.txn_names() if n.batch_id == batch}
-
-
 # fault -> (checkpoint_interval, files per batch, run whose files of batch 2 the
 # table must hold: 2 when Spark replays the batch after the crash, 1 when the
 # crash came after Spark completed it; None: not checked)
@@ -90,7 +85,7 @@ def test_crash_at_each_phase(pg_dsn, kafka_bootstrap, kafka_topic, tmp_path, poi
     assert second.result()["committed"] is True
     ours = run.check(n)
     if batch2_run is not None:
-        assert _runs_of_batch(ours, 2) == {batch2_run}
+        assert deltacheck.runs_of_batch(ours, 2) == {batch2_run}
     if fault.startswith("driver.mid_commit"):
         assert "committed already" in second.output()  # not committed twice
 

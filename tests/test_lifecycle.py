@@ -297,7 +297,7 @@ def test_a_savepoint_of_the_file_marker_version_resumes(  # type: ignore[no-unty
     write_events(tmp_path / "ev", 0, 100, files=2)
 
     def file_marker_dataframe(self: Pipeline) -> DataFrame:  # the former _dataframe
-        eoi = self.location / "end_of_input"
+        eoi = Path(self.store.uri(f"{self.location}/end_of_input"))
         eoi.mkdir(parents=True, exist_ok=True)
         marker = self.source.sparkSession.readStream.schema(self.source.schema).json(str(eoi))
         return self._output(self.source.unionByName(marker))

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -128,7 +131,8 @@ def make_state(
     made: list[State] = []
 
     def make(ledger: str | None = None) -> State:
-        """A new state; ``ledger``: the PostgreSQL ledger's URI (None: the file ledger)."""
+        """A new state; ``ledger``: the job's ``ledger=`` (None: the file ledger in
+        the state_dir; a PostgreSQL URI; a directory for the file ledger)."""
         job = f"op{uuid.uuid4().hex[:8]}"  # the Kafka registry topic is shared
         state_dir = tmp_path / "state"
         delta_uri = str(tmp_path / "delta" / "orders")
@@ -399,6 +403,71 @@ def test_lingering_and_recover_with_the_ledger_in_postgresql(
     assert set(doc["sinks"]) == {f"{PIPELINE}/{s}" for s in ("pg", "kafka", "delta")}
     code, out, _ = run_cli(capsys, "lingering", "--ledger", uri)
     assert (code, out.splitlines()[-1]) == (0, "nothing lingering")
+
+
+def twophase_process(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``twophase`` as its own process (a URI STATE_DIR starts a JVM in it)."""
+    return subprocess.run(
+        [sys.executable, "-m", "lifecycle.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+
+
+@pytest.mark.parametrize("kind", ["dir", "postgres"])
+def test_operations_on_a_uri_state_dir(
+    make_state: Callable[..., State], pg_dsn: str, tmp_path: Path, kind: str
+) -> None:
+    """STATE_DIR given as a ``file://`` URI: the commands read its files
+    (``ledger.location``, Spark's commit log) through Hadoop, in a JVM of their
+    own. The ledger is a file ledger in a directory of its own (``--ledger
+    DIR``; the URI records nothing of it) or in PostgreSQL (found through the
+    URI's ``ledger.location``, or named by ``--ledger URI``)."""
+    ledger_dir = tmp_path / "ledger-host"
+    state = make_state(str(ledger_dir) if kind == "dir" else pg_uri(pg_dsn))
+    assert not (state.dir / "ledger").exists()
+    done = state.register(0)
+    state.spark_completed(0)  # read through Hadoop by recover
+    undone = state.register(1)  # Spark never completed batch 1
+    state.crash()
+    txns = {c["txn"] for cs in (*done.values(), *undone.values()) for c in cs}
+    uri = state.dir.as_uri()
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    if kind == "dir":
+        ledger = ["--ledger", str(ledger_dir)]
+        bare = twophase_process(cwd, "lingering", uri)
+        assert bare.returncode == 2 and "--ledger" in bare.stderr, bare.stderr
+    else:
+        ledger = ["--ledger", pg_uri(pg_dsn)]
+        via_record = twophase_process(cwd, "status", uri)  # through ledger.location
+        assert via_record.returncode == 0, via_record.stderr
+        assert f"job {state.job}  incarnation {state.incarnation}" in via_record.stdout
+
+    found = twophase_process(cwd, "lingering", uri, *ledger)
+    assert found.returncode == 1, found.stderr
+    assert all(t in found.stdout for t in txns)
+    assert f"{len(txns)} lingering: {len(txns)} of this incarnation" in found.stdout
+    refused = twophase_process(cwd, "abandon", uri, "--checkpoint", "1", "--yes", *ledger)
+    assert refused.returncode == 1 and "checkpoint 1 is not the decided one" in refused.stderr
+    recovered = twophase_process(cwd, "recover", uri, *([] if kind == "postgres" else ledger))
+    assert recovered.returncode == 0, recovered.stderr
+    assert f"committed {PIPELINE}/pg: 2 transaction(s)" in recovered.stdout  # batch 0
+    assert f"aborted   {PIPELINE}/pg: 2 transaction(s)" in recovered.stdout  # batch 1
+    pg_exactly_once(pg_dsn, "orders", 10)
+    assert job_prepared(pg_dsn, state.job) == []
+    deltacheck.assert_exactly_once(state.delta_uri, 10)
+    deltacheck.assert_nothing_staged(state.delta_uri)
+    where = str(ledger_dir) if kind == "dir" else f"{pg_uri(pg_dsn)}?job={state.job}"
+    doc = read_ledger(location=where)
+    assert doc is not None and doc["pending"] == {} and doc["decided"] is None
+    assert doc["totals"] == {f"{PIPELINE}/{s}": 10 for s in ("pg", "kafka", "delta")}
+    assert os.listdir(cwd) == []  # no URI taken for a local path
+    assert sorted(os.listdir(state.dir)) == (
+        ["pipelines"] if kind == "dir" else ["ledger.location", "pipelines"]
+    )
 
 
 # -- recover ----------------------------------------------------------------------------------

@@ -14,7 +14,12 @@
 * :mod:`lifecycle.state.pg_ledger`: the ledger in PostgreSQL (advisory lock,
   fencing token), over :mod:`~lifecycle.state.pg_location` (its URI),
   :mod:`~lifecycle.state.pg_schema` (its tables and statements) and
-  :mod:`~lifecycle.state.pg_rows` (the state as rows, each operation's rows).
+  :mod:`~lifecycle.state.pg_rows` (the state as rows, each operation's rows);
+* :mod:`lifecycle.state.store`: the state store, by the form of ``state_dir``: a
+  local directory, or (:mod:`lifecycle.state.hadoop_store`) a Hadoop-compatible
+  URI through Spark's Hadoop FileSystem in the driver JVM. Spark checkpoint
+  locations, end-of-input flags and control files go through it, and a PostgreSQL ledger's
+  ``ledger.location``.
 
 :mod:`lifecycle.ledger` is the public face; import from there.
 """

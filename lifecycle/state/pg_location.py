@@ -56,8 +56,8 @@ class PgLocation:
     def parse(cls, uri: str) -> PgLocation:
         if not is_pg_location(uri):
             raise ConfigError(
-                "a ledger location is a PostgreSQL URI (postgresql://user@host/dbname), "
-                "or None for the local directory"
+                "a PostgreSQL ledger location is a URI (postgresql://user@host/dbname); "
+                "the file ledger is given as a local directory, or None"
             )
         parts = urlsplit(uri)
         params: list[tuple[str, str]] = []

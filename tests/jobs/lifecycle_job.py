@@ -53,6 +53,7 @@ def main() -> int:
     ap.add_argument("--final", default="shared")
     ap.add_argument("--stop-grace", type=float, default=10.0)
     ap.add_argument("--pipeline", action="append", default=[])
+    ap.add_argument("--ledger", default=None, help="the ledger's directory (state on a URI)")
     args = ap.parse_args()
     spark = start_driver(args.job)
     job = Job(
@@ -62,6 +63,7 @@ def main() -> int:
         checkpoint_interval=args.interval,
         final_checkpoint=args.final,
         stop_grace=args.stop_grace,
+        ledger=args.ledger,
     )
     for spec in args.pipeline:
         opts = dict(kv.split("=", 1) for kv in spec.split(","))

@@ -42,7 +42,11 @@ def main() -> int:
     ap.add_argument("--files-per-batch", type=int, default=1)
     ap.add_argument("--sinks", default="pg,kafka,delta")
     ap.add_argument("--start-over-from", default=None)
-    ap.add_argument("--ledger", default=None, help="Job(ledger=...): a PostgreSQL URI")
+    ap.add_argument(
+        "--ledger",
+        default=None,
+        help="Job(ledger=...): a PostgreSQL URI or a local directory (state on a URI)",
+    )
     ap.add_argument("--probe", default=None, help="a driver-side path executors must not see")
     args = ap.parse_args()
     spark = start_driver(args.job)

@@ -1,0 +1,198 @@
+"""The state store on a Hadoop-compatible URI, through Spark's Hadoop
+FileSystem in the driver JVM (``Path(uri).getFileSystem(hadoopConfiguration)``).
+
+Only the driver calls it (py4j into its own JVM); executors never see it.
+Which schemes work is whatever Spark's classpath holds: PySpark's bundled Hadoop
+client has ``file``, ``viewfs``, ``har``, ``http(s)``, ``webhdfs`` and the HDFS
+client; ``s3a`` and ``abfss`` need the user's jars (``hadoop-aws``,
+``hadoop-azure`` of the same Hadoop version), and a scheme without a client is
+refused at :func:`open_store <lifecycle.state.store.open_store>` with a
+:class:`~sinks.errors.ConfigError` saying so.
+
+**Atomic replace.** ``FileSystem.rename`` does not overwrite on several file
+systems (HDFS, and Hadoop's ``LocalFileSystem`` behind ``file://`` and
+``viewfs://`` here: it returns false), and an object store has no atomic rename
+at all. So :meth:`HadoopStore.write_atomic` takes the same steps everywhere:
+
+1. write ``NAME.part`` (created with overwrite: a crashed writer's is garbage),
+   ``hsync``, close;
+2. no ``NAME`` yet: rename ``NAME.part`` -> ``NAME``; done;
+3. else rename ``NAME.part`` -> ``NAME.tmp`` (now complete), delete ``NAME``,
+   rename ``NAME.tmp`` -> ``NAME``.
+
+A crash in step 1 leaves ``NAME`` as it was; between the delete and the last
+rename, only ``NAME.tmp`` holds the content and it is complete, so
+:meth:`~HadoopStore.read` (and :meth:`~HadoopStore.exists`) fall back to
+``NAME.tmp`` when ``NAME`` is missing, and the next write or delete of the file
+tidies it. ``NAME.part`` is never read. A reader concurrent with a writer looks
+for ``NAME``, ``NAME.tmp``, then ``NAME`` again, so it finds one of them while
+one write is under way.
+
+Durability is the file system's: ``hsync`` then close (HDFS: on the
+datanodes' disks; an object store: the upload completes at close).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from py4j.java_gateway import is_instance_of
+from py4j.protocol import Py4JJavaError
+
+from lifecycle.state.store import TMP, StateStore, check_rel, scheme_of
+from sinks.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+PART = ".part"
+"""suffix of the file being written, never read"""
+
+_HINTS = {
+    "s3a": "hadoop-aws (and its AWS SDK bundle)",
+    "abfs": "hadoop-azure",
+    "abfss": "hadoop-azure",
+    "gs": "the GCS connector",
+}
+
+
+class HadoopStore(StateStore):
+    """A ``state_dir`` URI on a Hadoop FileSystem (module docstring)."""
+
+    is_local = False
+
+    def __init__(self, root: str, jvm: Any, hadoop_conf: Any, gateway: Any) -> None:
+        """``jvm``, ``hadoop_conf`` and ``gateway``: a py4j JVM view, a Hadoop
+        ``Configuration`` in it and its gateway (:meth:`from_spark`, :func:`standalone`)."""
+        self.root = root.rstrip("/")
+        self._jvm = jvm
+        self._gateway = gateway
+        try:
+            self._fs = jvm.org.apache.hadoop.fs.Path(self.root).getFileSystem(hadoop_conf)
+        except Py4JJavaError as e:
+            scheme = scheme_of(self.root) or ""
+            jars = _HINTS.get(scheme, f"a Hadoop FileSystem for {scheme!r}")
+            raise ConfigError(
+                f"state_dir {self.root}: Spark's Hadoop client cannot open it "
+                f"({_java_message(e)}). Put {jars} on the driver's classpath "
+                "(spark.jars.packages or spark.jars) and configure the file system "
+                "(spark.hadoop.* settings, core-site.xml)"
+            ) from None
+
+    @classmethod
+    def from_spark(cls, root: str, spark: SparkSession) -> HadoopStore:
+        """On ``spark``'s driver JVM with its Hadoop configuration (the one its
+        queries use: ``spark.hadoop.*`` settings, ``core-site.xml``)."""
+        sc = spark.sparkContext
+        return cls(root, sc._jvm, sc._jsc.hadoopConfiguration(), sc._gateway)  # type: ignore[attr-defined]
+
+    # -- names ----------------------------------------------------------------------
+
+    def uri(self, rel: str = "") -> str:
+        return f"{self.root}/{check_rel(rel)}" if rel else self.root
+
+    def _path(self, rel: str, suffix: str = "") -> Any:
+        return self._jvm.org.apache.hadoop.fs.Path(self.uri(rel) + suffix)
+
+    def _not_found(self, e: Py4JJavaError) -> bool:
+        missing = is_instance_of(self._gateway, e.java_exception, "java.io.FileNotFoundException")
+        return bool(missing)
+
+    # -- the interface -----------------------------------------------------------------
+
+    def read(self, rel: str) -> bytes | None:
+        for suffix in ("", TMP, ""):  # NAME.tmp: a replace caught by a crash (docstring)
+            data = self._read(self._path(rel, suffix))
+            if data is not None:
+                return data
+        return None
+
+    def _read(self, path: Any) -> bytes | None:
+        # exists() first: a Java exception costs several py4j round trips, and a
+        # missing file is the common case (a stop request, polled by the run loop)
+        if not self._fs.exists(path):
+            return None
+        try:
+            stream = self._fs.open(path)
+        except Py4JJavaError as e:
+            if self._not_found(e):  # deleted since
+                return None
+            raise
+        try:
+            return bytes(self._jvm.org.apache.hadoop.io.IOUtils.readFullyToByteArray(stream))
+        finally:
+            stream.close()
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        path, part, tmp = self._path(rel), self._path(rel, PART), self._path(rel, TMP)
+        out = self._fs.create(part, True)
+        try:
+            out.write(bytearray(data))
+            out.hsync()
+        finally:
+            out.close()
+        if self._fs.exists(path):
+            self._fs.delete(tmp, False)  # a crashed replace's; NAME is readable meanwhile
+            self._rename(part, tmp)
+            self._fs.delete(path, False)  # from here until the rename, NAME.tmp is read
+            self._rename(tmp, path)
+        else:
+            self._rename(part, path)
+            self._fs.delete(tmp, False)  # older than NAME now, if a crash left one
+
+    def _rename(self, src: Any, dst: Any) -> None:
+        if not self._fs.rename(src, dst):
+            raise OSError(f"state store: could not rename {src} to {dst}")
+
+    def list(self, rel_dir: str) -> list[str]:
+        path = self._path(rel_dir)
+        if not self._fs.exists(path):
+            return []
+        try:
+            statuses = self._fs.listStatus(path)
+        except Py4JJavaError as e:
+            if self._not_found(e):
+                return []
+            raise
+        names = {s.getPath().getName() for s in statuses}
+        return sorted(n for n in names if not n.endswith((TMP, PART)))
+
+    def delete(self, rel: str) -> None:
+        self._fs.delete(self._path(rel), True)
+        self._fs.delete(self._path(rel, TMP), False)
+        self._fs.delete(self._path(rel, PART), False)
+
+    def exists(self, rel: str) -> bool:
+        return bool(self._fs.exists(self._path(rel)) or self._fs.exists(self._path(rel, TMP)))
+
+
+def standalone(root: str) -> HadoopStore:
+    """A store on ``root`` for a process without a SparkSession (the ``twophase``
+    command): the active SparkContext's JVM when there is one, else a JVM of its
+    own (PySpark's gateway, no SparkContext: a few seconds, no executors), with
+    the Hadoop configuration a job's session would get: ``core-site.xml`` from
+    ``HADOOP_CONF_DIR`` and the ``spark.hadoop.*`` settings of
+    ``spark-defaults.conf`` or ``PYSPARK_SUBMIT_ARGS``."""
+    from pyspark import SparkContext
+
+    active = SparkContext._active_spark_context
+    if active is not None:
+        return HadoopStore(root, active._jvm, active._jsc.hadoopConfiguration(), active._gateway)  # type: ignore[attr-defined]
+    SparkContext._ensure_initialized()
+    jvm, gateway = SparkContext._jvm, SparkContext._gateway
+    conf = jvm.org.apache.hadoop.conf.Configuration()  # type: ignore[union-attr]
+    prefix = "spark.hadoop."
+    for kv in jvm.org.apache.spark.SparkConf(True).getAll():  # type: ignore[union-attr]
+        key, value = kv._1(), kv._2()
+        if key.startswith(prefix):
+            conf.set(key[len(prefix) :], value)
+    return HadoopStore(root, jvm, conf, gateway)
+
+
+def _java_message(e: Py4JJavaError) -> str:
+    """``Class: message`` of a Java exception, without the stack trace."""
+    try:
+        exc = e.java_exception
+        return f"{exc.getClass().getSimpleName()}: {exc.getMessage()}"
+    except Exception:
+        return str(e).split("\n", 1)[0]
