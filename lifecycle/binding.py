@@ -52,8 +52,9 @@ class PrecommitTask:
         writer = self.sink.open_writer(ctx, self.schema)
         failed = True
         try:
+            names = self.schema.names
             for i, batch in enumerate(batches):
-                writer.write(batch)
+                writer.write(batch.rename_columns(names))  # see precommit()
                 if i == 0:
                     _faults.hit("executor.write", batch=self.batch_id, attempt=number)
             committable = writer.prepare()
@@ -73,6 +74,10 @@ def precommit(
     cols = sink.partition_columns()
     if cols:
         df = df.repartition(*map(column, cols))
+    # mapInArrow looks its input columns up by name, which Spark parses (a column
+    # called order.id would be field id of a struct order): it gets positional
+    # names, and the task gives the batches their own names back
+    df = df.toDF(*(f"_{i}" for i in range(len(df.columns))))
     task = PrecommitTask(sink, scope, run, batch_id, schema)
     rows = df.mapInArrow(task, "committable string").collect()
     return [json.loads(r[0]) for r in rows]
