@@ -21,7 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sinks.base import JobScope, WriteContext
 from sinks.errors import PreflightError
+from sinks.kafka import KafkaSink
 from sinks.kafka.encode import JSONEncodeError, check_json_schema, json_rows, to_bytes
 
 # -- keys and headers ------------------------------------------------------------------------
@@ -356,19 +358,41 @@ UNSUPPORTED = [
 
 
 @pytest.mark.parametrize(("t", "path"), UNSUPPORTED)
-def test_types_that_cannot_be_written_are_refused(t: pa.DataType, path: str) -> None:
+def test_types_that_cannot_be_written_fail_preflight(t: pa.DataType, path: str) -> None:
     schema = pa.schema([("id", pa.int64()), ("v", pa.string()), ("c", t)])
     with pytest.raises(PreflightError, match=re.escape(repr(path))):
         check_json_schema(schema)
+    sink = KafkaSink("127.0.0.1:1", "t", sink_id="k")  # the schema check comes first
+    with pytest.raises(PreflightError, match=re.escape(repr(path))):
+        sink.preflight(schema)
+    KafkaSink("127.0.0.1:1", "t", sink_id="k", value="v")._check_schema(schema)  # not JSON
 
 
-def test_duplicate_column_names_are_refused() -> None:
+def test_duplicate_column_names_fail_preflight() -> None:
     schema = pa.schema([("id", pa.int64()), ("id", pa.string())])
     with pytest.raises(PreflightError, match="two columns are named 'id'"):
         check_json_schema(schema)
+    with pytest.raises(PreflightError, match="two columns are named 'id'"):
+        KafkaSink("127.0.0.1:1", "t", sink_id="k").preflight(schema)
     batch = pa.RecordBatch.from_arrays([pa.array([1]), pa.array(["x"])], schema=schema)
     with pytest.raises(JSONEncodeError, match="two columns are named 'id'"):
         json_rows(batch)
+
+
+def test_writer_refuses_before_opening_a_producer() -> None:
+    """The writer encodes a batch before it opens a producer or sends anything: a
+    refused value fails the task with nothing in a transaction (here no broker
+    listens, so opening one would fail differently)."""
+    sink = KafkaSink("127.0.0.1:1", "t", sink_id="k", key="id")
+    ctx = WriteContext(JobScope("j", "p", "k", "a1b2c3d4e5f6"), 1, 0, 0, 100)
+    batch = pa.record_batch(
+        {"id": pa.array([1, 2]), "at": pa.array([0, Y10000_US], pa.timestamp("us", "UTC"))}
+    )
+    writer = sink.open_writer(ctx, batch.schema)
+    with pytest.raises(JSONEncodeError, match=r"rows 0 to 1 of this task.*'at', row 1"):
+        writer.write(batch)
+    assert writer._producer is None  # type: ignore[attr-defined]
+    writer.close(failed=True)
 
 
 # -- fuzz: random schemas and values read back equal (hypothesis) -------------------------------
