@@ -134,8 +134,11 @@ class KafkaSink(Sink):
         key: column whose values become record keys (binary, string, or a number
             or boolean written as its text); default: no key.
         value: binary or string column that becomes the record value; default:
-            each row as a JSON object of all its columns (see
-            :mod:`sinks.kafka.encode`).
+            each row as a JSON object of all its columns, in one encoding
+            whatever the session time zone (timestamps in UTC with ``Z``, maps as
+            objects, decimals as exact strings, ``"NaN"``/``"Infinity"``; see
+            :mod:`sinks.kafka.encode`); types it cannot write fail preflight, values
+            it cannot write fail the task before anything of it is sent.
         headers: columns sent as record headers (named after the column; values
             as for ``key``; a null leaves the header out).
         transactional_id_prefix: put in front of every transactional id, e.g. to
@@ -420,6 +423,8 @@ class KafkaSink(Sink):
             encode.check_bytes_column(schema, self.key, "key", numbers=True)
         if self.value:
             encode.check_bytes_column(schema, self.value, "value", numbers=False)
+        else:
+            encode.check_json_schema(schema)
         for h in self.headers:
             encode.check_bytes_column(schema, h, "header", numbers=True)
 

@@ -2,14 +2,16 @@
 
 Life of a writer (nothing is opened for an empty partition):
 
-1. first non-empty batch: a ``KafkaProducer`` with ``transactional_id`` =
-   the task's transaction name (deterministic, optionally prefixed);
-   ``init_transactions()`` (a fresh id: nothing to abort), ``begin_transaction()``,
-   the id is announced in the registry topic and flushed (see
-   :mod:`sinks.kafka.registry`);
-2. ``write``: keys, values and headers are built column-wise from Arrow; every
-   row is sent with an explicit partition (murmur2 of the key, as Kafka's
-   default partitioner, or round-robin per Arrow batch for keyless rows);
+1. first non-empty batch, once its records are encoded: a ``KafkaProducer`` with
+   ``transactional_id`` = the task's transaction name (deterministic, optionally
+   prefixed); ``init_transactions()`` (a fresh id: nothing to abort),
+   ``begin_transaction()``, the id is announced in the registry topic and flushed
+   (see :mod:`sinks.kafka.registry`);
+2. ``write``: keys, values and headers are built column-wise from Arrow
+   (:mod:`sinks.kafka.encode`) before anything of the batch is sent, so a value
+   the JSON encoding refuses fails the task with nothing of that batch in the
+   transaction; every row is sent with an explicit partition (murmur2 of the key,
+   as Kafka's default partitioner, or round-robin per Arrow batch for keyless rows);
 3. ``prepare``: ``flush()``, fail if any send failed, and return the committable
    with the producer id and epoch, without committing or aborting;
 4. ``close``: after ``prepare`` the producer is closed with ``timeout=0``, which
@@ -103,18 +105,18 @@ class KafkaWriter(SinkWriter):
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
             return
-        producer = self._producer or self._begin()
         sink = self._sink
         n = batch.num_rows
+        # encode first: a value the encoding refuses fails the task before anything
+        # of this batch is sent (and before a producer is opened for the first one)
         keys: list[bytes | None] = (
             encode.to_bytes(batch.column(sink.key)) if sink.key else [None] * n
         )
-        values = (
-            encode.to_bytes(batch.column(sink.value)) if sink.value else encode.json_rows(batch)
-        )
+        values = encode.to_bytes(batch.column(sink.value)) if sink.value else self._json(batch)
         if sink.value and None in values:
             self._check_nulls(keys, values)
         headers = self._headers(batch)
+        producer = self._producer or self._begin()
         parts = self._partition_of(keys)
         send, topic, on_error = producer.send, sink.topic, self._on_error
         first, last = self._first, self._last
@@ -127,6 +129,15 @@ class KafkaWriter(SinkWriter):
         self._rows += n
         if self._errors:
             raise self._errors[0]
+
+    def _json(self, batch: pa.RecordBatch) -> list[bytes]:
+        try:
+            return encode.json_rows(batch)
+        except encode.JSONEncodeError as e:
+            raise encode.JSONEncodeError(
+                f"{self._sink.describe()}: batch rows {self._rows} to "
+                f"{self._rows + batch.num_rows - 1} of this task: {e}"
+            ) from e
 
     def _check_nulls(self, keys: list[bytes | None], values: list[bytes | None]) -> None:
         for i, (k, v) in enumerate(zip(keys, values, strict=True)):
