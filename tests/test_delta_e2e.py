@@ -50,7 +50,7 @@ def _expected(ids: range) -> list[tuple[object, ...]]:
     return sorted(rows, key=lambda r: r[0])
 
 
-@pytest.mark.parametrize("interval", [0.0, 2.0])
+@pytest.mark.parametrize("interval", [0.0, 4.0])
 def test_bounded_job_exactly_once_one_version_per_checkpoint(spark, tmp_path, interval):  # type: ignore[no-untyped-def]
     n = write_input(tmp_path / "in", files=5, rows_per_file=200)
     uri = str(tmp_path / "orders")

@@ -40,7 +40,7 @@ def _job_name(kind: str) -> str:
     return f"{kind}{uuid.uuid4().hex[:8]}"
 
 
-@pytest.mark.parametrize("interval", [0.0, 2.0])
+@pytest.mark.parametrize("interval", [0.0, 4.0])
 def test_bounded_job_commits_every_row_once(  # type: ignore[no-untyped-def]
     spark, kafka_bootstrap, kafka_topic, tmp_path, interval
 ):

@@ -30,7 +30,7 @@ def _create(dsn: str, table: str = "orders", key: bool = False) -> None:
         c.execute(f"CREATE TABLE {table} (id bigint{pk}, name text, amount float8)")
 
 
-@pytest.mark.parametrize("interval", [0.0, 2.0])
+@pytest.mark.parametrize("interval", [0.0, 4.0])
 def test_bounded_job_commits_every_row_once(spark, pg_dsn, tmp_path, interval):  # type: ignore[no-untyped-def]
     n = write_input(tmp_path / "in", files=4, rows_per_file=250)
     _create(pg_dsn)
