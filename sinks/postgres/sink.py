@@ -259,7 +259,7 @@ class PostgresSink(Sink):
                         f"table {where} does not exist ({self.describe()}); create it, "
                         "or pass create_table=True to PostgresSink"
                     )
-                catalog.create_table(conn, self.table_ident, schema, self.key)
+                catalog.create_table(conn, self.table_ident, schema, self.key, where)
                 columns = catalog.table_columns(conn, self.schema, self.table)
                 assert columns is not None
             targets = catalog.check_columns(where, columns, schema, self.key)

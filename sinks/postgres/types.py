@@ -33,6 +33,9 @@ _WIRE: dict[str, pa.DataType] = {
 
 SUPPORTED_PG_TYPES = sorted([*_WIRE, "numeric"])
 
+MAX_DECIMAL_DIGITS = 38
+"""Widest decimal the binary COPY encoder (pgpq) writes: Arrow decimal128."""
+
 _INTS = ("int2", "int4", "int8")
 _FLOATS = ("float4", "float8")
 _TEXT = ("text", "varchar", "bpchar")
@@ -46,7 +49,7 @@ def _source_kind(t: pa.DataType) -> str | None:
     if pa.types.is_floating(t):
         return "float"
     if pa.types.is_decimal(t):
-        return "decimal"
+        return "decimal" if t.precision <= MAX_DECIMAL_DIGITS else None
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "string"
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
@@ -56,6 +59,25 @@ def _source_kind(t: pa.DataType) -> str | None:
     if pa.types.is_timestamp(t):
         return "timestamp"
     return None
+
+
+def unsupported(source: pa.DataType) -> str | None:
+    """Why this sink cannot write a column of Arrow type ``source`` to any
+    PostgreSQL column; None when it can."""
+    if _source_kind(source) is not None:
+        return None
+    if pa.types.is_nested(source):
+        return (
+            f"the DataFrame type {source} is nested (struct, array or map), which this sink "
+            "does not write; flatten it or serialise it (e.g. to_json) into a text column"
+        )
+    if pa.types.is_decimal(source):
+        return (
+            f"the DataFrame type {source} has more than {MAX_DECIMAL_DIGITS} digits, which "
+            "this sink's binary COPY encoder does not write; cast it to a decimal of at most "
+            f"{MAX_DECIMAL_DIGITS} digits or to a string"
+        )
+    return f"the DataFrame type {source} is not supported by this sink"
 
 
 # source kind -> PostgreSQL column types it may be written to
@@ -96,7 +118,7 @@ def incompatibility(source: pa.DataType, column: PgColumn) -> str | None:
     """Why a ``source`` Arrow column cannot be written to ``column``; None if it can."""
     kind = _source_kind(source)
     if kind is None:
-        return f"the DataFrame type {source} is not supported by this sink"
+        return unsupported(source)
     if column.typname not in SUPPORTED_PG_TYPES:
         return (
             f"the column type {column.formatted} is not supported by this sink "
@@ -116,13 +138,14 @@ def wire_type(source: pa.DataType, column: PgColumn) -> pa.DataType:
     return _WIRE[column.typname]
 
 
-def ddl_type(source: pa.DataType) -> str:
-    """The PostgreSQL column type used when creating a table for ``source``."""
+def ddl_type(source: pa.DataType) -> str | None:
+    """The PostgreSQL column type used when creating a table for ``source``;
+    None when there is none (see :func:`unsupported`)."""
     kind = _source_kind(source)
+    if kind is None:
+        return None
     if kind == "int":
         return {8: "smallint", 16: "smallint", 32: "integer"}.get(source.bit_width, "bigint")
     if kind == "decimal":
         return f"numeric({source.precision},{source.scale})"
-    if kind is None:
-        raise ValueError(f"no PostgreSQL type for {source}")
     return _DDL[kind]
