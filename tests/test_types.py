@@ -7,11 +7,15 @@ the cases here are the ones it found, kept as plain examples."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import psycopg
 import pyarrow as pa
 import pytest
+from deltalake import DeltaTable
 
 from sinks import PostgresSink, PreflightError
+from sinks.delta import DeltaSink
 
 # -- PostgreSQL: create_table ------------------------------------------------------------
 
@@ -84,3 +88,38 @@ def test_decimal_wider_than_38_digits_is_refused_at_preflight(pg_module_dsn: str
     schema = pa.schema([("id", pa.int64()), ("amount", pa.decimal256(50, 2))])
     with pytest.raises(PreflightError, match=r"column 'amount': .* more than 38 digits"):
         PostgresSink(pg_module_dsn, "wide").preflight(schema)
+
+
+# -- Delta: table creation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schema", "expected"),
+    [
+        (
+            pa.schema([("id", pa.int64()), ("ID", pa.int64())]),
+            "the column names: 'id' and 'ID' differ only in case",
+        ),
+        (
+            pa.schema([("s", pa.struct([("x", pa.int64()), ("X", pa.string())]))]),
+            "the fields of struct column s: 'x' and 'X' differ only in case",
+        ),
+        (
+            pa.schema([("a\0b", pa.int64())]),
+            "name 'a\\x00b' holds NUL",
+        ),
+    ],
+    ids=["case", "struct-case", "nul"],
+)
+def test_delta_create_refuses_names_delta_cannot_hold(
+    tmp_path: Path, schema: pa.Schema, expected: str
+) -> None:
+    """deltalake raised a bare ``Exception`` ('Schema error: Duplicate field name
+    (case-insensitive)') for the first two; for a NUL it created a table with
+    the name cut at the NUL, and preflight then failed on the table it made."""
+    uri = str(tmp_path / "t")
+    with pytest.raises(PreflightError) as e:
+        DeltaSink(uri).preflight(schema)
+    assert f"Delta table {uri} cannot be created from the DataFrame" in str(e.value)
+    assert expected in str(e.value)
+    assert not DeltaTable.is_deltatable(uri)
