@@ -9,6 +9,7 @@ from sinks.delta import DeltaSink
 from sinks.errors import (
     CommitError,
     ConfigError,
+    DataError,
     LockWaitError,
     PreflightError,
     TransactionLostError,
@@ -22,6 +23,7 @@ __all__ = [
     "CommitError",
     "Committable",
     "ConfigError",
+    "DataError",
     "DeltaSink",
     "JobScope",
     "KafkaSink",

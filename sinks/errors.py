@@ -30,3 +30,12 @@ class LockWaitError(TwoPhaseError):
     """A task waited longer than its sink's lock timeout for rows another
     transaction holds. The task fails so that Spark retries it (a retry rolls
     back this job's earlier executions of the partition) instead of hanging."""
+
+
+class DataError(TwoPhaseError):
+    """A value of the input cannot be written to the target exactly: out of the
+    target type's range, a character the target cannot store, a precision the
+    target would round away. Raised by a task's writer before its transaction is
+    prepared, so nothing of the task is committed (Spark's retries fail the same
+    way and the job stops); the message names the sink, the column, the row of
+    the record batch and the value."""

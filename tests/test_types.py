@@ -7,14 +7,18 @@ the cases here are the ones it found, kept as plain examples."""
 
 from __future__ import annotations
 
+import decimal
+import itertools
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from sinks import PostgresSink, PreflightError
+from sinks import DataError, PostgresSink, PreflightError
+from sinks.base import JobScope, WriteContext
 from sinks.delta import DeltaSink
 
 # -- PostgreSQL: create_table ------------------------------------------------------------
@@ -88,6 +92,164 @@ def test_decimal_wider_than_38_digits_is_refused_at_preflight(pg_module_dsn: str
     schema = pa.schema([("id", pa.int64()), ("amount", pa.decimal256(50, 2))])
     with pytest.raises(PreflightError, match=r"column 'amount': .* more than 38 digits"):
         PostgresSink(pg_module_dsn, "wide").preflight(schema)
+
+
+# -- PostgreSQL: values the writer refuses ---------------------------------------------------
+
+_attempts = itertools.count(1)
+
+
+def _write(dsn: str, table: str, column: str, arr: pa.Array, *, key: list[str] | None = None):
+    """Write ``arr`` (with an ``id`` column) through the sink's own writer and
+    commit; return the error raised, or None. Nothing may be left prepared."""
+    batch = pa.record_batch({"id": pa.array(range(len(arr)), pa.int64()), column: arr})
+    sink = PostgresSink(dsn, table, key=key, sink_id="types")
+    sink.preflight(batch.schema)
+    ctx = WriteContext(JobScope("types", "p", "types"), 1, 0, 0, next(_attempts))
+    writer = sink.open_writer(ctx, batch.schema)
+    try:
+        writer.write(batch)
+        committable = writer.prepare()
+    except Exception as e:
+        writer.close(failed=True)
+        assert not _prepared(dsn, str(ctx.txn_name()))
+        return e
+    writer.close()
+    sink.commit([committable])
+    return None
+
+
+def _prepared(dsn: str, gid: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        return bool(c.execute("SELECT 1 FROM pg_prepared_xacts WHERE gid = %s", (gid,)).fetchall())
+
+
+def _rows(dsn: str, table: str, expr: str = "v::text") -> list[Any]:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("SET TimeZone = UTC; SET DateStyle = ISO")
+        return [r[0] for r in c.execute(f"SELECT {expr} FROM {table} ORDER BY id").fetchall()]
+
+
+@pytest.mark.parametrize(
+    ("ddl", "arr", "expected"),
+    [
+        pytest.param(
+            "v text",
+            pa.array(["ok", "a\0b"]),
+            "column 'v' (text), row 1 of a record batch: 'a\\x00b' holds NUL (\\x00)",
+            id="nul-text",  # was: CharacterNotInRepertoire from the server, naming no row
+        ),
+        pytest.param(
+            "v timestamptz",
+            pa.array([0, -(2**63) + 946_684_800_000_000], pa.int64()).view(
+                pa.timestamp("us", "UTC")
+            ),
+            "row 1 of a record batch: -9222425352054775808 us since 1970-01-01 is out of "
+            "PostgreSQL's range",
+            id="timestamp-as-minus-infinity",  # was: written as -infinity, silently
+        ),
+        pytest.param(
+            "v date",
+            pa.array([-(2**31) + 10_957], pa.int32()).view(pa.date32()),
+            "-2147472691 days since 1970-01-01 is out of PostgreSQL's range",
+            id="date-as-minus-infinity",  # was: written as -infinity, silently
+        ),
+        pytest.param(
+            "v date",
+            pa.array([-(2**31)], pa.int32()).view(pa.date32()),
+            "-2147483648 days since 1970-01-01 is out of PostgreSQL's range",
+            id="date-underflow",  # was: pgpq's 'Encode { reason: "Underflow converting days' ...
+        ),
+        pytest.param(
+            "v timestamp",
+            pa.array([-210_866_803_200_000_001], pa.int64()).view(pa.timestamp("us")),
+            "is out of PostgreSQL's range (4714-11-24 00:00 BC to 294276-12-31)",
+            id="timestamp-before-4714-BC",  # was: the server's 'timestamp out of range'
+        ),
+        pytest.param(
+            "v numeric(10,2)",
+            pa.array([decimal.Decimal("1.235")], pa.decimal128(10, 3)),
+            "column 'v' (numeric(10,2)), row 0 of a record batch: Decimal('1.235') cannot be "
+            "written exactly",
+            id="numeric-scale-rounds",  # was: stored as 1.24, silently
+        ),
+        pytest.param(
+            "v real",
+            pa.array([1.0, 1e300]),
+            "row 1 of a record batch: 1e+300 is too large for real",
+            id="real-overflow",  # was: stored as Infinity, silently
+        ),
+        pytest.param(
+            "v timestamptz",
+            pa.array([1_000, 1_001], pa.int64()).view(pa.timestamp("ns", "UTC")),
+            "row 1 of a record batch: 1970-01-01T00:00:00.000001001+00:00 cannot be written "
+            "exactly (Casting from timestamp[ns, tz=UTC] to timestamp[us, tz=UTC] would lose data",
+            id="nanoseconds",  # was: pyarrow's ArrowInvalid, naming no column
+        ),
+        pytest.param(
+            "v integer",
+            pa.array([1, 2**31], pa.int64()),
+            "column 'v' (integer), row 1 of a record batch: 2147483648 cannot be written exactly",
+            id="narrowed-integer",  # was: pyarrow's ArrowInvalid, naming no column
+        ),
+    ],
+)
+def test_postgres_writer_refuses_values_it_cannot_store_exactly(
+    pg_module_dsn: str, ddl: str, arr: pa.Array, expected: str
+) -> None:
+    table = f"v{next(_attempts)}"
+    with psycopg.connect(pg_module_dsn, autocommit=True) as c:
+        c.execute(f"CREATE TABLE {table} (id bigint, {ddl})")
+    error = _write(pg_module_dsn, table, "v", arr)
+    assert isinstance(error, DataError), repr(error)
+    assert f"PostgreSQL table public.{table} at " in str(error)
+    assert expected in str(error), str(error)
+    assert _rows(pg_module_dsn, table) == []
+
+
+def test_postgres_upsert_refuses_nul_too(pg_module_dsn: str) -> None:
+    with psycopg.connect(pg_module_dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE up (id bigint PRIMARY KEY, v text)")
+    error = _write(pg_module_dsn, "up", "v", pa.array(["\0"]), key=["id"])
+    assert isinstance(error, DataError) and "holds NUL" in str(error)
+    assert "public.up" in str(error) and "stage_" not in str(error)
+
+
+def test_postgres_values_at_the_edges_are_written_exactly(pg_module_dsn: str) -> None:
+    """The other side of each refusal: the last values that fit."""
+    cases = [
+        (
+            "timestamptz",
+            pa.array([-210_866_803_200_000_000, 2**63 - 1], pa.int64()).view(
+                pa.timestamp("us", "UTC")
+            ),
+            ["4714-11-24 00:00:00+00 BC", "294247-01-10 04:00:54.775807+00"],
+        ),
+        (
+            "date",
+            pa.array([-2_440_588, 2_145_042_905], pa.int32()).view(pa.date32()),
+            ["4714-11-24 BC", "5874897-12-31"],
+        ),
+        ("numeric(10,2)", pa.array([decimal.Decimal("1.230")], pa.decimal128(10, 3)), ["1.23"]),
+        (
+            "numeric",
+            pa.array([decimal.Decimal("-" + "9" * 38)], pa.decimal128(38, 0)),
+            ["-" + "9" * 38],
+        ),
+        ("numeric", pa.array([decimal.Decimal("12.5")], pa.decimal64(5, 1)), ["12.5"]),
+        (
+            "real",
+            pa.array([3.4028234663852886e38, float("inf"), float("nan")]),
+            ["3.4028235e+38", "Infinity", "NaN"],
+        ),
+        ("text", pa.array(["\u00e9\U0010ffff\\'"]), ["\u00e9\U0010ffff\\'"]),
+    ]
+    for n, (pg, arr, want) in enumerate(cases):
+        table = f"edge{n}"
+        with psycopg.connect(pg_module_dsn, autocommit=True) as c:
+            c.execute(f"CREATE TABLE {table} (id bigint, v {pg})")
+        assert _write(pg_module_dsn, table, "v", arr) is None, pg
+        assert _rows(pg_module_dsn, table) == want, pg
 
 
 # -- Delta: table creation ------------------------------------------------------------------

@@ -41,6 +41,7 @@ from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.postgres import catalog
 from sinks.postgres.progress import PROGRESS_DDL, ProgressTable
 from sinks.postgres.types import wire_type
+from sinks.postgres.values import PG_TYPE_KEY
 from sinks.postgres.writer import PostgresWriter
 from sinks.progress import SinkProgress
 
@@ -270,7 +271,10 @@ class PostgresSink(Sink):
                     "e.g. ALTER TABLE ... ADD PRIMARY KEY (...)"
                 )
         self._wire = pa.schema(
-            [pa.field(f.name, wire_type(f.type, c)) for f, c in zip(schema, targets, strict=True)]
+            [
+                pa.field(f.name, wire_type(f.type, c), metadata={PG_TYPE_KEY: c.formatted})
+                for f, c in zip(schema, targets, strict=True)
+            ]
         )
 
     def _ensure_markers(self, conn: psycopg.Connection) -> None:

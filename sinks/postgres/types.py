@@ -4,11 +4,13 @@ Binary COPY carries no type information: the bytes of each field must be in
 the exact binary format of the target column's type. So every Arrow column is
 cast to a *wire type* chosen from the target column's PostgreSQL type before
 ``pgpq`` encodes it. The cast is checked (an int64 that does not fit an int4
-column is an error, never a silent wrap).
+column is an error, never a silent wrap), and so are the values the cast lets
+through (:mod:`sinks.postgres.values`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -132,10 +134,23 @@ def incompatibility(source: pa.DataType, column: PgColumn) -> str | None:
 def wire_type(source: pa.DataType, column: PgColumn) -> pa.DataType:
     """The Arrow type ``source`` is cast to before binary encoding for ``column``."""
     if column.typname == "numeric":
-        if pa.types.is_decimal(source):
-            return source
-        return pa.decimal128(38, 0)  # integers
+        return _numeric_wire(source, column)
     return _WIRE[column.typname]
+
+
+_NUMERIC_TYPMOD = re.compile(r"^numeric\((\d+),(-?\d+)\)$")
+
+
+def _numeric_wire(source: pa.DataType, column: PgColumn) -> pa.DataType:
+    """decimal128 (what pgpq encodes) of the source's digits; at the column's
+    scale when that is smaller than the source's, so that the checked cast
+    refuses a value PostgreSQL would round to the column's scale."""
+    p, s = (source.precision, source.scale) if pa.types.is_decimal(source) else (38, 0)
+    m = _NUMERIC_TYPMOD.match(column.formatted)
+    if m is not None and int(m[2]) < s:
+        scale = int(m[2])
+        p, s = max(1, p - (s - scale)), scale
+    return pa.decimal128(p, s)
 
 
 def ddl_type(source: pa.DataType) -> str | None:

@@ -14,6 +14,7 @@ from psycopg import sql
 
 from sinks.base import Committable, SinkWriter, WriteContext
 from sinks.errors import LockWaitError
+from sinks.postgres.values import to_wire
 
 if TYPE_CHECKING:
     from sinks.postgres.sink import PostgresSink
@@ -102,16 +103,10 @@ class PostgresWriter(SinkWriter):
             raise self._lock_wait_error() from e
 
     def _write(self, batch: pa.RecordBatch) -> None:
+        wire = to_wire(batch, self._wire, self._sink.describe())  # checked before sending
         if self._conn is None:
             self._begin()
         assert self._encoder is not None
-        wire = pa.RecordBatch.from_arrays(
-            [
-                col.cast(t, safe=True)
-                for col, t in zip(batch.columns, self._wire.types, strict=True)
-            ],
-            schema=self._wire,
-        )
         self._copy.write(self._encoder.write_batch(wire))
         self._rows += batch.num_rows
 
