@@ -94,6 +94,60 @@ def test_decimal_wider_than_38_digits_is_refused_at_preflight(pg_module_dsn: str
         PostgresSink(pg_module_dsn, "wide").preflight(schema)
 
 
+def test_create_table_columns_hold_every_value_of_their_type(pg_module_dsn: str) -> None:
+    """uint32 got integer (4294967295 refused at write time), a timestamp
+    without time zone got timestamptz (a wall-clock time stored as if UTC), a
+    negative decimal scale numeric(5,-2) (refused before PostgreSQL 15)."""
+    arrays = {
+        "u8": pa.array([255], pa.uint8()),
+        "u16": pa.array([65_535], pa.uint16()),
+        "u32": pa.array([2**32 - 1], pa.uint32()),
+        "u64": pa.array([2**64 - 1], pa.uint64()),
+        "ntz": pa.array([1_000_000], pa.int64()).view(pa.timestamp("us")),
+        "tz": pa.array([1_000_000], pa.int64()).view(pa.timestamp("ms", "Europe/Paris")),
+        "hundreds": pa.array([decimal.Decimal("12300")], pa.decimal128(5, -2)),
+        "cents": pa.array([decimal.Decimal("-999.99")], pa.decimal128(5, 2)),
+    }
+    batch = pa.record_batch({"id": pa.array([0], pa.int64()), **arrays})
+    sink = PostgresSink(pg_module_dsn, "created", create_table=True, sink_id="created")
+    sink.preflight(batch.schema)
+    with psycopg.connect(pg_module_dsn, autocommit=True) as c:
+        types = dict(
+            c.execute(
+                "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute"
+                " WHERE attrelid = 'created'::regclass AND attnum > 1"
+            ).fetchall()
+        )
+    assert types == {
+        "u8": "smallint",
+        "u16": "integer",
+        "u32": "bigint",
+        "u64": "numeric",
+        "ntz": "timestamp without time zone",
+        "tz": "timestamp with time zone",
+        "hundreds": "numeric(7,0)",
+        "cents": "numeric(5,2)",
+    }
+    ctx = WriteContext(JobScope("types", "p", "created"), 1, 0, 0, next(_attempts))
+    writer = sink.open_writer(ctx, batch.schema)
+    writer.write(batch)
+    sink.commit([writer.prepare()])
+    writer.close()
+    with psycopg.connect(pg_module_dsn, autocommit=True) as c:
+        c.execute("SET TimeZone = 'America/New_York'")  # not UTC: wall clock vs instant
+        row = c.execute(f"SELECT {', '.join(f'{n}::text' for n in arrays)} FROM created").fetchone()
+    assert row == (
+        "255",
+        "65535",
+        "4294967295",
+        "18446744073709551615",
+        "1970-01-01 00:00:01",
+        "1969-12-31 19:16:40-05",
+        "12300",
+        "-999.99",
+    )
+
+
 # -- PostgreSQL: values the writer refuses ---------------------------------------------------
 
 _attempts = itertools.count(1)

@@ -101,7 +101,6 @@ _DDL: dict[str, str] = {
     "string": "text",
     "binary": "bytea",
     "date": "date",
-    "timestamp": "timestamptz",
 }
 
 
@@ -160,7 +159,15 @@ def ddl_type(source: pa.DataType) -> str | None:
     if kind is None:
         return None
     if kind == "int":
-        return {8: "smallint", 16: "smallint", 32: "integer"}.get(source.bit_width, "bigint")
+        # an unsigned type needs the next wider signed column (uint64: numeric)
+        bits = source.bit_width * (2 if pa.types.is_unsigned_integer(source) else 1)
+        return {8: "smallint", 16: "smallint", 32: "integer", 64: "bigint"}.get(bits, "numeric")
     if kind == "decimal":
-        return f"numeric({source.precision},{source.scale})"
+        p, s = source.precision, source.scale
+        # decimal(p, s) holds the values of numeric(p, s); PostgreSQL before 15 takes
+        # no scale outside [0, p]: a negative one needs p - s integer digits
+        return f"numeric({p - s},0)" if s < 0 else f"numeric({max(p, s)},{s})"
+    if kind == "timestamp":
+        # an instant (with a time zone), or a wall-clock time (without: TimestampNTZ)
+        return "timestamptz" if source.tz else "timestamp"
     return _DDL[kind]
