@@ -339,3 +339,48 @@ def test_delta_create_refuses_names_delta_cannot_hold(
     assert f"Delta table {uri} cannot be created from the DataFrame" in str(e.value)
     assert expected in str(e.value)
     assert not DeltaTable.is_deltatable(uri)
+
+
+def _delta_write(uri: str, batch: pa.RecordBatch, partition_by: list[str] | None = None) -> None:
+    """Preflight, one task's writer, commit: the Delta sink's real path."""
+    sink = DeltaSink(uri, partition_by=partition_by, sink_id="types")
+    sink.preflight(batch.schema)
+    ctx = WriteContext(JobScope("types", "p", "types", "0123456789ab"), 1, 1, 0, 1)
+    writer = sink.open_writer(ctx, batch.schema)
+    ok = False
+    try:
+        writer.write(batch)
+        committable = writer.prepare()
+        ok = True
+    finally:
+        writer.close(failed=not ok)
+    sink.commit([committable])
+
+
+@pytest.mark.parametrize(
+    ("t", "values"),
+    [
+        (pa.decimal128(5, -2), [decimal.Decimal("12300"), decimal.Decimal("-9999900")]),
+        (pa.decimal128(3, 3), [decimal.Decimal("0.001"), decimal.Decimal("-0.999")]),
+    ],
+    ids=["negative-scale", "scale-equals-precision"],
+)
+def test_delta_decimal_scales_are_stored_exactly(
+    tmp_path: Path, t: pa.DataType, values: list[decimal.Decimal]
+) -> None:
+    """A negative scale made deltalake raise a bare Exception ('Negative scales are
+    not supported in Delta') when creating the table: it becomes scale 0."""
+    uri = str(tmp_path / "t")
+    _delta_write(uri, pa.record_batch({"d": pa.array(values, t)}))
+    got = DeltaTable(uri).to_pyarrow_table().column("d").to_pylist()
+    assert got == values
+
+
+def test_delta_refuses_structs_without_fields_at_preflight(tmp_path: Path) -> None:
+    """Preflight created the table, then every task failed in pyarrow's
+    ParquetWriter ('Cannot write struct type ... with no child field')."""
+    for t in (pa.struct([]), pa.list_(pa.struct([]))):
+        uri = str(tmp_path / f"t{t.id}")
+        with pytest.raises(PreflightError, match="a struct without fields cannot be stored"):
+            DeltaSink(uri).preflight(pa.schema([("id", pa.int64()), ("s", t)]))
+        assert not DeltaTable.is_deltatable(uri)

@@ -81,10 +81,16 @@ def delta_arrow_type(t: pa.DataType, where: str = "?") -> pa.DataType:
     if pa.types.is_timestamp(t):
         return pa.timestamp("us", tz="UTC" if t.tz else None)
     if pa.types.is_decimal(t):
-        if t.precision > 38:
+        # Delta's scale is in [0, precision]: a negative scale s (whole multiples
+        # of 10**-s) becomes scale 0 with -s more digits, a scale above the
+        # precision (values below 10**(p-s)) precision s; both exactly
+        p, s = max(t.precision - min(t.scale, 0), t.scale), max(t.scale, 0)
+        if p > 38:
             raise _unsupported(where, t, "Delta decimals have at most 38 digits")
-        return pa.decimal128(t.precision, t.scale)
+        return pa.decimal128(p, s)
     if pa.types.is_struct(t):
+        if t.num_fields == 0:
+            raise _unsupported(where, t, "a struct without fields cannot be stored in Parquet")
         check_names([f.name for f in t], f"the fields of struct column {where}")
         return pa.struct(
             [pa.field(f.name, delta_arrow_type(f.type, f"{where}.{f.name}"), f.nullable) for f in t]
