@@ -384,3 +384,13 @@ def test_delta_refuses_structs_without_fields_at_preflight(tmp_path: Path) -> No
         with pytest.raises(PreflightError, match="a struct without fields cannot be stored"):
             DeltaSink(uri).preflight(pa.schema([("id", pa.int64()), ("s", t)]))
         assert not DeltaTable.is_deltatable(uri)
+
+
+def test_delta_refuses_a_date_partition_value_outside_years_1_to_9999(tmp_path: Path) -> None:
+    """It failed with a bare OverflowError ('date value out of range')."""
+    uri = str(tmp_path / "t")
+    days = pa.array([0, 2_932_897], pa.int32()).view(pa.date32())  # 10000-01-01
+    with pytest.raises(DataError, match=r"partition column 'day': the date 2932897 days"):
+        _delta_write(uri, pa.record_batch({"id": [1, 2], "day": days}), ["day"])
+    assert DeltaTable(uri).version() == 0
+    assert [p for p in Path(uri).rglob("*.parquet")] == []
