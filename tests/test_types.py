@@ -394,3 +394,37 @@ def test_delta_refuses_a_date_partition_value_outside_years_1_to_9999(tmp_path: 
         _delta_write(uri, pa.record_batch({"id": [1, 2], "day": days}), ["day"])
     assert DeltaTable(uri).version() == 0
     assert [p for p in Path(uri).rglob("*.parquet")] == []
+
+
+@pytest.mark.parametrize("ratio", [[0.25, 0.5], [float("nan"), 0.5]], ids=["finite", "nan"])
+def test_deltalake_filters_find_every_row_the_sink_wrote(
+    tmp_path: Path, ratio: list[float]
+) -> None:
+    """deltalake prunes a file from a filtered scan when its statistics lack a
+    bound of the filtered column: filters on the boolean, decimal, zone-less
+    timestamp and float (with a NaN) columns found no rows. With a NaN the file
+    has no bounds at all; without, every column has them."""
+    uri = str(tmp_path / "t")
+    long = "a string longer than thirty-two characters"
+    batch = pa.record_batch(
+        {
+            "id": pa.array([1, 2], pa.int64()),
+            "flag": [True, False],
+            "amount": pa.array(
+                [decimal.Decimal("1.50"), decimal.Decimal("-2.25")], pa.decimal64(9, 2)
+            ),
+            "local": pa.array([1_000_001, 5], pa.int64()).view(pa.timestamp("us")),
+            "name": [long, "zz"],
+            "ratio": ratio,
+        }
+    )
+    _delta_write(uri, batch)
+    table = DeltaTable(uri)
+    (stats,) = pa.table(table.get_add_actions(flatten=True)).to_pylist()
+    assert (stats.get("min.flag") is not None) == (ratio[0] == ratio[0])
+    for row in batch.to_pylist():
+        for column, value in row.items():
+            if value != value:  # NaN
+                continue
+            found = table.to_pyarrow_table(columns=["id"], filters=[(column, "=", value)])
+            assert found.column("id").to_pylist() == [row["id"]], (column, value, stats)
