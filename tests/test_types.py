@@ -401,9 +401,10 @@ def test_deltalake_filters_find_every_row_the_sink_wrote(
     tmp_path: Path, ratio: list[float]
 ) -> None:
     """deltalake prunes a file from a filtered scan when its statistics lack a
-    bound of the filtered column: filters on the boolean, decimal, zone-less
-    timestamp and float (with a NaN) columns found no rows. With a NaN the file
-    has no bounds at all; without, every column has them."""
+    bound of the filtered column, and it decodes an escaped surrogate pair
+    wrongly: filters on the boolean, decimal, zone-less timestamp and float (with
+    a NaN) columns found no rows, on the string U+20000 neither. With a NaN
+    the file has no bounds at all; without, every column has them."""
     uri = str(tmp_path / "t")
     long = "a string longer than thirty-two characters"
     batch = pa.record_batch(
@@ -414,7 +415,7 @@ def test_deltalake_filters_find_every_row_the_sink_wrote(
                 [decimal.Decimal("1.50"), decimal.Decimal("-2.25")], pa.decimal64(9, 2)
             ),
             "local": pa.array([1_000_001, 5], pa.int64()).view(pa.timestamp("us")),
-            "name": [long, "zz"],
+            "name": [long, "\U00020000"],
             "ratio": ratio,
         }
     )

@@ -28,7 +28,8 @@ each bound exact or, for cut strings, on the safe side; never wrong.
   1 to 9999, a max of 32 times U+10FFFF.
 
 Bounds are computed from the Arrow data as it is written (one ``min_max`` per
-column and record batch), not from Parquet footers, so they are exact.
+column and record batch), not from Parquet footers, so they are exact. The
+JSON holds characters beyond U+FFFF as UTF-8, not as escapes (see :func:`_dumps`).
 """
 
 from __future__ import annotations
@@ -198,7 +199,10 @@ def _dumps(doc: dict[str, Any]) -> str:
             raise ValueError(f"statistics cannot hold {value}")
         return value
 
-    text = json.dumps(exact(doc), separators=(",", ":"), allow_nan=False)
+    # ensure_ascii=False: deltalake (1.6) decodes an escaped surrogate pair
+    # wrongly ("\\ud840\\udc00", U+20000, as U+10000), so characters beyond
+    # U+FFFF go in as UTF-8 (control characters are still escaped)
+    text = json.dumps(exact(doc), separators=(",", ":"), allow_nan=False, ensure_ascii=False)
     for quoted, number in numbers.items():
         text = text.replace(quoted, number)
     return text
