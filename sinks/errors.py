@@ -33,10 +33,13 @@ class LockWaitError(TwoPhaseError):
 
 
 class DataError(TwoPhaseError):
-    """The rows cannot be written as they are (a null key, different rows of one
-    key in a batch, a value the target cannot hold). The message names the sink,
-    the column or key, and what to change. A task raises it before it prepares,
-    so nothing of its batch is committed; retrying the same rows cannot help."""
+    """The rows cannot be written as they are: a null key, different rows of one
+    key in a batch, a value the target cannot hold exactly (out of the target
+    type's range, a character it cannot store, a precision it would round away).
+    Raised by a task's writer before its transaction is prepared, so nothing of
+    the task is committed (Spark's retries fail the same way and the job stops);
+    the message names the sink, the column or key, the row or value, and what
+    to change."""
 
 
 class PreparedLimitError(TwoPhaseError):

@@ -48,16 +48,17 @@ def pg_admin_dsn(pg_server: PostgresServer | None) -> str:
     return os.environ.get("TWOPHASE_PG_DSN") or pg_server.dsn()  # type: ignore[union-attr]
 
 
-@pytest.fixture
-def pg_dsn(pg_admin_dsn: str) -> Iterator[str]:
-    """A fresh database per test."""
+@contextlib.contextmanager
+def fresh_database(admin_dsn: str) -> Iterator[str]:
+    """A new, empty database on the server of ``admin_dsn``; dropped afterwards,
+    with any transaction still prepared in it rolled back."""
     name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    info = psycopg.conninfo.conninfo_to_dict(pg_admin_dsn)
+    info = psycopg.conninfo.conninfo_to_dict(admin_dsn)
     info["dbname"] = name
     yield psycopg.conninfo.make_conninfo(**info)
-    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
         for (gid,) in conn.execute(
             "SELECT gid FROM pg_prepared_xacts WHERE database = %s", (name,)
         ).fetchall():
@@ -65,6 +66,21 @@ def pg_dsn(pg_admin_dsn: str) -> Iterator[str]:
             with psycopg.connect(psycopg.conninfo.make_conninfo(**info), autocommit=True) as c:
                 c.execute(f"ROLLBACK PREPARED '{gid}'")
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_dsn(pg_admin_dsn: str) -> Iterator[str]:
+    """A fresh database per test."""
+    with fresh_database(pg_admin_dsn) as dsn:
+        yield dsn
+
+
+@pytest.fixture(scope="module")
+def pg_module_dsn(pg_admin_dsn: str) -> Iterator[str]:
+    """One fresh database for a whole test module, for tests that each create
+    tables of their own names (property tests run many examples)."""
+    with fresh_database(pg_admin_dsn) as dsn:
+        yield dsn
 
 
 @pytest.fixture(params=["file", "postgres"])

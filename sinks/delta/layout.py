@@ -40,6 +40,21 @@ def _unsupported(where: str, t: pa.DataType, why: str) -> DeltaSchemaError:
     return DeltaSchemaError(f"column {where}: Arrow type {t} cannot be written to Delta ({why})")
 
 
+def check_names(names: Sequence[str], where: str) -> None:
+    """Refuse column or struct field names Delta cannot hold side by side: names
+    equal but for case (Delta resolves names case-insensitively) or holding NUL."""
+    seen: dict[str, str] = {}
+    for name in names:
+        if "\0" in name:
+            raise DeltaSchemaError(f"{where}: name {name!r} holds NUL (\\x00), which Delta refuses")
+        other = seen.setdefault(name.lower(), name)
+        if other is not name:
+            raise DeltaSchemaError(
+                f"{where}: {other!r} and {name!r} differ only in case (or are equal), but "
+                "Delta column names are case-insensitive; rename one of them"
+            )
+
+
 def delta_arrow_type(t: pa.DataType, where: str = "?") -> pa.DataType:
     """The Arrow type of the Delta column that input of type ``t`` becomes."""
     if pa.types.is_dictionary(t):
@@ -66,10 +81,17 @@ def delta_arrow_type(t: pa.DataType, where: str = "?") -> pa.DataType:
     if pa.types.is_timestamp(t):
         return pa.timestamp("us", tz="UTC" if t.tz else None)
     if pa.types.is_decimal(t):
-        if t.precision > 38:
+        # Delta's scale is in [0, precision]: a negative scale s (whole multiples
+        # of 10**-s) becomes scale 0 with -s more digits, a scale above the
+        # precision (values below 10**(p-s)) precision s; both exactly
+        p, s = max(t.precision - min(t.scale, 0), t.scale), max(t.scale, 0)
+        if p > 38:
             raise _unsupported(where, t, "Delta decimals have at most 38 digits")
-        return pa.decimal128(t.precision, t.scale)
+        return pa.decimal128(p, s)
     if pa.types.is_struct(t):
+        if t.num_fields == 0:
+            raise _unsupported(where, t, "a struct without fields cannot be stored in Parquet")
+        check_names([f.name for f in t], f"the fields of struct column {where}")
         return pa.struct(
             [pa.field(f.name, delta_arrow_type(f.type, f"{where}.{f.name}"), f.nullable) for f in t]
         )
@@ -246,6 +268,7 @@ class Layout:
     @classmethod
     def of(cls, schema: pa.Schema, partition_by: Sequence[str]) -> Layout:
         """Build a layout from a table schema, normalising types to their Delta form."""
+        check_names(schema.names, "the column names")
         fields = [pa.field(f.name, delta_arrow_type(f.type, f.name), f.nullable) for f in schema]
         return cls(pa.schema(fields), tuple(partition_by))
 

@@ -246,7 +246,10 @@ class DeltaSink(Sink):
                 raise DeltaSchemaError(
                     f"{where} does not exist; create it, or pass create_table=True to DeltaSink"
                 )
-            wanted = Layout.of(schema, self.partition_by or ())
+            try:
+                wanted = Layout.of(schema, self.partition_by or ())
+            except DeltaSchemaError as e:
+                raise DeltaSchemaError(f"{where} cannot be created from the DataFrame: {e}") from e
             wanted.check_partitioning(where)
             if not table.create(self.table_uri, self.storage_options, wanted):
                 log.info("%s was created concurrently by another writer; checking it", where)

@@ -2,22 +2,34 @@
 ``minValues``, ``maxValues``, ``nullCount``).
 
 Readers skip files using these bounds, so a wrong bound silently drops rows
-from query results. The rule here is: exact or omitted, never wrong.
+from query results. And so does a *missing* one: deltalake (delta-rs, 1.6 and
+its main branch) turns a column absent from a file's ``minValues`` or
+``maxValues`` into ``col >= null``, which prunes the file from every scan that
+filters on that column (a boolean or decimal column, a float column holding
+a NaN, ...: ``to_pyarrow_table(filters=...)`` returned none of their rows).
+The rule here is therefore: a bound for every column, or no bounds at all;
+each bound exact or, for cut strings, on the safe side; never wrong.
 
 * ``nullCount`` for every top-level column that is not nested.
-* min/max for integers, dates, strings, finite floats and ``timestamp`` (UTC):
-  - strings: min is cut to its first 32 characters (a prefix is never greater
-    than the string); max is kept only when it is at most 32 characters long
-    (a cut max would be smaller than the value);
-  - timestamps: rounded outwards to milliseconds (min down, max up), since some
-    readers keep only milliseconds of these bounds;
-  - floats: omitted when the file holds a NaN or an infinity (JSON cannot hold
-    them, and Spark orders NaN above every number).
-* Omitted: booleans, binary, decimals, ``timestamp_ntz``, nested columns, and any
-  value out of the range of Python's date and time types.
+* min and max of every top-level column that is not nested, binary or null
+  only (readers index none of those):
+  - integers, booleans, decimals (as exact JSON numbers), finite floats, dates:
+    exact;
+  - timestamps, with and without time zone: rounded outwards to milliseconds
+    (min down, max up), since some readers keep only milliseconds of these
+    bounds;
+  - strings: the min is cut to its first 32 characters (a prefix is never
+    greater than the string); a max longer than that becomes its first 32
+    characters with the last one that can be raised raised by one code point,
+    which is greater than every string of the file (UTF-8 orders as code points).
+* No ``minValues`` / ``maxValues`` at all when one column has no faithful
+  bound: a float column holding a NaN or an infinity (JSON cannot hold them,
+  and Spark orders NaN above every number), a date or timestamp outside years
+  1 to 9999, a max of 32 times U+10FFFF.
 
 Bounds are computed from the Arrow data as it is written (one ``min_max`` per
-column and record batch), not from Parquet footers, so they are exact.
+column and record batch), not from Parquet footers, so they are exact. The
+JSON holds characters beyond U+FFFF as UTF-8, not as escapes (see :func:`_dumps`).
 """
 
 from __future__ import annotations
@@ -25,6 +37,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import uuid
+from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
@@ -33,25 +47,30 @@ import pyarrow.compute as pc
 STRING_PREFIX = 32
 _EPOCH = dt.datetime(1970, 1, 1)
 _EPOCH_DATE = dt.date(1970, 1, 1)
+_MAX_CHAR = 0x10FFFF
+
+
+class _Unbounded(Exception):
+    """A column holds values that no bound in the statistics can state."""
 
 
 def _kind(t: pa.DataType) -> str | None:
     """Which bounds a column of type ``t`` gets; ``None`` for null counts only."""
     if pa.types.is_signed_integer(t):
         return "int"
+    if pa.types.is_boolean(t):
+        return "bool"
     if pa.types.is_floating(t):
         return "float"
+    if pa.types.is_decimal(t):
+        return "decimal"
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "string"
     if pa.types.is_date32(t):
         return "date"
-    if pa.types.is_timestamp(t) and t.tz is not None and t.unit == "us":
-        return "timestamp"
+    if pa.types.is_timestamp(t) and t.unit == "us":
+        return "timestamp" if t.tz is not None else "timestamp_ntz"
     return None
-
-
-def _is_nested(t: pa.DataType) -> bool:
-    return pa.types.is_nested(t)
 
 
 class _Column:
@@ -62,57 +81,71 @@ class _Column:
         self.nulls = 0
         self.lo: Any = None
         self.hi: Any = None
-        self.poisoned = False  # bounds must be omitted
+        self.unbounded = False  # holds a value no bound can state
 
     def update(self, arr: pa.Array | pa.ChunkedArray) -> None:
         self.nulls += arr.null_count
-        if self.kind is None or self.poisoned or arr.null_count == len(arr):
+        if self.kind is None or self.unbounded or arr.null_count == len(arr):
             return
-        if self.kind == "float" and pc.any(pc.is_nan(arr)).as_py():
-            self.poisoned = True
+        if self.kind == "float" and not pc.all(pc.is_finite(arr)).as_py():
+            self.unbounded = True  # a NaN or an infinity
             return
         if self.kind == "date":
             arr = arr.cast(pa.int32())
-        elif self.kind == "timestamp":
+        elif self.kind in ("timestamp", "timestamp_ntz"):
             arr = arr.cast(pa.int64())
         mm = pc.min_max(arr)
         lo, hi = mm["min"].as_py(), mm["max"].as_py()
         self.lo = lo if self.lo is None or lo < self.lo else self.lo
         self.hi = hi if self.hi is None or hi > self.hi else self.hi
 
+    @property
+    def has_values(self) -> bool:
+        return self.unbounded or self.lo is not None
+
     def bounds(self) -> tuple[Any, Any]:
-        """JSON values of (min, max); ``None`` for a bound that must be omitted."""
-        if self.poisoned or self.lo is None:
-            return None, None
-        if self.kind == "float":
-            if not (math.isfinite(self.lo) and math.isfinite(self.hi)):
-                return None, None
-            return self.lo, self.hi
+        """JSON values of (min, max); raise :class:`_Unbounded` when the column
+        holds a value no bound can state."""
+        if self.unbounded:
+            raise _Unbounded
         if self.kind == "string":
-            hi = self.hi if len(self.hi) <= STRING_PREFIX else None
-            return self.lo[:STRING_PREFIX], hi
+            return self.lo[:STRING_PREFIX], _string_upper(self.hi)
         if self.kind == "date":
             return _date(self.lo), _date(self.hi)
-        if self.kind == "timestamp":
-            return _timestamp_ms(self.lo // 1000), _timestamp_ms(-(-self.hi // 1000))
+        if self.kind in ("timestamp", "timestamp_ntz"):
+            zone = "Z" if self.kind == "timestamp" else ""
+            return _timestamp_ms(self.lo // 1000, zone), _timestamp_ms(-(-self.hi // 1000), zone)
         return self.lo, self.hi
 
 
-def _date(days: int) -> str | None:
+def _string_upper(s: str) -> str:
+    """``s`` if at most 32 characters long, else the least string of at most 32
+    characters that is greater than every string starting with ``s[:32]``."""
+    if len(s) <= STRING_PREFIX:
+        return s
+    prefix = s[:STRING_PREFIX]
+    for i in range(len(prefix) - 1, -1, -1):
+        c = ord(prefix[i])
+        if c < _MAX_CHAR:
+            return prefix[:i] + chr(0xE000 if c + 1 == 0xD800 else c + 1)  # skip surrogates
+    raise _Unbounded
+
+
+def _date(days: int) -> str:
     try:
         return (_EPOCH_DATE + dt.timedelta(days=days)).isoformat()
     except OverflowError:
-        return None
+        raise _Unbounded from None
 
 
-def _timestamp_ms(ms: int) -> str | None:
+def _timestamp_ms(ms: int, zone: str) -> str:
     try:
         t = _EPOCH + dt.timedelta(milliseconds=ms)
     except OverflowError:
-        return None
+        raise _Unbounded from None
     return (
         f"{t.year:04d}-{t.month:02d}-{t.day:02d}T{t.hour:02d}:{t.minute:02d}:{t.second:02d}"
-        f".{t.microsecond // 1000:03d}Z"
+        f".{t.microsecond // 1000:03d}{zone}"
     )
 
 
@@ -121,7 +154,9 @@ class FileStats:
 
     def __init__(self, schema: pa.Schema) -> None:
         self.rows = 0
-        self._columns = {f.name: _Column(_kind(f.type)) for f in schema if not _is_nested(f.type)}
+        self._columns = {
+            f.name: _Column(_kind(f.type)) for f in schema if not pa.types.is_nested(f.type)
+        }
 
     def update(self, data: pa.RecordBatch | pa.Table) -> None:
         """Account for ``data`` (a batch or table of the file's schema)."""
@@ -133,16 +168,41 @@ class FileStats:
         """The ``stats`` string of the file's add action."""
         lo: dict[str, Any] = {}
         hi: dict[str, Any] = {}
-        for name, col in self._columns.items():
-            a, b = col.bounds()
-            if a is not None:
-                lo[name] = a
-            if b is not None:
-                hi[name] = b
+        try:
+            for name, col in self._columns.items():
+                if col.kind is not None and col.has_values:
+                    lo[name], hi[name] = col.bounds()
+        except _Unbounded:
+            lo, hi = {}, {}  # a bound for every column, or none (see the module doc)
         doc: dict[str, Any] = {"numRecords": self.rows}
         if lo:
             doc["minValues"] = lo
-        if hi:
             doc["maxValues"] = hi
         doc["nullCount"] = {name: col.nulls for name, col in self._columns.items()}
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        return _dumps(doc)
+
+
+def _dumps(doc: dict[str, Any]) -> str:
+    """JSON of ``doc`` with every :class:`~decimal.Decimal` as an exact number
+    (``json`` writes none: each goes in as a unique string, then is replaced)."""
+    token = f"twophase-decimal-{uuid.uuid4().hex}-"
+    numbers: dict[str, str] = {}
+
+    def exact(value: Any) -> Any:
+        if isinstance(value, Decimal):
+            key = f"{token}{len(numbers)}"
+            numbers[json.dumps(key)] = f"{value:f}"
+            return key
+        if isinstance(value, dict):
+            return {k: exact(v) for k, v in value.items()}
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"statistics cannot hold {value}")
+        return value
+
+    # ensure_ascii=False: deltalake (1.6) decodes an escaped surrogate pair
+    # wrongly ("\\ud840\\udc00", U+20000, as U+10000), so characters beyond
+    # U+FFFF go in as UTF-8 (control characters are still escaped)
+    text = json.dumps(exact(doc), separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    for quoted, number in numbers.items():
+        text = text.replace(quoted, number)
+    return text

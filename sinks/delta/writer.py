@@ -22,6 +22,7 @@ from sinks.base import Committable, SinkWriter, WriteContext
 from sinks.delta.layout import DeltaSchemaError, Layout, partition_path, partition_value
 from sinks.delta.stats import FileStats
 from sinks.delta.storage import DATA_SUFFIX, TableStorage, file_stem, marker_path
+from sinks.errors import DataError
 
 log = logging.getLogger("sinks.delta")
 
@@ -79,6 +80,21 @@ class _StagedFile:
             self.close()
         except Exception:
             log.debug("closing discarded file %s", self.rel, exc_info=True)
+
+
+def _partition_value(column: str, arr: pa.Array) -> str | None:
+    """The partition value of a run of rows (``arr[0]``). A date is written
+    ``YYYY-MM-DD``: one outside years 1 to 9999 is refused."""
+    try:
+        value = arr[0].as_py()
+    except (OverflowError, ValueError) as e:
+        raw = arr.slice(0, 1).cast(pa.int32()).to_pylist()[0]
+        raise DataError(
+            f"partition column {column!r}: the date {raw} days from 1970-01-01 is outside "
+            "years 1 to 9999, the dates a Delta partition value (YYYY-MM-DD) holds; nothing of "
+            f"this task is committed ({e})"
+        ) from e
+    return partition_value(value)
 
 
 class DeltaWriter(SinkWriter):
@@ -170,7 +186,7 @@ class DeltaWriter(SinkWriter):
             starts = [0, *cuts, n]
         for s, e in itertools.pairwise(starts):
             part = batch.slice(s, e - s)
-            key = tuple(partition_value(part.column(c)[0].as_py()) for c in cols)
+            key = tuple(_partition_value(c, part.column(c)) for c in cols)
             yield key, part
 
     def _file(self, key: PartitionKey) -> _StagedFile:

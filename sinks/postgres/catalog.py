@@ -7,7 +7,7 @@ import pyarrow as pa
 from psycopg import sql
 
 from sinks.errors import PreflightError
-from sinks.postgres.types import PgColumn, ddl_type, incompatibility
+from sinks.postgres.types import PgColumn, ddl_type, incompatibility, unsupported
 
 MARKER_DDL = """
 CREATE TABLE IF NOT EXISTS {marker} (
@@ -64,13 +64,26 @@ def unique_keys(conn: psycopg.Connection, schema: str, table: str) -> list[set[s
     return [set(r[0]) for r in rows]
 
 
+NAMEDATALEN = 64
+"""PostgreSQL keeps the first ``NAMEDATALEN - 1`` bytes of an identifier."""
+
+
 def create_table(
-    conn: psycopg.Connection, ident: sql.Composable, schema: pa.Schema, key: list[str]
+    conn: psycopg.Connection, ident: sql.Composable, schema: pa.Schema, key: list[str], where: str
 ) -> None:
+    """Create the table ``ident`` (``where`` in messages) with a column for every
+    field of ``schema`` and a primary key on ``key``. Every field that has no
+    faithful column is reported at once, before anything is created."""
+    problems = _ddl_problems(schema, key)
+    if problems:
+        raise PreflightError(
+            f"cannot create {where} from the DataFrame (create_table=True):\n  - "
+            + "\n  - ".join(problems)
+        )
     cols = [
         sql.SQL("{} {}{}").format(
             sql.Identifier(f.name),
-            sql.SQL(ddl_type(f.type)),
+            sql.SQL(ddl_type(f.type) or ""),
             sql.SQL(" NOT NULL" if f.name in key else ""),
         )
         for f in schema
@@ -81,6 +94,31 @@ def create_table(
     conn.execute(
         sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(ident, sql.SQL(", ").join(cols))
     )
+
+
+def _ddl_problems(schema: pa.Schema, key: list[str]) -> list[str]:
+    """Why a table cannot be created with exactly the fields of ``schema``."""
+    problems: list[str] = []
+    if not schema.names:
+        problems.append("the DataFrame has no columns")
+    seen: set[str] = set()
+    for f in schema:
+        if f.name in seen:
+            problems.append(f"column {f.name!r} appears more than once")
+        seen.add(f.name)
+        if not f.name:
+            problems.append("a column has an empty name, which PostgreSQL does not allow")
+        elif "\0" in f.name:
+            problems.append(f"column {f.name!r}: PostgreSQL names cannot contain NUL (\\x00)")
+        elif len(f.name.encode()) >= NAMEDATALEN:
+            problems.append(
+                f"column {f.name!r} is {len(f.name.encode())} bytes long; PostgreSQL would cut "
+                f"it to {NAMEDATALEN - 1} bytes (rename it)"
+            )
+        if ddl_type(f.type) is None:
+            problems.append(f"column {f.name!r}: {unsupported(f.type)}")
+    problems += [f"key column {k!r} is not a column of the DataFrame" for k in key if k not in seen]
+    return problems
 
 
 def check_columns(

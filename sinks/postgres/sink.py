@@ -43,6 +43,7 @@ from sinks.postgres import catalog
 from sinks.postgres.liveness import dead_peer_options
 from sinks.postgres.progress import PROGRESS_DDL, ProgressTable
 from sinks.postgres.types import wire_type
+from sinks.postgres.values import PG_TYPE_KEY
 from sinks.postgres.writer import PostgresWriter
 from sinks.progress import SinkProgress
 
@@ -280,7 +281,7 @@ class PostgresSink(Sink):
                         f"table {where} does not exist ({self.describe()}); create it, "
                         "or pass create_table=True to PostgresSink"
                     )
-                catalog.create_table(conn, self.table_ident, schema, self.key)
+                catalog.create_table(conn, self.table_ident, schema, self.key, where)
                 columns = catalog.table_columns(conn, self.schema, self.table)
                 assert columns is not None
             targets = catalog.check_columns(where, columns, schema, self.key)
@@ -292,7 +293,10 @@ class PostgresSink(Sink):
                     "e.g. ALTER TABLE ... ADD PRIMARY KEY (...)"
                 )
         self._wire = pa.schema(
-            [pa.field(f.name, wire_type(f.type, c)) for f, c in zip(schema, targets, strict=True)]
+            [
+                pa.field(f.name, wire_type(f.type, c), metadata={PG_TYPE_KEY: c.formatted})
+                for f, c in zip(schema, targets, strict=True)
+            ]
         )
 
     def _ensure_markers(self, conn: psycopg.Connection) -> None:

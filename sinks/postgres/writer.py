@@ -16,6 +16,7 @@ from sinks import keys
 from sinks.base import Committable, SinkWriter, WriteContext
 from sinks.errors import LockWaitError, PreparedLimitError
 from sinks.postgres.upsert import Upsert
+from sinks.postgres.values import to_wire
 
 if TYPE_CHECKING:
     from sinks.postgres.sink import PostgresSink
@@ -114,16 +115,10 @@ class PostgresWriter(SinkWriter):
         sink = self._sink
         if sink.key:
             keys.check_nulls(sink.describe(), batch, sink.key, sink.order_by, self._batch_id)
+        wire = to_wire(batch, self._wire, sink.describe())  # checked before sending
         if self._conn is None:
             self._begin()
         assert self._encoder is not None
-        wire = pa.RecordBatch.from_arrays(
-            [
-                col.cast(t, safe=True)
-                for col, t in zip(batch.columns, self._wire.types, strict=True)
-            ],
-            schema=self._wire,
-        )
         self._copy.write(self._encoder.write_batch(wire))
         self._rows += batch.num_rows
 
