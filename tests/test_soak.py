@@ -4,7 +4,8 @@ Kafka and Delta, restarted each time (``-m soak``; not in the default run).
 A round is one bounded job (``tests/jobs/multi_sink_job.py``: one pipeline,
 the same batches to the three sinks) over an input of many small files, two a
 batch. The job is started, SIGKILLed with its JVM and Python workers after a
-random time (anywhere from Spark's start-up to the middle of a commit), and
+random time (a quarter of the kills during start-up and recovery, the others
+within 6 s of the pipeline's start: in batches, records and commits), and
 started again on the same state, until a run ends by itself; then every row
 must be in every sink exactly once, with nothing prepared, open or staged,
 and the ledger's checkpoints must map one to one onto Delta versions. Rounds
@@ -31,13 +32,25 @@ import pytest
 
 from tests.conftest import write_input
 from tests.multisink import Run
+from tests.procs import JobProcess
 
 pytestmark = pytest.mark.soak
 
 FILES = 40
 ROWS_PER_FILE = 25
-KILL_AFTER = (2.0, 22.0)  # seconds after a start: from JVM start-up to commits
+EARLY_SHARE = 0.25  # kills timed from the start of the process (start-up, recovery)
+EARLY_KILL = (1.0, 15.0)
+LATE_KILL = (0.0, 6.0)  # seconds after the pipeline started: batches and commits
 MAX_RUNS_PER_ROUND = 60
+
+
+def _started(job: JobProcess, timeout: float = 120.0) -> None:
+    """Wait until the job's pipeline started (or the job ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        if "starting pipeline load" in job.output().rsplit("===== ", 1)[-1]:
+            return
+        time.sleep(0.1)
 
 
 def _totals(path: Path | None) -> dict[str, int]:
@@ -70,7 +83,11 @@ def test_random_driver_kills(
         run = Run(root, pg_dsn, kafka_bootstrap, kafka_topic(3))
         for _ in range(MAX_RUNS_PER_ROUND):
             job = run.start(files_per_batch=2, wait=False)
-            after = rng.uniform(*KILL_AFTER)
+            if rng.random() < EARLY_SHARE:  # at start-up: recovery, claims, sweeps
+                after = rng.uniform(*EARLY_KILL)
+            else:  # once the pipeline runs: batches, records, commits
+                _started(job)
+                after = rng.uniform(*LATE_KILL)
             try:
                 job.proc.wait(after)
             except subprocess.TimeoutExpired:
