@@ -4,8 +4,9 @@ Kafka and Delta, restarted each time (``-m soak``; not in the default run).
 A round is one bounded job (``tests/jobs/multi_sink_job.py``: one pipeline,
 the same batches to the three sinks) over an input of many small files, two a
 batch. The job is started, SIGKILLed with its JVM and Python workers after a
-random time (a quarter of the kills during start-up and recovery, the others
-within 6 s of the pipeline's start: in batches, records and commits), and
+random time (a fifth of the kills during start-up and recovery, a fifth in
+the run's first batch, the rest within 8 s of its first committed checkpoint:
+in batches, records and commits), and
 started again on the same state, until a run ends by itself; then every row
 must be in every sink exactly once, with nothing prepared, open or staged,
 and the ledger's checkpoints must map one to one onto Delta versions. Rounds
@@ -38,17 +39,21 @@ pytestmark = pytest.mark.soak
 
 FILES = 40
 ROWS_PER_FILE = 25
-EARLY_SHARE = 0.25  # kills timed from the start of the process (start-up, recovery)
-EARLY_KILL = (1.0, 15.0)
-LATE_KILL = (0.0, 6.0)  # seconds after the pipeline started: batches and commits
+# when a kill comes: a share of them timed from the process's start (start-up,
+# recovery), a share from the pipeline's start (its first batch, which carries
+# Spark's warm-up), the rest from the run's first committed checkpoint (later
+# batches, records and commits at 1 to 2 s a batch)
+EARLY_SHARE, EARLY_KILL = 0.2, (1.0, 15.0)
+FIRST_SHARE, FIRST_KILL = 0.2, (0.0, 12.0)
+LATE_KILL = (0.0, 8.0)
 MAX_RUNS_PER_ROUND = 60
 
 
-def _started(job: JobProcess, timeout: float = 120.0) -> None:
-    """Wait until the job's pipeline started (or the job ended)."""
+def _reached(job: JobProcess, text: str, timeout: float = 120.0) -> None:
+    """Wait until this run of the job logged ``text`` (or ended)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and job.proc.poll() is None:
-        if "starting pipeline load" in job.output().rsplit("===== ", 1)[-1]:
+        if text in job.output().rsplit("===== ", 1)[-1]:
             return
         time.sleep(0.1)
 
@@ -83,10 +88,14 @@ def test_random_driver_kills(
         run = Run(root, pg_dsn, kafka_bootstrap, kafka_topic(3))
         for _ in range(MAX_RUNS_PER_ROUND):
             job = run.start(files_per_batch=2, wait=False)
-            if rng.random() < EARLY_SHARE:  # at start-up: recovery, claims, sweeps
+            where = rng.random()
+            if where < EARLY_SHARE:  # at start-up: recovery, claims, sweeps
                 after = rng.uniform(*EARLY_KILL)
-            else:  # once the pipeline runs: batches, records, commits
-                _started(job)
+            elif where < EARLY_SHARE + FIRST_SHARE:  # in the run's first batch
+                _reached(job, "starting pipeline load")
+                after = rng.uniform(*FIRST_KILL)
+            else:  # once this run committed a checkpoint: batches, records, commits
+                _reached(job, ") committed: cut")
                 after = rng.uniform(*LATE_KILL)
             try:
                 job.proc.wait(after)
