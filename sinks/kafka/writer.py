@@ -10,8 +10,17 @@ Life of a writer (nothing is opened for an empty partition):
 2. ``write``: keys, values and headers are built column-wise from Arrow; every
    row is sent with an explicit partition (murmur2 of the key, as Kafka's
    default partitioner, or round-robin per Arrow batch for keyless rows);
-3. ``prepare``: ``flush()``, fail if any send failed, and return the committable
-   with the producer id and epoch, without committing or aborting;
+3. ``prepare``: ``flush()``, fail if any send failed or any record (the
+   announcement included) was acknowledged without an offset, and return the
+   committable with the producer id and epoch, without committing or aborting.
+   A broker answers a produce DUPLICATE_SEQUENCE_NUMBER when it already has the
+   batch's sequence numbers (a produce retried across a broker restart), and
+   kafka-python then reports the records written, with offset -1. Apache Kafka
+   holds such a batch; tansu on S3 persists a producer's new sequence number
+   before it stores the batch, so a SIGKILL between the two loses the batch
+   while its retry is acknowledged. The task cannot tell which, so it fails
+   (:class:`~sinks.errors.UnconfirmedWriteError`), its transaction is aborted,
+   and Spark's next attempt writes the partition again;
 4. ``close``: after ``prepare`` the producer is closed with ``timeout=0``, which
    stops its I/O thread without any EndTxn (kafka-python 3.0 never aborts on
    close; the Java client, and possibly other kafka-python versions, abort on a
@@ -33,6 +42,7 @@ from kafka import KafkaProducer
 from kafka.partitioner.default import murmur2
 
 from sinks.base import Committable, SinkWriter, WriteContext
+from sinks.errors import UnconfirmedWriteError
 from sinks.kafka import encode
 from sinks.kafka.registry import announcement
 
@@ -71,6 +81,7 @@ class KafkaWriter(SinkWriter):
         self._first: dict[int, Any] = {}  # kafka partition -> future of its first record
         self._last: dict[int, Any] = {}  # kafka partition -> future of its latest record
         self._errors: list[BaseException] = []
+        self._unplaced = 0  # records acknowledged without an offset (see the module doc)
         self._rows = 0
         self._prepared = False
         self._opened_at: float | None = None
@@ -85,9 +96,11 @@ class KafkaWriter(SinkWriter):
         producer.begin_transaction()
         self._opened_at = time.time()  # the broker's timer starts with the first record
         if sink.registry_topic:
-            producer.send(
+            future = producer.send(
                 sink.registry_topic, key=self._tid.encode(), value=announcement(sink.topic)
-            ).get(timeout=sink.flush_timeout)
+            )
+            future.add_callback(self._on_ack)
+            future.get(timeout=sink.flush_timeout)
         partitions = producer.partitions_for(sink.topic)
         if not partitions:
             raise RuntimeError(f"Kafka topic {sink.topic!r} has no partitions (does it exist?)")
@@ -99,6 +112,10 @@ class KafkaWriter(SinkWriter):
 
     def _on_error(self, exc: BaseException) -> None:
         self._errors.append(exc)
+
+    def _on_ack(self, metadata: Any) -> None:
+        if metadata.offset < 0:  # DUPLICATE_SEQUENCE_NUMBER: stored or not, nobody knows
+            self._unplaced += 1
 
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
@@ -116,11 +133,12 @@ class KafkaWriter(SinkWriter):
             self._check_nulls(keys, values)
         headers = self._headers(batch)
         parts = self._partition_of(keys)
-        send, topic, on_error = producer.send, sink.topic, self._on_error
+        send, topic, on_error, on_ack = producer.send, sink.topic, self._on_error, self._on_ack
         first, last = self._first, self._last
         for key, value, hdrs, part in zip(keys, values, headers, parts, strict=True):
             future = send(topic, value=value, key=key, headers=hdrs, partition=part)
             future.add_errback(on_error)
+            future.add_callback(on_ack)
             if part not in first:
                 first[part] = future
             last[part] = future
@@ -169,6 +187,15 @@ class KafkaWriter(SinkWriter):
                 f"Kafka transaction {self._tid}: {len(self._errors)} record(s) were not "
                 f"written: {self._errors[0]!r}"
             ) from self._errors[0]
+        if self._unplaced:
+            raise UnconfirmedWriteError(
+                f"{self._sink.describe()}: Kafka transaction {self._tid}: the broker "
+                f"acknowledged {self._unplaced} record(s) without an offset "
+                "(DUPLICATE_SEQUENCE_NUMBER: a produce retried after the broker restarted or "
+                "lost a request), so this transaction cannot be shown to hold them. The task "
+                "fails and its transaction is aborted; Spark's next attempt writes the "
+                "partition again"
+            )
         offsets: dict[str, list[int]] = {}
         for part, first in sorted(self._first.items()):
             offsets[str(part)] = [
