@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 from tests.services import NativeService, free_port
 
@@ -71,16 +72,20 @@ class S3Server(NativeService):
                     raise S3ServerError(f"moto server did not start on port {self.port}") from None
                 time.sleep(0.1)
 
-    def create_bucket(self, name: str) -> None:
+    def client(self) -> Any:
+        """A boto3 S3 client of this server."""
         import boto3
 
-        boto3.client(
+        return boto3.client(
             "s3",
             endpoint_url=self.endpoint,
             aws_access_key_id=ACCESS_KEY,
             aws_secret_access_key=SECRET_KEY,
             region_name=REGION,
-        ).create_bucket(Bucket=name)
+        )
+
+    def create_bucket(self, name: str) -> None:
+        self.client().create_bucket(Bucket=name)
 
     def tansu_env(self) -> dict[str, str]:
         """Environment variables for a tansu broker storing in this server."""

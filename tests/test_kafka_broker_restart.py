@@ -1,0 +1,188 @@
+"""The Kafka broker dies (SIGKILL) and comes back: tansu keeping its storage in
+S3 (a moto server on loopback, ``tests/s3server.py``), restarted on the same port.
+
+What tansu 0.6 keeps in the bucket, each written before it answers the request:
+the record batches (one object each), a watermark per partition, and one
+metadata document with the topics, every producer id with its epochs and
+sequence numbers, and every transactional id with its producer id, epochs and,
+per epoch, the transaction's state and the partitions (offset ranges) it wrote.
+So a broker killed *between* requests comes back with everything: the log,
+the producer id counter, the epochs (fencing) and the open transactions, which
+the driver then commits or aborts as if nothing happened (checked below).
+
+A broker killed *inside* a request can leave these out of step, because one
+request is several object writes and tansu does not recover on start:
+
+* a produce persists the producer's next sequence number, then the watermark,
+  then the batch: killed in between, the client's retry is answered
+  DUPLICATE_SEQUENCE_NUMBER and looks written (offset -1) though the batch is
+  gone. The writer refuses such a write (``UnconfirmedWriteError``, the task is
+  retried; ``test_kafka_unit.py`` pins it down deterministically);
+* an EndTxn persists the decision (PrepareCommit), then writes a marker per
+  partition: killed in between, a retried EndTxn answers success and writes
+  none of the missing markers, so the transaction stays open for good (its
+  rows invisible, the partition's last stable offset stuck);
+* a batch lost after its watermark was bumped leaves a gap of offsets. A gap
+  inside a partition is skipped by every reader; at its end, a raw reader sees
+  no records below the high watermark until something is appended.
+
+The Spark tests therefore kill the broker while writers are busy (any produce
+may be cut: the writers' checks and Spark's task retries must absorb it) and,
+for the driver's commit, at a point between EndTxn requests.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from sinks.errors import TransactionLostError
+from sinks.kafka import KafkaSink
+from sinks.kafka.wire import KafkaWire
+from tests.kafkabroker import KafkaBroker
+from tests.kafkalog import read_topic
+from tests.s3server import S3Server
+from tests.test_kafka_unit import SCHEMA, committed_ids, ctx, job_name, make_topic, rows, write_task
+
+pytestmark = pytest.mark.crash
+
+OUTAGE_S = 3.0
+META = "clusters/tansu_cluster/meta.json"
+"""tansu's metadata document in the bucket (cluster id ``tansu_cluster``, its default)"""
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    with S3Server() as server:
+        yield server
+
+
+class S3Broker(KafkaBroker):
+    """A tansu broker on its own bucket of ``s3``, which tests can read and edit."""
+
+    def __init__(self, s3: S3Server) -> None:
+        self.s3 = s3
+        self.bucket = f"tansu-{uuid.uuid4().hex[:10]}"
+        s3.create_bucket(self.bucket)
+        super().__init__(storage=f"s3://{self.bucket}/", env=s3.tansu_env())
+
+    def meta(self) -> dict:  # type: ignore[type-arg]
+        body = self.s3.client().get_object(Bucket=self.bucket, Key=META)["Body"].read()
+        return json.loads(body)  # type: ignore[no-any-return]
+
+    def put_meta(self, doc: dict) -> None:  # type: ignore[type-arg]
+        self.s3.client().put_object(Bucket=self.bucket, Key=META, Body=json.dumps(doc).encode())
+
+    def restart_later(self, delay: float = OUTAGE_S) -> threading.Thread:
+        """Start the (killed) broker again after ``delay`` seconds, in a thread."""
+
+        def run() -> None:
+            time.sleep(delay)
+            self.start()
+
+        t = threading.Thread(target=run, name="broker-restart", daemon=True)
+        t.start()
+        return t
+
+
+@pytest.fixture
+def broker(s3: S3Server) -> Iterator[S3Broker]:
+    b = S3Broker(s3)
+    b.start()
+    try:
+        yield b
+    finally:
+        b.cleanup()
+
+
+@pytest.fixture
+def new_sink(broker: S3Broker) -> Iterator[Callable[..., KafkaSink]]:
+    made: list[KafkaSink] = []
+
+    def build(topic: str, **kw: object) -> KafkaSink:
+        sink = KafkaSink(broker.bootstrap, topic, key="id", sink_id="k", **kw)  # type: ignore[arg-type]
+        sink.preflight(SCHEMA)
+        made.append(sink)
+        return sink
+
+    yield build
+    for sink in made:
+        sink.close()
+
+
+# -- without Spark: what survives -------------------------------------------------------
+
+
+def test_log_producer_ids_and_transactions_survive_a_kill(
+    broker: S3Broker, new_sink: Callable[..., KafkaSink]
+) -> None:
+    topic = make_topic(broker.bootstrap, partitions=3)
+    sink = new_sink(topic, commit_timeout=30)
+    job = job_name()
+    committed = write_task(sink, ctx(job, 0), [rows(0, 100)])
+    assert committed is not None
+    sink.commit([committed])
+    prepared = write_task(sink, ctx(job, 1), [rows(100, 100)])  # open, to commit after the kill
+    fenced = write_task(sink, ctx(job, 2), [rows(200, 50)])  # aborted by a fence (epoch + 1)
+    assert prepared is not None and fenced is not None
+    sink.abort([fenced])
+    state = broker.meta()["transactions"][prepared["transactional_id"]]
+    assert state["producer"] == prepared["producer_id"]
+    assert state["epochs"][str(prepared["epoch"])]["state"] == "Begin"
+    before = read_topic(broker.bootstrap, topic)
+    assert before.n_open == 100 and before.n_aborted == 50
+
+    broker.kill()
+    broker.start()
+
+    after = read_topic(broker.bootstrap, topic)  # the log, markers included
+    assert after.committed == before.committed and after.open == before.open
+    assert after.aborted == before.aborted and after.markers == before.markers
+    # the open transaction: its producer id, epoch and partitions are known, so
+    # EndTxn is answered at once (tansu closes the connection for an unknown
+    # producer or a stale epoch) and writes a marker on each partition it wrote
+    tid = prepared["transactional_id"]
+    with KafkaWire(broker.bootstrap) as wire:
+        coordinator = wire.find_coordinators([tid])[tid]
+        assert wire.end_txn(coordinator, tid, prepared["producer_id"], prepared["epoch"], True)
+    log = read_topic(broker.bootstrap, topic)
+    assert committed_ids(log) == list(range(200)) and log.n_open == 0
+    assert log.markers == before.markers + len(prepared["partitions"])
+    sink.commit([prepared])  # the driver's own commit: idempotent
+    # the fence survived: the aborted transaction cannot be committed
+    with pytest.raises(TransactionLostError, match="was aborted"):
+        sink.commit([fenced])
+    # producer ids are not handed out again (the log resolves markers by producer id)
+    fresh = write_task(sink, ctx(job, 3), [rows(250, 10)])
+    assert fresh is not None
+    assert fresh["producer_id"] > max(c["producer_id"] for c in (committed, prepared, fenced))
+    sink.commit([fresh])
+    log = read_topic(broker.bootstrap, topic)
+    assert committed_ids(log) == [*range(200), *range(250, 260)] and log.n_open == 0
+
+
+def test_a_commit_waits_for_a_restarting_broker(
+    broker: S3Broker, new_sink: Callable[..., KafkaSink]
+) -> None:
+    """Killed after prepare, before the driver's commit: the commit waits
+    (kafka-python's reconnect backoff, then the sink's retries, within
+    ``commit_timeout``) until the broker is back, then commits."""
+    topic = make_topic(broker.bootstrap, partitions=3)
+    sink = new_sink(topic, commit_timeout=60)
+    job = job_name()
+    cs = [write_task(sink, ctx(job, p), [rows(p * 100, 100)]) for p in range(2)]
+    committables = [c for c in cs if c is not None]
+    broker.kill()
+    restart = broker.restart_later()
+    started = time.monotonic()
+    sink.commit(committables)
+    took = time.monotonic() - started
+    restart.join()
+    assert took >= OUTAGE_S - 0.5, took  # it could only commit once the broker was back
+    log = read_topic(broker.bootstrap, topic)
+    assert committed_ids(log) == list(range(200)) and log.n_open == 0
