@@ -21,7 +21,9 @@ request is several object writes and tansu does not recover on start:
 * an EndTxn persists the decision (PrepareCommit), then writes a marker per
   partition: killed in between, a retried EndTxn answers success and writes
   none of the missing markers, so the transaction stays open for good (its
-  rows invisible, the partition's last stable offset stuck);
+  rows invisible, the partition's last stable offset stuck). The driver checks
+  the log after a retried EndTxn and fails the commit instead of reporting it
+  done (``test_a_commit_the_broker_half_wrote_is_an_error_not_silence``);
 * a batch lost after its watermark was bumped leaves a gap of offsets. A gap
   inside a partition is skipped by every reader; at its end, a raw reader sees
   no records below the high watermark until something is appended.
@@ -41,7 +43,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from sinks.errors import TransactionLostError
+from sinks.errors import CommitError, TransactionLostError
 from sinks.kafka import KafkaSink
 from sinks.kafka.wire import KafkaWire
 from tests.kafkabroker import KafkaBroker
@@ -186,3 +188,30 @@ def test_a_commit_waits_for_a_restarting_broker(
     assert took >= OUTAGE_S - 0.5, took  # it could only commit once the broker was back
     log = read_topic(broker.bootstrap, topic)
     assert committed_ids(log) == list(range(200)) and log.n_open == 0
+
+
+def test_a_commit_the_broker_half_wrote_is_an_error_not_silence(
+    broker: S3Broker, new_sink: Callable[..., KafkaSink]
+) -> None:
+    """The broker is killed inside EndTxn, after persisting the decision
+    (PrepareCommit) and before writing the markers; here its bucket is put in
+    that state, which a SIGKILL at the wrong instant leaves. The driver's retry
+    is answered success, yet no marker is ever written: the commit must fail
+    saying so, not report rows committed that no consumer will see."""
+    topic = make_topic(broker.bootstrap, partitions=3)
+    sink = new_sink(topic, commit_timeout=8)
+    c = write_task(sink, ctx(job_name(), 0), [rows(0, 60)])
+    assert c is not None
+    broker.kill()
+    meta = broker.meta()
+    epoch = meta["transactions"][c["transactional_id"]]["epochs"][str(c["epoch"])]
+    epoch["state"] = "PrepareCommit"
+    broker.put_meta(meta)
+    restart = broker.restart_later(2.0)
+    started = time.monotonic()
+    with pytest.raises(CommitError, match=r"answered success.*no COMMIT marker"):
+        sink.commit([c])
+    restart.join()
+    assert time.monotonic() - started >= 8
+    log = read_topic(broker.bootstrap, topic)
+    assert log.committed == [] and log.n_open == 60  # stuck open: tansu cannot finish it
