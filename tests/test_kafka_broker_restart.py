@@ -190,6 +190,34 @@ def test_a_commit_waits_for_a_restarting_broker(
     assert committed_ids(log) == list(range(200)) and log.n_open == 0
 
 
+def test_a_writer_rides_out_a_restart_before_its_partitions_join_the_transaction(
+    broker: S3Broker, new_sink: Callable[..., KafkaSink]
+) -> None:
+    """The broker dies after a writer opened its transaction and before its
+    first records: the producer must add the partitions to the transaction
+    (AddPartitionsToTxn) against a dead coordinator. kafka-python 3.0.12 drops
+    that request when the connection attempt fails, and the records then wait
+    until ``delivery_timeout_ms`` (2 minutes) expires them; the writer's
+    producer retries it (``sinks.kafka.writer.RetryingNetClient``). One
+    partition, so that no later partition sends a new AddPartitionsToTxn."""
+    topic = make_topic(broker.bootstrap, partitions=1)
+    sink = new_sink(topic, commit_timeout=30, flush_timeout=20)
+    w = sink.open_writer(ctx(job_name(), 0), SCHEMA)
+    w._begin()  # the transaction is open and announced; the topic's partition not in it yet
+    broker.kill()
+    restart = broker.restart_later()
+    started = time.monotonic()
+    w.write(rows(0, 300))
+    c = w.prepare()
+    took = time.monotonic() - started
+    w.close()
+    restart.join()
+    assert c is not None and took < 15, took
+    sink.commit([c])
+    log = read_topic(broker.bootstrap, topic)
+    assert committed_ids(log) == list(range(300)) and log.n_open == 0
+
+
 def test_a_commit_the_broker_half_wrote_is_an_error_not_silence(
     broker: S3Broker, new_sink: Callable[..., KafkaSink]
 ) -> None:

@@ -111,7 +111,7 @@ from sinks.kafka.registry import (
     write_tombstones,
 )
 from sinks.kafka.wire import KafkaWire
-from sinks.kafka.writer import KafkaWriter
+from sinks.kafka.writer import KafkaWriter, RetryingNetClient
 from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.progress import SinkProgress
 
@@ -312,6 +312,7 @@ class KafkaSink(Sink):
         """kafka-python ``KafkaProducer`` settings of a writer."""
         return {
             **_PRODUCER_DEFAULTS,
+            "kafka_client": RetryingNetClient,
             **self.producer_config,
             "bootstrap_servers": self.bootstrap_servers,
             "transactional_id": transactional_id,

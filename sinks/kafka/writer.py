@@ -37,8 +37,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import kafka.errors as Errors
 import pyarrow as pa
 from kafka import KafkaProducer
+from kafka.net.compat import KafkaNetClient
 from kafka.partitioner.default import murmur2
 
 from sinks.base import Committable, SinkWriter, WriteContext
@@ -52,6 +54,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("sinks.kafka")
 
 _ABORT_TIMEOUT_S = 30.0
+
+
+class RetryingNetClient(KafkaNetClient):
+    """The writers' kafka-python network client (``KafkaProducer(kafka_client=...)``):
+    ``await_ready`` answers False for a node it cannot reach instead of raising.
+
+    kafka-python 3.0.12's Sender, about to send a transactional request
+    (AddPartitionsToTxn, EndTxn...) to a coordinator whose connection attempt
+    fails (a broker restarting), catches the exception, looks the coordinator
+    up again, and drops the request: it re-enqueues it only when ``await_ready``
+    returned False. A dropped AddPartitionsToTxn leaves the records of those
+    partitions unsent until ``delivery_timeout_ms`` expires them (2 minutes by
+    default) and the task fails; with False, the request is retried once the
+    coordinator is found again. The Sender is this client's only caller of
+    ``await_ready``. A ``kafka_client`` in ``producer_config`` replaces it."""
+
+    def await_ready(self, node_id: Any, timeout_ms: int = 30000) -> bool:
+        try:
+            return bool(super().await_ready(node_id, timeout_ms=timeout_ms))
+        except Errors.KafkaConnectionError:
+            return False
 
 
 def producer_ids(producer: KafkaProducer) -> tuple[int, int]:
