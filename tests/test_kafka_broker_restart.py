@@ -28,6 +28,10 @@ request is several object writes and tansu does not recover on start:
   inside a partition is skipped by every reader; at its end, a raw reader sees
   no records below the high watermark until something is appended.
 
+On the client side, kafka-python 3.0.12 drops an AddPartitionsToTxn it tries
+to send while the coordinator is unreachable; the writers' producers work
+around it (``test_a_writer_rides_out_a_restart_before_its_partitions_join...``).
+
 The Spark tests therefore kill the broker while writers are busy (any produce
 may be cut: the writers' checks and Spark's task retries must absorb it) and,
 for the driver's commit, at a point between EndTxn requests.
@@ -36,18 +40,25 @@ for the driver's commit, at a point between EndTxn requests.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from sinks.errors import CommitError, TransactionLostError
+from lifecycle.ledger import read_ledger
+from sinks.errors import CommitError, TransactionLostError, UnconfirmedWriteError
 from sinks.kafka import KafkaSink
 from sinks.kafka.wire import KafkaWire
+from tests.conftest import write_input
 from tests.kafkabroker import KafkaBroker
+from tests.kafkacheck import txn_outcomes
 from tests.kafkalog import read_topic
+from tests.multisink import LABELS, Run
+from tests.procs import JobProcess, wait_for
 from tests.s3server import S3Server
 from tests.test_kafka_unit import SCHEMA, committed_ids, ctx, job_name, make_topic, rows, write_task
 
@@ -243,3 +254,109 @@ def test_a_commit_the_broker_half_wrote_is_an_error_not_silence(
     assert time.monotonic() - started >= 8
     log = read_topic(broker.bootstrap, topic)
     assert log.committed == [] and log.n_open == 60  # stuck open: tansu cannot finish it
+
+
+# -- with Spark: a job through the outage ----------------------------------------------------
+
+
+def _announced(bootstrap: str, job: str) -> bool:
+    """Whether a writer of ``job`` has opened its transaction (its announcement
+    in the registry topic, which preflight creates)."""
+    try:
+        return bool(txn_outcomes(bootstrap, job))
+    except LookupError:  # no registry topic yet
+        return False
+
+
+def _decided(state: Path) -> bool:
+    """Whether the job's ledger holds a decided checkpoint not yet committed."""
+    doc = read_ledger(state)
+    return doc is not None and doc["decided"] is not None
+
+
+def _outage(broker: S3Broker, proc: JobProcess, when: Callable[[], bool], what: str) -> float:
+    """Kill the broker as soon as ``when()``, start it again ``OUTAGE_S`` later;
+    return the time of the kill."""
+    wait_for(when, 120, what, proc)
+    killed = time.monotonic()
+    broker.kill()
+    time.sleep(OUTAGE_S)
+    broker.start()
+    return killed
+
+
+def _run(tmp: Path, broker: S3Broker, files: int, rows_per_file: int) -> tuple[Run, int]:
+    topic = make_topic(broker.bootstrap, partitions=3)
+    n = write_input(tmp / "in", files=files, rows_per_file=rows_per_file)
+    return Run(tmp, None, broker.bootstrap, topic, sinks="kafka"), n
+
+
+def test_job_rides_out_a_broker_killed_while_executors_write(
+    broker: S3Broker, tmp_path: Path
+) -> None:
+    """Each first task of batch 0 pauses 1 s after its first Arrow batch (10,000
+    rows of its 15,000 sent, in an open transaction): the broker is killed then
+    and is back 3 s later. Sends cut or queued meanwhile are retried by the
+    producer; a task whose retried produce the broker cannot place fails
+    (UnconfirmedWriteError) and Spark's second attempt writes it again. The job
+    finishes by itself."""
+    run, n = _run(tmp_path, broker, files=4, rows_per_file=15_000)
+    started = time.monotonic()
+    proc = run.start("executor.write@0#0=stall:1", files_per_batch=2, wait=False)
+    killed = _outage(broker, proc, lambda: _announced(broker.bootstrap, run.job), "a writer")
+    assert proc.wait(120) == 0, proc.tail()
+    print(
+        f"TIMING writers: kill after {killed - started:.1f}s, job done "
+        f"{time.monotonic() - killed:.1f}s after the kill; task retries: "
+        f"{proc.output().count(UnconfirmedWriteError.__name__)} mention(s) of "
+        f"{UnconfirmedWriteError.__name__}"
+    )
+    assert proc.result()["rows"] == {LABELS["kafka"]: n}
+    run.check(n)
+
+
+def test_job_rides_out_a_broker_killed_while_the_driver_commits(
+    broker: S3Broker, tmp_path: Path
+) -> None:
+    """The driver has decided the checkpoint of batch 0 and pauses 2 s before
+    committing it: the broker is killed then and is back 3 s later, so the
+    commit starts against a dead broker and retries until it is back
+    (``commit_timeout`` 120 s). The job finishes by itself."""
+    run, n = _run(tmp_path, broker, files=4, rows_per_file=500)
+    started = time.monotonic()
+    proc = run.start("driver.before_commit@0=stall:2", files_per_batch=2, wait=False)
+    killed = _outage(broker, proc, lambda: _decided(run.state), "the first decided checkpoint")
+    assert proc.wait(120) == 0, proc.tail()
+    print(
+        f"TIMING commit: kill after {killed - started:.1f}s, job done "
+        f"{time.monotonic() - killed:.1f}s after the kill"
+    )
+    assert re.search(r"commit of \d+ transaction\(s\) to .* failed \(attempt 1", proc.output())
+    doc = read_ledger(run.state)
+    assert doc is not None and len(doc["history"]) >= 2  # batch 0's checkpoint, then more
+    run.check(n)
+
+
+def test_an_outage_longer_than_commit_timeout_fails_the_job_and_a_rerun_finishes(
+    broker: S3Broker, tmp_path: Path
+) -> None:
+    """As above, with ``commit_timeout`` 5 s and the broker down until the job
+    has given up: the job fails naming the commit that did not go through, the
+    decision stays in the ledger, and a run after the broker is back commits
+    it and finishes the input."""
+    run, n = _run(tmp_path, broker, files=4, rows_per_file=500)
+    extra = ["--commit-timeout", "5"]
+    proc = run.start("driver.before_commit@0=stall:2", files_per_batch=2, extra=extra, wait=False)
+    wait_for(lambda: _decided(run.state), 120, "the first decided checkpoint", proc)
+    broker.kill()
+    killed = time.monotonic()
+    assert proc.wait(120) != 0, proc.tail()
+    failed = time.monotonic() - killed
+    assert "did not succeed within 5s" in proc.output(), proc.tail()
+    doc = read_ledger(run.state)
+    assert doc is not None and doc["decided"] is not None  # the decision is kept
+    broker.start()
+    rerun = run.start(files_per_batch=2, extra=extra)
+    assert rerun.proc.returncode == 0, rerun.tail()
+    print(f"TIMING fail: the job failed {failed:.1f}s after the kill")
+    run.check(n)
