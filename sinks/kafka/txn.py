@@ -23,6 +23,17 @@ committed: fine), ABORT (:class:`TransactionLostError`), or no marker yet
 the same epoch* (only ``close(failed=True)`` on an executor does that, and its
 committable never reaches the driver) answers NONE and is not detected.
 
+A retry (``verify``: an earlier attempt of the same commit failed, so the
+broker may have died in the middle of an EndTxn) settles NONE from the log as
+well. tansu on S3 persists the decision (PrepareCommit) before it writes the
+markers and does not finish the job after a restart: a later EndTxn answers
+NONE and writes none of the missing markers, leaving the transaction open for
+good. Without a COMMIT marker the commit is retried (:class:`StillOpen`) and
+fails at ``commit_timeout`` saying so, rather than report rows committed that
+no consumer will read. Apache Kafka writes its markers just after NONE, so
+there the check waits a moment at most. Limit: the first attempt of a commit
+(also the re-commit of a decided checkpoint by a restarted driver) trusts NONE.
+
 Fence: InitProducerId with the transaction's id bumps its epoch, which aborts
 the open transaction and fences any zombie still writing with it. Fencing what
 is already aborted or committed is harmless.
@@ -47,11 +58,18 @@ class StillOpen(Errors.RetriableError):
 
 
 def commit(
-    wire: KafkaWire, coordinator: Any, c: dict[str, Any], *, where: str, timeout_ms: int
+    wire: KafkaWire,
+    coordinator: Any,
+    c: dict[str, Any],
+    *,
+    where: str,
+    timeout_ms: int,
+    verify: bool = False,
 ) -> None:
     """Commit the prepared transaction of committable ``c`` (see the module
     docstring); ``where`` and ``timeout_ms`` (its transaction timeout) go into
-    the error of a lost transaction."""
+    the error of a lost transaction. With ``verify`` (a retry), a success
+    answer counts only once the log holds the COMMIT marker."""
     tid = c["transactional_id"]
     try:
         error = wire.end_txn(coordinator, tid, int(c["producer_id"]), int(c["epoch"]), True)
@@ -61,15 +79,22 @@ def commit(
         log.debug("EndTxn(commit) of %s: connection closed (%s); checking the log", tid, e)
         refusal = "the broker closed the connection"
     else:
-        if error is Errors.NoError:
+        if error is Errors.NoError and not verify:
             return
         if issubclass(error, Errors.RetriableError):
             raise error(f"EndTxn(commit) of {tid}")
-        refusal = error.__name__
+        refusal = "success" if error is Errors.NoError else error.__name__
     verdict = outcome.txn_outcome(wire, c)
     if verdict == outcome.COMMITTED:
         log.debug("%s was already committed (EndTxn answered: %s)", tid, refusal)
         return
+    if verdict == outcome.OPEN and refusal == "success":
+        raise StillOpen(
+            f"EndTxn(commit) of {tid} answered success after an earlier attempt failed, but "
+            "the log holds no COMMIT marker for it: the broker may have lost part of the "
+            "commit when it died (tansu on S3 never writes the missing markers), and its "
+            "rows stay invisible to read_committed consumers"
+        )
     if verdict == outcome.OPEN:
         raise StillOpen(f"EndTxn(commit) of {tid} refused ({refusal}) while it is open")
     what = (

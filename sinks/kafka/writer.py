@@ -12,8 +12,17 @@ Life of a writer (nothing is opened for an empty partition):
    the JSON encoding refuses fails the task with nothing of that batch in the
    transaction; every row is sent with an explicit partition (murmur2 of the key,
    as Kafka's default partitioner, or round-robin per Arrow batch for keyless rows);
-3. ``prepare``: ``flush()``, fail if any send failed, and return the committable
-   with the producer id and epoch, without committing or aborting;
+3. ``prepare``: ``flush()``, fail if any send failed or any record (the
+   announcement included) was acknowledged without an offset, and return the
+   committable with the producer id and epoch, without committing or aborting.
+   A broker answers a produce DUPLICATE_SEQUENCE_NUMBER when it already has the
+   batch's sequence numbers (a produce retried across a broker restart), and
+   kafka-python then reports the records written, with offset -1. Apache Kafka
+   holds such a batch; tansu on S3 persists a producer's new sequence number
+   before it stores the batch, so a SIGKILL between the two loses the batch
+   while its retry is acknowledged. The task cannot tell which, so it fails
+   (:class:`~sinks.errors.UnconfirmedWriteError`), its transaction is aborted,
+   and Spark's next attempt writes the partition again;
 4. ``close``: after ``prepare`` the producer is closed with ``timeout=0``, which
    stops its I/O thread without any EndTxn (kafka-python 3.0 never aborts on
    close; the Java client, and possibly other kafka-python versions, abort on a
@@ -30,11 +39,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import kafka.errors as Errors
 import pyarrow as pa
 from kafka import KafkaProducer
+from kafka.net.compat import KafkaNetClient
 from kafka.partitioner.default import murmur2
 
 from sinks.base import Committable, SinkWriter, WriteContext
+from sinks.errors import UnconfirmedWriteError
 from sinks.kafka import encode
 from sinks.kafka.registry import announcement
 
@@ -44,6 +56,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("sinks.kafka")
 
 _ABORT_TIMEOUT_S = 30.0
+
+
+class RetryingNetClient(KafkaNetClient):
+    """The writers' kafka-python network client (``KafkaProducer(kafka_client=...)``):
+    ``await_ready`` answers False for a node it cannot reach instead of raising.
+
+    kafka-python 3.0.12's Sender, about to send a transactional request
+    (AddPartitionsToTxn, EndTxn...) to a coordinator whose connection attempt
+    fails (a broker restarting), catches the exception, looks the coordinator
+    up again, and drops the request: it re-enqueues it only when ``await_ready``
+    returned False. A dropped AddPartitionsToTxn leaves the records of those
+    partitions unsent until ``delivery_timeout_ms`` expires them (2 minutes by
+    default) and the task fails; with False, the request is retried once the
+    coordinator is found again. The Sender is this client's only caller of
+    ``await_ready``. A ``kafka_client`` in ``producer_config`` replaces it."""
+
+    def await_ready(self, node_id: Any, timeout_ms: int = 30000) -> bool:
+        try:
+            return bool(super().await_ready(node_id, timeout_ms=timeout_ms))
+        except Errors.KafkaConnectionError:
+            return False
 
 
 def producer_ids(producer: KafkaProducer) -> tuple[int, int]:
@@ -73,6 +106,7 @@ class KafkaWriter(SinkWriter):
         self._first: dict[int, Any] = {}  # kafka partition -> future of its first record
         self._last: dict[int, Any] = {}  # kafka partition -> future of its latest record
         self._errors: list[BaseException] = []
+        self._unplaced = 0  # records acknowledged without an offset (see the module doc)
         self._rows = 0
         self._prepared = False
         self._opened_at: float | None = None
@@ -87,9 +121,11 @@ class KafkaWriter(SinkWriter):
         producer.begin_transaction()
         self._opened_at = time.time()  # the broker's timer starts with the first record
         if sink.registry_topic:
-            producer.send(
+            future = producer.send(
                 sink.registry_topic, key=self._tid.encode(), value=announcement(sink.topic)
-            ).get(timeout=sink.flush_timeout)
+            )
+            future.add_callback(self._on_ack)
+            future.get(timeout=sink.flush_timeout)
         partitions = producer.partitions_for(sink.topic)
         if not partitions:
             raise RuntimeError(f"Kafka topic {sink.topic!r} has no partitions (does it exist?)")
@@ -101,6 +137,10 @@ class KafkaWriter(SinkWriter):
 
     def _on_error(self, exc: BaseException) -> None:
         self._errors.append(exc)
+
+    def _on_ack(self, metadata: Any) -> None:
+        if metadata.offset < 0:  # DUPLICATE_SEQUENCE_NUMBER: stored or not, nobody knows
+            self._unplaced += 1
 
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
@@ -118,11 +158,12 @@ class KafkaWriter(SinkWriter):
         headers = self._headers(batch)
         producer = self._producer or self._begin()
         parts = self._partition_of(keys)
-        send, topic, on_error = producer.send, sink.topic, self._on_error
+        send, topic, on_error, on_ack = producer.send, sink.topic, self._on_error, self._on_ack
         first, last = self._first, self._last
         for key, value, hdrs, part in zip(keys, values, headers, parts, strict=True):
             future = send(topic, value=value, key=key, headers=hdrs, partition=part)
             future.add_errback(on_error)
+            future.add_callback(on_ack)
             if part not in first:
                 first[part] = future
             last[part] = future
@@ -180,6 +221,15 @@ class KafkaWriter(SinkWriter):
                 f"Kafka transaction {self._tid}: {len(self._errors)} record(s) were not "
                 f"written: {self._errors[0]!r}"
             ) from self._errors[0]
+        if self._unplaced:
+            raise UnconfirmedWriteError(
+                f"{self._sink.describe()}: Kafka transaction {self._tid}: the broker "
+                f"acknowledged {self._unplaced} record(s) without an offset "
+                "(DUPLICATE_SEQUENCE_NUMBER: a produce retried after the broker restarted or "
+                "lost a request), so this transaction cannot be shown to hold them. The task "
+                "fails and its transaction is aborted; Spark's next attempt writes the "
+                "partition again"
+            )
         offsets: dict[str, list[int]] = {}
         for part, first in sorted(self._first.items()):
             offsets[str(part)] = [

@@ -41,6 +41,7 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=0.0)
     ap.add_argument("--files-per-batch", type=int, default=1)
     ap.add_argument("--sinks", default="pg,kafka,delta")
+    ap.add_argument("--commit-timeout", type=float, default=120.0, help="the Kafka sink's")
     ap.add_argument("--start-over-from", default=None)
     ap.add_argument(
         "--ledger",
@@ -73,7 +74,7 @@ def main() -> int:
                     args.topic,
                     key="id",
                     sink_id=SINK_IDS["kafka"],
-                    commit_timeout=120,
+                    commit_timeout=args.commit_timeout,
                 )
             )
         elif kind == "delta":
