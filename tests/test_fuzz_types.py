@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from sinks import DataError, PostgresSink, PreflightError
-from sinks.base import JobScope, WriteContext
+from sinks.base import Committable, JobScope, SinkWriter, WriteContext
 from sinks.delta import DeltaSchemaError, DeltaSink
 
 EXAMPLES = int(os.environ.get("TWOPHASE_FUZZ_EXAMPLES", "0"))
@@ -324,6 +324,29 @@ def pg_expect(kind: pa.DataType, pg: str, v: Any) -> tuple[str, Any]:
     raise AssertionError(f"no expectation for {kind} -> {pg}")
 
 
+def _task(
+    writer: SinkWriter,
+    data: pa.Table,
+    split: int,
+    refusals: tuple[type[Exception], ...],
+) -> tuple[Committable | None, Exception | None]:
+    """What a Spark task does with ``data`` in two slices cut at ``split``: write
+    every record batch, prepare, close. Returns the committable, or the refusal
+    (one of ``refusals``) that stopped the task before it prepared."""
+    error: Exception | None = None
+    committable: Committable | None = None
+    try:
+        for part in (data.slice(0, split), data.slice(split)):
+            for b in part.to_batches():
+                writer.write(b)
+        committable = writer.prepare()
+    except refusals as e:
+        error = e
+    finally:
+        writer.close(failed=error is not None)
+    return committable, error
+
+
 def _read_expr(col: str, pg: str) -> str:
     """SQL reading column ``col`` back in a form Python holds for every value
     (dates and timestamps as ISO text: Python's own types end at year 9999, and
@@ -467,17 +490,12 @@ def test_postgres_binary_copy_reads_back_equal_or_refuses(pg_module_dsn: str, ca
     may_refuse = must_refuse | {c for c, es in expect.items() if any(e[0] == EITHER for e in es)}
 
     ctx = WriteContext(JobScope(JOB, "p", "fz"), 1, 0, 0, n)
-    writer = sink.open_writer(ctx, data.schema)
-    error: Exception | None = None
-    try:
-        for part in (data.slice(0, case.split), data.slice(case.split)):
-            for b in part.to_batches():
-                writer.write(b)
-        committable = writer.prepare()
-    except (DataError, psycopg.errors.NumericValueOutOfRange) as e:
-        error = e
-    finally:
-        writer.close(failed=error is not None)
+    committable, error = _task(
+        sink.open_writer(ctx, data.schema),
+        data,
+        case.split,
+        (DataError, psycopg.errors.NumericValueOutOfRange),
+    )
     if error is None:
         assert committable is not None
         sink.commit([committable])
@@ -802,17 +820,12 @@ def test_delta_statistics_hold_and_data_reads_back(
     assert not wide, f"preflight passed decimals of more than 38 digits: {sorted(wide)}"
     bad = _delta_refusal(case)
     scope = JobScope(JOB, "p", "fz", "0123456789ab")
-    writer = sink.open_writer(WriteContext(scope, 1, 1, 0, 1), data.schema)
-    error: Exception | None = None
-    try:
-        for part in (data.slice(0, case.split), data.slice(case.split)):
-            for b in part.to_batches():
-                writer.write(b)
-        committable = writer.prepare()
-    except (DataError, DeltaSchemaError) as e:
-        error = e
-    finally:
-        writer.close(failed=error is not None)
+    committable, error = _task(
+        sink.open_writer(WriteContext(scope, 1, 1, 0, 1), data.schema),
+        data,
+        case.split,
+        (DataError, DeltaSchemaError),
+    )
     if error is not None:
         event("refused")
         assert bad, f"refused values it must accept: {error}"
