@@ -113,6 +113,13 @@ class KafkaWire:
 
         return manager.run(call)
 
+    def submit(self, request: Any, node_id: Any) -> Any:
+        """Send ``request`` to ``node_id`` without waiting: a kafka-python ``Future``
+        of the answer (thread-safe; requests submitted from one thread go out in
+        order on the node's connection)."""
+        manager = self._manager
+        return manager.call_soon(manager.send, request, node_id)
+
     def api_version(self, request_class: Any) -> int:
         """Highest version of ``request_class`` both sides speak (-1 if none)."""
         try:
@@ -188,10 +195,12 @@ class KafkaWire:
         return Errors.for_code(response.error_code)
 
     def init_producer_id(
-        self, coordinator: Any, transactional_id: str, transaction_timeout_ms: int
+        self, coordinator: Any, transactional_id: str | None, transaction_timeout_ms: int
     ) -> tuple[type[Errors.KafkaError], int, int]:
         """InitProducerId for ``transactional_id``: bumps its epoch, which fences
-        any producer still using it and aborts its open transaction.
+        any producer still using it and aborts its open transaction. Without a
+        transactional id (``coordinator`` None: any broker): a fresh producer id
+        for an idempotent producer.
 
         Returns (error class, producer id, new epoch)."""
         response = self.send(
