@@ -618,9 +618,10 @@ def test_records_acknowledged_without_an_offset_fail_the_task(
     bootstrap: str, new_sink: Callable[..., KafkaSink]
 ) -> None:
     """A produce that the broker answers DUPLICATE_SEQUENCE_NUMBER comes with no
-    offset, whether the broker stored it or not. After a tansu crash it may not have (see ``_take_sequence``): a commit
-    would then miss the rows. The writer refuses to prepare, names the cause,
-    and its transaction is aborted; Spark's next attempt writes the partition."""
+    offset, whether the broker stored it or not. After a tansu crash it may not
+    have (see ``_take_sequence``): a commit would then miss the rows. The writer
+    refuses to prepare, names the cause, and its transaction is aborted; Spark's
+    next attempt writes the partition."""
     topic = make_topic(bootstrap)
     sink = new_sink(topic, sink_id="k", commit_timeout=20)
     sink.preflight(SCHEMA)

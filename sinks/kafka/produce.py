@@ -60,9 +60,23 @@ log = logging.getLogger("sinks.kafka")
 _PRODUCE_MAX_VERSION = 11  # v12 adds partitions implicitly (transactions v2): not for us
 _ADD_PARTITIONS_MAX_VERSION = 3
 _SEQUENCE_WRAP = 1 << 31
+# what a retry may cure: RetriableError covers timeouts, NOT_COORDINATOR, a node not
+# ready...; a lost connection; a broker not yet in our metadata
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    Errors.RetriableError,
+    Errors.KafkaConnectionError,
+    Errors.UnknownBrokerIdError,
+)
 
 
-_COMPRESSION = {None: None, "none": None, "gzip": "gzip", "snappy": "snappy", "lz4": "lz4", "zstd": "zstd"}
+_COMPRESSION = {
+    None: None,
+    "none": None,
+    "gzip": "gzip",
+    "snappy": "snappy",
+    "lz4": "lz4",
+    "zstd": "zstd",
+}
 
 
 @dataclass(frozen=True)
@@ -177,7 +191,7 @@ class TxnProducer:
                 error, pid, epoch = self.wire.init_producer_id(
                     coordinator, self.transactional_id, self.transaction_timeout_ms
                 )
-            except Errors.KafkaConnectionError as e:
+            except _TRANSIENT as e:
                 error, pid, epoch = type(e), -1, -1
             if error is Errors.NoError:
                 self.producer_id, self.epoch = int(pid), int(epoch)
@@ -202,13 +216,12 @@ class TxnProducer:
         return self._coordinator
 
     def _retry_or_raise(self, error: type[BaseException], deadline: float, what: str) -> None:
-        retriable = issubclass(error, (Errors.RetriableError, Errors.KafkaConnectionError))
-        if not retriable or time.monotonic() > deadline:
-            raise ProduceError(f"{what} for Kafka transaction {self.transactional_id}: {error.__name__}")
-        if error in (Errors.NotCoordinatorError, Errors.CoordinatorNotAvailableError) or issubclass(
-            error, Errors.KafkaConnectionError
-        ):
-            self._coordinator = None
+        if not issubclass(error, _TRANSIENT) or time.monotonic() > deadline:
+            raise ProduceError(
+                f"{what} for Kafka transaction {self.transactional_id}: {error.__name__}"
+            )
+        if error is not Errors.ConcurrentTransactionsError:
+            self._coordinator = None  # look it up again
         time.sleep(self.retry_backoff_s)
 
     def add_partitions(self, topic: str, partitions: Iterable[int]) -> None:
@@ -233,7 +246,7 @@ class TxnProducer:
                     for t in response.results_by_topic_v3_and_below
                     for r in t.results_by_partition
                 }
-            except Errors.KafkaConnectionError as e:
+            except _TRANSIENT as e:
                 errors = {type(e)}
             errors.discard(Errors.NoError)
             if not errors:
@@ -258,6 +271,17 @@ class TxnProducer:
                 raise ProduceError(f"Kafka topic {topic!r} has no partitions (does it exist?)")
             self._leaders[topic] = found
         return self._leaders[topic]
+
+    def _leader(self, topic: str, partition: int) -> Any:
+        """The partition's leader, or -1 while none can be found (the produce to
+        -1 then fails as retriable and is resent after a new lookup)."""
+        leader = self.leaders(topic).get(partition)
+        if leader is None or leader < 0:
+            try:
+                leader = self.leaders(topic, refresh=True).get(partition, -1)
+            except _TRANSIENT:
+                leader = -1
+        return leader
 
     # -- produce -------------------------------------------------------------------------
 
@@ -294,9 +318,7 @@ class TxnProducer:
     def _dispatch(self, pending: list[_Pending]) -> None:
         by_node: dict[Any, dict[tuple[str, int], collections.deque[_Pending]]] = {}
         for item in pending:
-            leader = self.leaders(item.topic).get(item.partition)
-            if leader is None or leader < 0:
-                leader = self.leaders(item.topic, refresh=True).get(item.partition, -1)
+            leader = self._leader(item.topic, item.partition)
             queues = by_node.setdefault(leader, {})
             queues.setdefault((item.topic, item.partition), collections.deque()).append(item)
         for node, queues in by_node.items():
@@ -304,7 +326,11 @@ class TxnProducer:
                 request_items: list[_Pending] = []
                 size = 0
                 for queue in queues.values():
-                    fits = size + len(queue[0].batch.data) <= self._max_request_bytes if queue else False
+                    fits = (
+                        size + len(queue[0].batch.data) <= self._max_request_bytes
+                        if queue
+                        else False
+                    )
                     if queue and (not request_items or fits):
                         item = queue.popleft()
                         request_items.append(item)
@@ -377,8 +403,10 @@ class TxnProducer:
         if error is Errors.DuplicateSequenceNumberError:
             self.unconfirmed += item.batch.records
             return
-        retriable = issubclass(error, (Errors.RetriableError, Errors.KafkaConnectionError))
-        follows_failure = error is Errors.OutOfOrderSequenceNumberError and key in self._failed_round
+        retriable = issubclass(error, _TRANSIENT)
+        follows_failure = (
+            error is Errors.OutOfOrderSequenceNumberError and key in self._failed_round
+        )
         if retriable or follows_failure:
             self._failed_round.add(key)
             self._retry.append(item)
@@ -417,7 +445,7 @@ class TxnProducer:
             )
             time.sleep(self.retry_backoff_s)
             for topic in {i.topic for i in retry}:
-                with contextlib.suppress(Errors.KafkaError):
+                with contextlib.suppress(*_TRANSIENT):
                     self.leaders(topic, refresh=True)
             self._dispatch(retry)
 

@@ -101,6 +101,7 @@ from sinks.base import (
 )
 from sinks.errors import ConfigError, PreflightError
 from sinks.kafka import checks, encode, outcome, txn, txn_age
+from sinks.kafka.produce import ProducerOptions
 from sinks.kafka.progress import ProgressStore
 from sinks.kafka.registry import (
     ABORTED,
@@ -111,7 +112,6 @@ from sinks.kafka.registry import (
     write_tombstones,
 )
 from sinks.kafka.wire import KafkaWire
-from sinks.kafka.produce import ProducerOptions
 from sinks.kafka.writer import KafkaWriter
 from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.progress import SinkProgress

@@ -37,7 +37,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -91,7 +91,10 @@ class KafkaWriter(SinkWriter):
         )
         self._wire = wire
         producer = TxnProducer(
-            wire, self._tid, transaction_timeout_ms=sink.transaction_timeout_ms, options=self._options
+            wire,
+            self._tid,
+            transaction_timeout_ms=sink.transaction_timeout_ms,
+            options=self._options,
         )
         producer.begin()
         self._producer = producer
@@ -137,7 +140,7 @@ class KafkaWriter(SinkWriter):
         self._check_sizes(keys, values, headers)
         producer = self._producer or self._begin()
         n = len(self._partitions)
-        indexes = records.partition_indexes(keys, n, self._round_robin)
+        indexes = records.partition_indexes(keys, n, self._round_robin, rows=batch.num_rows)
         self._round_robin = (self._round_robin + 1) % n
         order = np.argsort(indexes, kind="stable")
         counts = np.bincount(indexes, minlength=n)
