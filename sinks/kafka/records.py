@@ -45,7 +45,6 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import crc32c
 import kafka.codec as codecs
@@ -118,6 +117,8 @@ def _binary(arr: pa.Array | pa.ChunkedArray, what: str) -> pa.Array:
 def _offsets(arr: pa.Array) -> np.ndarray:
     """The ``len(arr) + 1`` value offsets of a (possibly sliced) binary array, as
     int64 positions in its data buffer."""
+    if len(arr) == 0:
+        return np.zeros(1, dtype=np.int64)
     dtype = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
     raw = np.frombuffer(arr.buffers()[1], dtype=dtype)
     return raw[arr.offset : arr.offset + len(arr) + 1].astype(np.int64, copy=False)
@@ -287,13 +288,15 @@ def partition_indexes(
 # -- varints -----------------------------------------------------------------
 
 
-class _Varints(NamedTuple):
-    """The zigzag values (uint64) of int64 values and their varints' sizes."""
+@dataclass(frozen=True)
+class _Varints:
+    """The zigzag values (uint64) of a column of int64 values and the sizes of
+    their varints."""
 
     z: np.ndarray
     size: np.ndarray
 
-    def __getitem__(self, rows: slice) -> _Varints:  # type: ignore[override]
+    def rows(self, rows: slice) -> _Varints:
         return _Varints(self.z[rows], self.size[rows])
 
 
@@ -354,7 +357,7 @@ class _Frame:
 
     def varint(self, v: _Varints, present: np.ndarray | None = None) -> None:
         """The varints ``v`` (one per row), where ``present``."""
-        z, size = v
+        z, size = v.z, v.size
         if present is None and self.rows and z.min() == z.max():
             self.const(_zigzag_bytes(int(z[0])))
             return
@@ -615,23 +618,23 @@ def _frame(
         return arr.cast(pa.binary()) if pa.types.is_large_binary(arr.type) else arr
 
     head = _Frame(rows)
-    head.varint(record_len[rng])
+    head.varint(record_len.rows(rng))
     head.const(b"\x00\x00")  # attributes, timestampDelta
-    head.varint(offset_delta[rng])
-    head.varint(key_len[rng])
+    head.varint(offset_delta.rows(rng))
+    head.varint(key_len.rows(rng))
     pieces = [head.build()]
     if keys is not None:
         pieces.append(piece(keys))
     mid = _Frame(rows)
-    mid.varint(value_len[rng])
+    mid.varint(value_len.rows(rng))
     pieces.append(mid.build())
     if values is not None:
         pieces.append(piece(values))
     tail = _Frame(rows)
-    tail.varint(header_count[rng])
+    tail.varint(header_count.rows(rng))
     for prefix, h_len, present, arr in header_fields:
         tail.const(prefix, present[rng])
-        tail.varint(h_len[rng], present[rng])
+        tail.varint(h_len.rows(rng), present[rng])
         pieces.append(tail.build())
         pieces.append(piece(arr))
         tail = _Frame(rows)
