@@ -428,6 +428,25 @@ def test_sliced_chunked_large_and_string_inputs() -> None:
         assert got == expected
 
 
+def test_null_slots_with_bytes_behind_them() -> None:
+    # Arrow lets a null slot span bytes of the data buffer (after some kernels):
+    # they are neither written nor hashed.
+    def with_hidden_bytes() -> pa.Array:
+        offsets = np.array([0, 3, 6, 9], dtype=np.int32)
+        validity = pa.array([True, False, True]).buffers()[1]
+        return pa.Array.from_buffers(
+            pa.binary(), 3, [validity, pa.py_buffer(offsets), pa.py_buffer(b"abcdefghi")]
+        )
+
+    arr = with_hidden_bytes()
+    assert arr.to_pylist() == [b"abc", None, b"ghi"]
+    out = record_batches(arr, arr, [("h", arr)], base_sequence=0, **PRODUCER)
+    rows = [b"abc", None, b"ghi"]
+    headers: Headers = [("h", rows)]
+    _check(out, rows, rows, headers, n=3, base_sequence=0, **PRODUCER)
+    assert murmur2(arr).view(np.uint32).tolist() == _kafka_hashes(rows)
+
+
 def test_header_values_empty_versus_null_and_unicode_names() -> None:
     headers: Headers = [
         ("\u00fcber-\u65e5\u672c-\U0001f600", [b"", None, b"\x00\xff"]),

@@ -117,6 +117,8 @@ def _binary(arr: pa.Array | pa.ChunkedArray, what: str) -> pa.Array:
 def _offsets(arr: pa.Array) -> np.ndarray:
     """The ``len(arr) + 1`` value offsets of a (possibly sliced) binary array, as
     int64 positions in its data buffer."""
+    if len(arr) == 0:
+        return np.zeros(1, dtype=np.int64)
     dtype = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
     raw = np.frombuffer(arr.buffers()[1], dtype=dtype)
     return raw[arr.offset : arr.offset + len(arr) + 1].astype(np.int64, copy=False)
@@ -286,33 +288,53 @@ def partition_indexes(
 # -- varints -----------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Varints:
+    """The zigzag values (uint64) of a column of int64 values and the sizes of
+    their varints."""
+
+    z: np.ndarray
+    size: np.ndarray
+
+    def rows(self, rows: slice) -> _Varints:
+        return _Varints(self.z[rows], self.size[rows])
+
+
+def _varints(v: np.ndarray) -> _Varints:
+    z = _zigzag(v)
+    return _Varints(z, _varint_size(z))
+
+
 def _zigzag(v: np.ndarray) -> np.ndarray:
     """Zigzag of int64 values, as uint64."""
     v = v.astype(np.int64, copy=False)
-    return ((v << 1) ^ (v >> 63)).view(np.uint64)
+    z = v << 1
+    if len(v) and v.min() < 0:
+        z ^= v >> 63
+    return z.view(np.uint64)
 
 
 def _varint_size(z: np.ndarray) -> np.ndarray:
-    """Bytes of the varint of every zigzagged value ``z`` (int64 array)."""
-    size = np.ones(len(z), dtype=np.int64)
+    """Bytes of the varint of every zigzagged value ``z`` (uint64 array)."""
     top = int(z.max()) if len(z) else 0
-    shift = 7
+    if top < 1 << 7:
+        return np.ones(len(z), dtype=np.int64)
+    size = (z >= np.uint64(1 << 7)).astype(np.int64)
+    size += 1
+    shift = 14
     while top >> shift:
         size += z >= np.uint64(1 << shift)
         shift += 7
     return size
 
 
-def _size_of_varint(v: int) -> int:
-    z = (v << 1) ^ (v >> 63)
-    size = 1
-    while z >> (7 * size):
-        size += 1
-    return size
-
-
 def _varint_bytes(v: int) -> bytes:
-    z = (v << 1) ^ (v >> 63)
+    """The zigzag varint of ``v``."""
+    return _zigzag_bytes((v << 1) ^ (v >> 63))
+
+
+def _zigzag_bytes(z: int) -> bytes:
+    """The varint of the zigzag value ``z``."""
     out = bytearray()
     while z > 0x7F:
         out.append(0x80 | (z & 0x7F))
@@ -323,7 +345,7 @@ def _varint_bytes(v: int) -> bytes:
 
 class _Frame:
     """Per-row byte strings made of fixed-width fields (varints, constant bytes),
-    built as one (rows x width) byte matrix and its validity mask, then compacted
+    built as one (width x rows) byte matrix and its validity mask, then compacted
     into an Arrow binary array."""
 
     def __init__(self, rows: int) -> None:
@@ -333,13 +355,12 @@ class _Frame:
         self.lengths = np.zeros(rows, dtype=np.int64)
         self.fixed = True  # every row the same bytes
 
-    def varint(self, values: np.ndarray, present: np.ndarray | None = None) -> None:
-        """A zigzag varint of every row's ``values`` (int64), where ``present``."""
-        if present is None and self.rows and values.min() == values.max():
-            self.const(_varint_bytes(int(values[0])))
+    def varint(self, v: _Varints, present: np.ndarray | None = None) -> None:
+        """The varints ``v`` (one per row), where ``present``."""
+        z, size = v.z, v.size
+        if present is None and self.rows and z.min() == z.max():
+            self.const(_zigzag_bytes(int(z[0])))
             return
-        z = _zigzag(values)
-        size = _varint_size(z)
         self.fields.append((z, size, present))
         self.fixed = False
         self.lengths += size if present is None else np.where(present, size, 0)
@@ -368,26 +389,31 @@ class _Frame:
             len(field) if size is None else int(size.max())
             for field, size, _ in self.fields  # type: ignore[arg-type]
         ]
-        matrix = np.empty((self.rows, sum(widths)), dtype=np.uint8)
-        mask = np.empty((self.rows, sum(widths)), dtype=bool)
+        # Column-major: every byte position of the rows is one contiguous row here.
+        matrix = np.empty((sum(widths), self.rows), dtype=np.uint8)
+        mask = np.empty((sum(widths), self.rows), dtype=bool)
         col = 0
         for (field, size, present), width in zip(self.fields, widths, strict=True):
-            block = slice(col, col + width)
             if isinstance(field, bytes):
-                matrix[:, block] = np.frombuffer(field, dtype=np.uint8)
-                mask[:, block] = True
+                matrix[col : col + width] = np.frombuffer(field, dtype=np.uint8)[:, None]
+                mask[col : col + width] = True if present is None else present
             else:
                 z = field.astype(np.uint32) if width <= 4 else field
+                np.greater(size, 0, out=mask[col])
                 for b in range(width):
-                    more = size > b + 1
-                    matrix[:, col + b] = ((z >> (7 * b)) & 0x7F) | (more << 7)
-                    mask[:, col + b] = size > b
-            if present is not None:
-                mask[:, block] &= present[:, None]
+                    byte = matrix[col + b]
+                    np.right_shift(z, 7 * b, out=byte, casting="unsafe")
+                    byte &= 0x7F
+                    if b + 1 < width:
+                        more = mask[col + b + 1]
+                        np.greater(size, b + 1, out=more)
+                        byte |= more.view(np.uint8) << 7
+                if present is not None:
+                    mask[col : col + width] &= present
             col += width
         offsets = np.zeros(self.rows + 1, dtype=np.int32)
         np.cumsum(self.lengths, out=offsets[1:])
-        return matrix[mask], offsets
+        return matrix.T[mask.T], offsets
 
 
 # -- record batches ----------------------------------------------------------
@@ -462,7 +488,9 @@ def record_batches(
     # Sizes of every record's fields but its length prefix and offset delta.
     key_len = np.full(n, -1, dtype=np.int64) if keys is None else _lengths(keys)
     value_len = np.full(n, -1, dtype=np.int64) if values is None else _lengths(values)
-    body = 2 + _field_size(key_len) + _field_size(value_len)  # + attributes, timestampDelta
+    key_varint, value_varint = _varints(key_len), _varints(value_len)
+    # + attributes and timestampDelta (one byte each)
+    body = 2 + _field_size(key_varint, key_len) + _field_size(value_varint, value_len)
     header_count = np.zeros(n, dtype=np.int64)
     header_fields = []
     for name, arr in named:
@@ -470,17 +498,20 @@ def record_batches(
         h_len = _lengths(arr)
         present = h_len >= 0
         prefix = _varint_bytes(len(name_bytes)) + name_bytes
-        header_fields.append((prefix, h_len, present, arr))
+        h_varint = _varints(h_len)
+        header_fields.append((prefix, h_varint, present, arr))
         header_count += present
-        body += present * (len(prefix) + _field_size(h_len))
-    body += _varint_size(_zigzag(header_count))
+        body += present * (len(prefix) + _field_size(h_varint, h_len))
+    count_varint = _varints(header_count)
+    body += count_varint.size
 
     batches = _split(body, max_batch_bytes - HEADER_SIZE)
     counts = np.diff(batches)
-    offset_delta = np.arange(n, dtype=np.int64) - np.repeat(batches[:-1], counts)
-    record_len = body + _varint_size(_zigzag(offset_delta))
-    record_size = record_len + _varint_size(_zigzag(record_len))
-    ends = np.concatenate([[0], np.cumsum(record_size)])
+    offset_delta = _varints(np.arange(n, dtype=np.int64) - np.repeat(batches[:-1], counts))
+    record_len = _varints(body + offset_delta.size)
+    ends = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(body, out=ends[1:])
+    ends[1:] += np.cumsum(offset_delta.size + record_len.size)
     batch_bytes = ends[batches[1:]] - ends[batches[:-1]]
     if int(batch_bytes.max()) > _INT32_MAX - HEADER_SIZE:
         row = int(batches[int(np.argmax(batch_bytes))])
@@ -506,11 +537,11 @@ def record_batches(
             hi,
             keys,
             values,
-            key_len,
-            value_len,
+            key_varint,
+            value_varint,
             offset_delta,
             record_len,
-            header_count,
+            count_varint,
             header_fields,
         )
         if len(data) != section_ends[-1]:
@@ -538,9 +569,9 @@ def record_batches(
     return out
 
 
-def _field_size(lengths: np.ndarray) -> np.ndarray:
+def _field_size(length_varint: _Varints, lengths: np.ndarray) -> np.ndarray:
     """Bytes of a nullable bytes field: its length varint and its bytes."""
-    return _varint_size(_zigzag(lengths)) + np.maximum(lengths, 0)
+    return length_varint.size + np.maximum(lengths, 0)
 
 
 def _split(body: np.ndarray, limit: int) -> np.ndarray:
@@ -571,12 +602,12 @@ def _frame(
     hi: int,
     keys: pa.Array | None,
     values: pa.Array | None,
-    key_len: np.ndarray,
-    value_len: np.ndarray,
-    offset_delta: np.ndarray,
-    record_len: np.ndarray,
-    header_count: np.ndarray,
-    header_fields: list[tuple[bytes, np.ndarray, np.ndarray, pa.Array]],
+    key_len: _Varints,
+    value_len: _Varints,
+    offset_delta: _Varints,
+    record_len: _Varints,
+    header_count: _Varints,
+    header_fields: list[tuple[bytes, _Varints, np.ndarray, pa.Array]],
 ) -> pa.Buffer:
     """The records of rows lo..hi-1, one after the other, as one buffer."""
     rows = hi - lo
@@ -587,23 +618,23 @@ def _frame(
         return arr.cast(pa.binary()) if pa.types.is_large_binary(arr.type) else arr
 
     head = _Frame(rows)
-    head.varint(record_len[rng])
+    head.varint(record_len.rows(rng))
     head.const(b"\x00\x00")  # attributes, timestampDelta
-    head.varint(offset_delta[rng])
-    head.varint(key_len[rng])
+    head.varint(offset_delta.rows(rng))
+    head.varint(key_len.rows(rng))
     pieces = [head.build()]
     if keys is not None:
         pieces.append(piece(keys))
     mid = _Frame(rows)
-    mid.varint(value_len[rng])
+    mid.varint(value_len.rows(rng))
     pieces.append(mid.build())
     if values is not None:
         pieces.append(piece(values))
     tail = _Frame(rows)
-    tail.varint(header_count[rng])
+    tail.varint(header_count.rows(rng))
     for prefix, h_len, present, arr in header_fields:
         tail.const(prefix, present[rng])
-        tail.varint(h_len[rng], present[rng])
+        tail.varint(h_len.rows(rng), present[rng])
         pieces.append(tail.build())
         pieces.append(piece(arr))
         tail = _Frame(rows)
