@@ -60,7 +60,7 @@ from benchmarks._common import (  # noqa: E402
     time_job,
 )
 from sinks import KafkaSink  # noqa: E402
-from sinks.kafka import encode, records  # noqa: E402
+from sinks.kafka import encode, partitioner, records  # noqa: E402
 from sinks.kafka.produce import TxnProducer  # noqa: E402
 from sinks.kafka.wire import KafkaWire  # noqa: E402
 
@@ -150,22 +150,20 @@ def _twin_task(bootstrap: str, topic: str):  # type: ignore[no-untyped-def]
                     continue
                 keys = encode.to_binary(b.column("id"))
                 values = encode.json_values(b)
-                idx = records.partition_indexes(keys, len(parts), rr)
+                idx = partitioner.partition_indexes(keys, len(parts), rr)
                 rr = (rr + 1) % len(parts)
-                sends: dict[int, list[records.EncodedBatch]] = {}
-                for i, p in enumerate(parts):
-                    take = pa.array(idx == i)
-                    k, v = keys.filter(take), values.filter(take)
-                    if len(k):
-                        sends[p] = records.record_batches(
-                            k,
-                            v,
-                            producer_id=producer.producer_id,
-                            producer_epoch=producer.epoch,
-                            base_sequence=producer.next_sequence(topic, p),
-                            transactional=False,
-                            timestamp_ms=int(time.time() * 1000),
-                        )
+                sends = records.batches_by_partition(
+                    idx,
+                    parts,
+                    keys,
+                    values,
+                    [],
+                    sequence=lambda p: producer.next_sequence(topic, p),
+                    producer_id=producer.producer_id,
+                    producer_epoch=producer.epoch,
+                    transactional=False,
+                    timestamp_ms=int(time.time() * 1000),
+                )
                 producer.send(topic, sends)
                 n += b.num_rows
             producer.flush()

@@ -8,7 +8,7 @@ second run) encoded into v2 record batches of at most 1 MiB,
 * by kafka-python's ``DefaultRecordBatchBuilder``, one ``append`` per record, as
   its producer does (uncompressed);
 
-and the keys hashed by :func:`sinks.kafka.records.murmur2` against
+and the keys hashed by :func:`sinks.kafka.partitioner.murmur2` against
 ``kafka.partitioner.default.murmur2``. Prints rows per second (best of
 ``--repeat`` for the vectorised code but gzip, one run of gzip and of the
 per-record loops).
@@ -29,7 +29,8 @@ import pyarrow.compute as pc
 from kafka.partitioner.default import murmur2 as kafka_murmur2
 from kafka.record.default_records import DefaultRecordBatchBuilder
 
-from sinks.kafka.records import murmur2, record_batches
+from sinks.kafka.partitioner import murmur2
+from sinks.kafka.records import record_batches
 
 PRODUCER = {"producer_id": 1000, "producer_epoch": 0, "transactional": True, "timestamp_ms": 0}
 MAX_BATCH = 1 << 20
@@ -142,7 +143,9 @@ def main() -> None:
     kafka_python_batches(py_keys, py_values, py_headers)
     print(f"kafka-python DefaultRecordBatchBuilder, 1 hdr {rate(time.perf_counter() - start)}")
 
-    print(f"records.murmur2                            {rate(best(lambda: murmur2(keys), repeat))}")
+    print(
+        f"partitioner.murmur2                         {rate(best(lambda: murmur2(keys), repeat))}"
+    )
     start = time.perf_counter()
     expected = [kafka_murmur2(k) for k in py_keys]
     print(f"kafka.partitioner.default.murmur2          {rate(time.perf_counter() - start)}")

@@ -24,13 +24,8 @@ from kafka.record import MemoryRecords
 from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
 from sinks.errors import ConfigError
-from sinks.kafka.records import (
-    HEADER_SIZE,
-    EncodedBatch,
-    murmur2,
-    partition_indexes,
-    record_batches,
-)
+from sinks.kafka.partitioner import murmur2, partition_indexes
+from sinks.kafka.records import HEADER_SIZE, EncodedBatch, record_batches
 
 PRODUCER = {
     "producer_id": 4242,

@@ -30,8 +30,8 @@ Everything is done per column, never per record in Python: the record framing
 into an Arrow binary array, and joined with the keys, values and header values
 row by row by ``binary_join_element_wise``, whose data buffer is then exactly the
 records section of consecutive batches. Python loops only per batch (header,
-CRC, compression) and per header column. :func:`murmur2` hashes all keys at
-once on ``uint32`` arrays, one step per 4-byte chunk index.
+CRC, compression) and per header column. Partitioning is
+:mod:`sinks.kafka.partitioner`.
 
 Where this differs from kafka-python's ``DefaultRecordBatchBuilder`` (which the
 tests compare against byte for byte): ``partitionLeaderEpoch`` is -1, as the
@@ -45,6 +45,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import crc32c
 import kafka.codec as codecs
@@ -53,8 +54,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sinks.errors import ConfigError, DataError
+from sinks.kafka import _binaries as _b
 
-__all__ = ["EncodedBatch", "murmur2", "partition_indexes", "record_batches"]
+__all__ = ["EncodedBatch", "batches_by_partition", "record_batches"]
 
 # baseOffset .. recordCount, as kafka-python's DefaultRecordBase.HEADER_STRUCT.
 _HEADER = struct.Struct(">qiibIhiqqqhii")
@@ -78,9 +80,6 @@ _INT32_MAX = 2**31 - 1
 # Records of several batches are framed together, up to about this many bytes.
 _GROUP_BYTES = 64 << 20
 
-_M = np.uint32(0x5BD1E995)
-_SEED = 0x9747B28C
-
 
 @dataclass(frozen=True)
 class EncodedBatch:
@@ -94,195 +93,6 @@ class EncodedBatch:
     data: bytes
     records: int
     base_sequence: int
-
-
-# -- Arrow helpers -----------------------------------------------------------
-
-
-def _binary(arr: pa.Array | pa.ChunkedArray, what: str) -> pa.Array:
-    """``arr`` as one binary or large_binary array (chunks combined, strings viewed
-    as their UTF-8 bytes); TypeError for any other type."""
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    t = arr.type
-    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
-        return arr
-    if pa.types.is_string(t):
-        return arr.view(pa.binary())
-    if pa.types.is_large_string(t):
-        return arr.view(pa.large_binary())
-    raise TypeError(f"{what} must be a binary or large_binary Arrow array, not {t}")
-
-
-def _offsets(arr: pa.Array) -> np.ndarray:
-    """The ``len(arr) + 1`` value offsets of a (possibly sliced) binary array, as
-    int64 positions in its data buffer."""
-    if len(arr) == 0:
-        return np.zeros(1, dtype=np.int64)
-    dtype = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
-    raw = np.frombuffer(arr.buffers()[1], dtype=dtype)
-    return raw[arr.offset : arr.offset + len(arr) + 1].astype(np.int64, copy=False)
-
-
-def _valid(arr: pa.Array) -> np.ndarray | None:
-    """A bool mask of the non-null rows, or None when no row is null."""
-    if arr.null_count == 0:
-        return None
-    return arr.is_valid().to_numpy(zero_copy_only=False)
-
-
-def _data(arr: pa.Array) -> np.ndarray:
-    """The data buffer of a binary array as uint8 (empty when it has none)."""
-    buf = arr.buffers()[2]
-    if buf is None:
-        return np.zeros(0, dtype=np.uint8)
-    return np.frombuffer(buf, dtype=np.uint8)
-
-
-def _lengths(arr: pa.Array) -> np.ndarray:
-    """Per row: the value's length in bytes, -1 for null (Kafka's null length)."""
-    off = _offsets(arr)
-    lengths = off[1:] - off[:-1]
-    valid = _valid(arr)
-    if valid is not None:
-        lengths[~valid] = -1
-    return lengths
-
-
-# -- murmur2 -----------------------------------------------------------------
-
-
-def murmur2(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """Kafka's murmur2 hash (``org.apache.kafka.common.utils.Utils.murmur2``, as
-    ``kafka.partitioner.default.murmur2``) of every key, as an int32 array.
-
-    ``keys`` is a binary or large_binary array (strings are hashed as their UTF-8
-    bytes); null keys hash to 0, for the caller to mask. The result is Java's
-    signed int: ``kafka.partitioner.default.murmur2`` returns the same 32 bits as
-    an unsigned Python int (``result.view(np.uint32)``).
-
-    Vectorised over rows: one numpy step per 4-byte chunk index, over the rows
-    whose keys are still that long (a few rows with much longer keys than the
-    rest are finished one at a time, over numpy arrays of their chunks).
-    """
-    keys = _binary(keys, "keys")
-    n = len(keys)
-    off = _offsets(keys)
-    starts = off[:-1]
-    lengths = off[1:] - starts
-    valid = _valid(keys)
-    if valid is not None:
-        lengths = np.where(valid, lengths, 0)
-    data = _data(keys)
-
-    h = (np.uint32(_SEED) ^ lengths.astype(np.uint32)).astype(np.uint32)
-    chunks = lengths >> 2
-    max_chunks = int(chunks.max()) if n else 0
-    if max_chunks:
-        # The little-endian uint32 that starts at every byte of the data buffer
-        # (an unaligned, overlapping view: no copy).
-        words = np.ndarray(shape=(len(data) - 3,), dtype="<u4", buffer=data, offset=0, strides=(1,))
-        _murmur2_chunks(h, words, starts, chunks, max_chunks)
-
-    # The last 1-3 bytes, then the final mix.
-    body = starts + (lengths & ~3)
-    extra = lengths & 3
-    for i in (2, 1):
-        rows = np.flatnonzero(extra > i)
-        if len(rows):
-            h[rows] ^= data[body[rows] + i].astype(np.uint32) << np.uint32(8 * i)
-    rows = np.flatnonzero(extra > 0)
-    if len(rows):
-        h[rows] ^= data[body[rows]].astype(np.uint32)
-        h[rows] *= _M
-    h ^= h >> np.uint32(13)
-    h *= _M
-    h ^= h >> np.uint32(15)
-    if valid is not None:
-        h[~valid] = 0
-    return h.view(np.int32)
-
-
-def _mix(k: np.ndarray) -> np.ndarray:
-    k *= _M
-    k ^= k >> np.uint32(24)
-    k *= _M
-    return k
-
-
-def _murmur2_chunks(
-    h: np.ndarray, words: np.ndarray, starts: np.ndarray, chunks: np.ndarray, max_chunks: int
-) -> None:
-    """Mix the whole 4-byte chunks of every row into ``h`` (in place)."""
-    # How many rows have more than j chunks, for every j.
-    longer = len(chunks) - np.cumsum(np.bincount(chunks, minlength=max_chunks + 1))
-    if longer[0] == len(chunks):
-        # Every row has a chunk: step all rows until the first one runs out.
-        j = 0
-        while j < max_chunks and longer[j] == len(chunks):
-            h *= _M
-            h ^= _mix(words[starts + 4 * j])
-            j += 1
-        if j == max_chunks:
-            return
-    else:
-        j = 0
-    rows = np.flatnonzero(chunks > j)
-    hs = h[rows]
-    pos = starts[rows] + 4 * j
-    left = chunks[rows]
-    while j < max_chunks:
-        if longer[j] < len(rows):
-            keep = left > j
-            h[rows[~keep]] = hs[~keep]
-            rows, hs, pos, left = rows[keep], hs[keep], pos[keep], left[keep]
-        if len(rows) <= 8 and max_chunks - j > 64:
-            # A few long keys left: finish them one by one.
-            for r, hr, p, c in zip(
-                rows.tolist(), hs.tolist(), pos.tolist(), left.tolist(), strict=True
-            ):
-                ks = _mix(words[p + 4 * np.arange(c - j, dtype=np.int64)].astype(np.uint32))
-                m = int(_M)
-                for k in ks.tolist():
-                    hr = ((hr * m) & 0xFFFFFFFF) ^ k
-                h[r] = hr
-            return
-        hs *= _M
-        hs ^= _mix(words[pos])
-        pos += 4
-        j += 1
-    h[rows] = hs
-
-
-def partition_indexes(
-    keys: pa.Array | pa.ChunkedArray | None,
-    n: int,
-    round_robin: int,
-    *,
-    rows: int | None = None,
-) -> np.ndarray:
-    """Per row, the index of its partition in the sorted list of ``n`` partitions,
-    as Kafka's default partitioner picks it for a keyed record:
-    ``(murmur2(key) & 0x7fffffff) % n``. Rows with a null key get ``round_robin``
-    (the caller's choice for unkeyed records). ``keys=None`` means every key is
-    null; then ``rows`` gives the row count. Returns an int32 array.
-    """
-    if n < 1:
-        raise ValueError(f"n must be at least 1, not {n}")
-    if not 0 <= round_robin < n:
-        raise ValueError(f"round_robin must be in [0, {n}), not {round_robin}")
-    if keys is None:
-        if rows is None:
-            raise ValueError("partition_indexes(None, ...) needs rows=")
-        return np.full(rows, round_robin, dtype=np.int32)
-    keys = _binary(keys, "keys")
-    if rows is not None and rows != len(keys):
-        raise ValueError(f"rows={rows} but keys has {len(keys)} rows")
-    idx = ((murmur2(keys).view(np.uint32) & np.uint32(0x7FFFFFFF)) % np.uint32(n)).astype(np.int32)
-    valid = _valid(keys)
-    if valid is not None:
-        idx[~valid] = round_robin
-    return idx
 
 
 # -- varints -----------------------------------------------------------------
@@ -470,9 +280,9 @@ def record_batches(
     if base_sequence < -1 or base_sequence > _INT32_MAX:
         raise ValueError(f"base_sequence must be -1 or in [0, 2**31-1], not {base_sequence}")
 
-    keys = None if keys is None else _binary(keys, "keys")
-    values = None if values is None else _binary(values, "values")
-    named = [(name, _binary(arr, f"header {name!r}")) for name, arr in headers]
+    keys = None if keys is None else _b.binary(keys, "keys")
+    values = None if values is None else _b.binary(values, "values")
+    named = [(name, _b.binary(arr, f"header {name!r}")) for name, arr in headers]
     columns = [a for a in (keys, values) if a is not None] + [a for _, a in named]
     if not columns:
         raise ValueError("record_batches needs keys, values or headers to count the rows")
@@ -486,8 +296,8 @@ def record_batches(
         return []
 
     # Sizes of every record's fields but its length prefix and offset delta.
-    key_len = np.full(n, -1, dtype=np.int64) if keys is None else _lengths(keys)
-    value_len = np.full(n, -1, dtype=np.int64) if values is None else _lengths(values)
+    key_len = np.full(n, -1, dtype=np.int64) if keys is None else _b.lengths(keys)
+    value_len = np.full(n, -1, dtype=np.int64) if values is None else _b.lengths(values)
     key_varint, value_varint = _varints(key_len), _varints(value_len)
     # + attributes and timestampDelta (one byte each)
     body = 2 + _field_size(key_varint, key_len) + _field_size(value_varint, value_len)
@@ -495,7 +305,7 @@ def record_batches(
     header_fields = []
     for name, arr in named:
         name_bytes = name.encode("utf-8")
-        h_len = _lengths(arr)
+        h_len = _b.lengths(arr)
         present = h_len >= 0
         prefix = _varint_bytes(len(name_bytes)) + name_bytes
         h_varint = _varints(h_len)
@@ -566,6 +376,43 @@ def record_batches(
             if sequence >= 0:
                 sequence = (sequence + records) % (_INT32_MAX + 1)
         group_start = group_end
+    return out
+
+
+def batches_by_partition(
+    indexes: np.ndarray,
+    partitions: Sequence[int],
+    keys: pa.Array | None,
+    values: pa.Array,
+    headers: Sequence[tuple[str, pa.Array]],
+    *,
+    sequence: Callable[[int], int],
+    **batch: Any,
+) -> dict[int, list[EncodedBatch]]:
+    """The record batches of rows bound for several partitions: row ``i`` goes to
+    ``partitions[indexes[i]]`` (see :mod:`sinks.kafka.partitioner`). Rows are
+    grouped by partition with one stable sort, keeping their order within each;
+    each partition's batches start at ``sequence(partition)``. ``batch`` holds
+    the other arguments of :func:`record_batches`."""
+    counts = np.bincount(indexes, minlength=len(partitions))
+    if np.count_nonzero(counts) > 1:
+        order = pa.array(np.argsort(indexes, kind="stable"))
+        keys = keys.take(order) if keys is not None else None
+        values = values.take(order)
+        headers = [(name, col.take(order)) for name, col in headers]
+    out: dict[int, list[EncodedBatch]] = {}
+    start = 0
+    for index in np.flatnonzero(counts):
+        count = int(counts[index])
+        partition = partitions[index]
+        out[partition] = record_batches(
+            keys.slice(start, count) if keys is not None else None,
+            values.slice(start, count),
+            [(name, col.slice(start, count)) for name, col in headers],
+            base_sequence=sequence(partition),
+            **batch,
+        )
+        start += count
     return out
 
 

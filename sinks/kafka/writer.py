@@ -47,7 +47,7 @@ from kafka.partitioner.default import murmur2
 
 from sinks.base import Committable, SinkWriter, WriteContext
 from sinks.errors import UnconfirmedWriteError
-from sinks.kafka import encode, records
+from sinks.kafka import encode, partitioner, records
 from sinks.kafka.produce import ProducerOptions, TxnProducer
 from sinks.kafka.registry import announcement
 from sinks.kafka.wire import KafkaWire
@@ -140,34 +140,23 @@ class KafkaWriter(SinkWriter):
         self._check_sizes(keys, values, headers)
         producer = self._producer or self._begin()
         n = len(self._partitions)
-        indexes = records.partition_indexes(keys, n, self._round_robin, rows=batch.num_rows)
+        indexes = partitioner.partition_indexes(keys, n, self._round_robin, rows=batch.num_rows)
         self._round_robin = (self._round_robin + 1) % n
-        order = np.argsort(indexes, kind="stable")
-        counts = np.bincount(indexes, minlength=n)
-        if np.count_nonzero(counts) > 1:  # rows grouped by partition, in their order within each
-            keys = keys.take(order) if keys is not None else None
-            values = values.take(order)
-            headers = [(name, col.take(order)) for name, col in headers]
-        now_ms = int(time.time() * 1000)
-        by_partition: dict[int, list[records.EncodedBatch]] = {}
-        start = 0
         topic = sink.topic
-        for index in np.flatnonzero(counts):
-            count = int(counts[index])
-            partition = self._partitions[index]
-            by_partition[partition] = records.record_batches(
-                keys.slice(start, count) if keys is not None else None,
-                values.slice(start, count),
-                [(name, col.slice(start, count)) for name, col in headers],
-                producer_id=producer.producer_id,
-                producer_epoch=producer.epoch,
-                base_sequence=producer.next_sequence(topic, partition),
-                transactional=True,
-                timestamp_ms=now_ms,
-                compression=self._options.compression,
-                max_batch_bytes=min(self._options.batch_size, self._options.max_request_size),
-            )
-            start += count
+        by_partition = records.batches_by_partition(
+            indexes,
+            self._partitions,
+            keys,
+            values,
+            headers,
+            sequence=lambda partition: producer.next_sequence(topic, partition),
+            producer_id=producer.producer_id,
+            producer_epoch=producer.epoch,
+            transactional=True,
+            timestamp_ms=int(time.time() * 1000),
+            compression=self._options.compression,
+            max_batch_bytes=min(self._options.batch_size, self._options.max_request_size),
+        )
         producer.send(topic, by_partition)
         self._rows += batch.num_rows
 
