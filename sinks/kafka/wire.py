@@ -27,7 +27,7 @@ from typing import Any
 
 import kafka.errors as Errors
 from kafka import KafkaAdminClient
-from kafka.protocol.consumer import FetchRequest
+from kafka.protocol.consumer import FetchRequest, ListOffsetsRequest
 from kafka.protocol.metadata import (
     CoordinatorType,
     FindCoordinatorRequest,
@@ -215,6 +215,36 @@ class KafkaWire:
         )
         return Errors.for_code(response.error_code), response.producer_id, response.producer_epoch
 
+    def end_offset(self, leader: Any, topic: str, partition: int) -> int:
+        """The log end offset (high watermark) of ``topic``/``partition``:
+        ListOffsets with the latest timestamp, read_uncommitted. Answered at once,
+        where a Fetch at the end of the log waits ``max_wait_ms`` for records."""
+        topic_class = ListOffsetsRequest.ListOffsetsTopic
+        request = ListOffsetsRequest(
+            replica_id=-1,
+            isolation_level=0,
+            topics=[
+                topic_class(
+                    name=topic,
+                    partitions=[
+                        topic_class.ListOffsetsPartition(
+                            partition_index=partition, current_leader_epoch=-1, timestamp=-1
+                        )
+                    ],
+                )
+            ],
+            min_version=1,
+        )
+        response = self.send(request, leader)
+        for t in response.topics:
+            for p in t.partitions:
+                if t.name == topic and p.partition_index == partition:
+                    error = Errors.for_code(p.error_code)
+                    if error is not Errors.NoError:
+                        raise error(f"end offset of {topic}/{partition}")
+                    return int(p.offset)
+        raise Errors.KafkaProtocolError(f"ListOffsets answer has no {topic}/{partition}")
+
     # -- raw log ------------------------------------------------------------------------
 
     def fetch(
@@ -267,17 +297,17 @@ class KafkaWire:
         self, leader: Any, topic: str, partition: int, start: int = 0, stop: int | None = None
     ) -> Iterator[Any]:
         """Every record batch (data and control) of a partition from ``start`` up to
-        ``stop`` (default: the high watermark at the first fetch), in offset order.
+        ``stop`` (default: the log end offset when called), in offset order.
 
         Yields kafka-python ``DefaultRecordBatch`` objects, which expose
         ``base_offset``, ``next_offset``, ``producer_id``, ``producer_epoch``,
         ``is_transactional`` and ``is_control_batch``."""
         offset = start
         empty = 0
-        while stop is None or offset < stop:
+        if stop is None:  # a fetch at the end of the log would wait for records
+            stop = self.end_offset(leader, topic, partition)
+        while offset < stop:
             part = self.fetch(leader, topic, partition, offset)
-            if stop is None:
-                stop = part.high_watermark
             if offset < part.log_start_offset:
                 offset = part.log_start_offset  # the records before it are gone
                 continue
