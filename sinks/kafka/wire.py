@@ -27,7 +27,7 @@ from typing import Any
 
 import kafka.errors as Errors
 from kafka import KafkaAdminClient
-from kafka.protocol.consumer import FetchRequest, ListOffsetsRequest
+from kafka.protocol.consumer import FetchRequest
 from kafka.protocol.metadata import (
     CoordinatorType,
     FindCoordinatorRequest,
@@ -49,6 +49,14 @@ _FETCH_MAX_VERSION = 12
 # stay on the v1 protocol the producer itself uses.
 _END_TXN_MAX_VERSION = 3
 _INIT_PID_MAX_VERSION = 4
+# How long each Fetch of a raw read may wait for records, by the number of empty
+# answers in a row below the high watermark; then the read fails. A read at the end
+# of the log is answered after the first wait (a registry refresh with nothing new
+# took 50 ms a partition with Kafka's usual max_wait_ms=50). Not 0: tansu answers a
+# zero wait with no partition at all. Not always short: tansu on S3 answers a short
+# wait with no records below its high watermark. (Nor ListOffsets to skip the read:
+# tansu on S3 answered it short of the last control batches.)
+_WAITS = (1, 50, 200, 1000)
 
 
 def client_config(producer_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -215,36 +223,6 @@ class KafkaWire:
         )
         return Errors.for_code(response.error_code), response.producer_id, response.producer_epoch
 
-    def end_offset(self, leader: Any, topic: str, partition: int) -> int:
-        """The log end offset (high watermark) of ``topic``/``partition``:
-        ListOffsets with the latest timestamp, read_uncommitted. Answered at once,
-        where a Fetch at the end of the log waits ``max_wait_ms`` for records."""
-        topic_class = ListOffsetsRequest.ListOffsetsTopic
-        request = ListOffsetsRequest(
-            replica_id=-1,
-            isolation_level=0,
-            topics=[
-                topic_class(
-                    name=topic,
-                    partitions=[
-                        topic_class.ListOffsetsPartition(
-                            partition_index=partition, current_leader_epoch=-1, timestamp=-1
-                        )
-                    ],
-                )
-            ],
-            min_version=1,
-        )
-        response = self.send(request, leader)
-        for t in response.topics:
-            for p in t.partitions:
-                if t.name == topic and p.partition_index == partition:
-                    error = Errors.for_code(p.error_code)
-                    if error is not Errors.NoError:
-                        raise error(f"end offset of {topic}/{partition}")
-                    return int(p.offset)
-        raise Errors.KafkaProtocolError(f"ListOffsets answer has no {topic}/{partition}")
-
     # -- raw log ------------------------------------------------------------------------
 
     def fetch(
@@ -254,9 +232,12 @@ class KafkaWire:
         partition: int,
         offset: int,
         max_bytes: int = 4 << 20,
-        max_wait_ms: int = 50,
+        max_wait_ms: int = 1,
     ) -> RawPartition:
-        """One read_uncommitted Fetch of ``topic``/``partition`` from ``offset``."""
+        """One read_uncommitted Fetch of ``topic``/``partition`` from ``offset``.
+
+        ``max_wait_ms``: how long the broker may wait for records (see
+        :meth:`batches`)."""
         topic_req = FetchRequest.FetchTopic
         request = FetchRequest(
             max_wait_ms=max_wait_ms,
@@ -297,17 +278,17 @@ class KafkaWire:
         self, leader: Any, topic: str, partition: int, start: int = 0, stop: int | None = None
     ) -> Iterator[Any]:
         """Every record batch (data and control) of a partition from ``start`` up to
-        ``stop`` (default: the log end offset when called), in offset order.
+        ``stop`` (default: the high watermark at the first fetch), in offset order.
 
         Yields kafka-python ``DefaultRecordBatch`` objects, which expose
         ``base_offset``, ``next_offset``, ``producer_id``, ``producer_epoch``,
         ``is_transactional`` and ``is_control_batch``."""
         offset = start
         empty = 0
-        if stop is None:  # a fetch at the end of the log would wait for records
-            stop = self.end_offset(leader, topic, partition)
-        while offset < stop:
-            part = self.fetch(leader, topic, partition, offset)
+        while stop is None or offset < stop:
+            part = self.fetch(leader, topic, partition, offset, max_wait_ms=_WAITS[empty])
+            if stop is None:
+                stop = part.high_watermark
             if offset < part.log_start_offset:
                 offset = part.log_start_offset  # the records before it are gone
                 continue
@@ -321,7 +302,7 @@ class KafkaWire:
                 if offset >= stop:
                     return
             empty = 0 if progressed else empty + 1
-            if empty >= 3 and offset < stop:
+            if empty >= len(_WAITS) and offset < stop:
                 raise Errors.KafkaTimeoutError(
                     f"{topic}/{partition}: no records at offset {offset} below the high "
                     f"watermark {stop} after {empty} fetches"
