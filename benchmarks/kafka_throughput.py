@@ -1,24 +1,28 @@
-"""Throughput of the exactly-once Kafka sink against a plain kafka-python producer.
+"""Throughput of the exactly-once Kafka sink against what a user could run instead.
 
-Both variants run the same Spark job in the same SparkSession on the same
-input (Parquet files read as a bounded stream, available-now trigger) and
-encode records the same way (key: the ``id`` column as text; value: the row as
-JSON, both from :mod:`sinks.kafka.encode`, column-wise from Arrow):
+Four variants, the same input (Parquet files of rows {id, name, amount, qty},
+read as a bounded stream, available-now trigger, the same micro-batches) and
+the same records (key: ``id`` as text; value: the row as JSON, both from
+:mod:`sinks.kafka.encode`), each run into a fresh topic:
 
-* baseline: ``foreachBatch`` + ``mapInArrow``, each task sending its partition
-  through a plain, non-transactional ``KafkaProducer`` (same batching settings
-  as the sink's producers, ``acks='all'``) and flushing it: at-least-once, no
-  transaction, no ledger;
-* exactly-once: a :class:`lifecycle.Job` with a :class:`sinks.KafkaSink` (one
-  transaction per task, flushed on the executors, ledger, EndTxn by the driver).
+* ``librdkafka``: confluent-kafka ``Producer`` processes (as many as Spark's
+  cores), non-transactional, ``acks=all``, the records encoded beforehand (only
+  produce and flush are timed): the fastest client there is, with no Spark;
+* ``floor``: the same streaming job, ``foreachBatch`` -> ``mapInArrow`` whose
+  tasks discard their batches: what Spark's JVM -> Python -> JVM round trip
+  costs before any sink does anything;
+* ``twin``: the same job, each task sending its partition with the sink's own
+  encoder and pipelined producer (:mod:`sinks.kafka.records`,
+  :mod:`sinks.kafka.produce`), idempotent, outside any transaction:
+  at-least-once, no ledger;
+* ``exactly-once``: a :class:`lifecycle.Job` with a :class:`sinks.KafkaSink`.
 
-Every run writes to a fresh topic and is checked afterwards from the raw log
-(control markers applied): all rows committed, none open. Runs alternate
-(baseline, exactly-once, baseline, ...) after one warm-up pair; the median of
-each is reported with the ratio exactly-once / baseline throughput.
+Every producing run is checked afterwards from the raw log (control markers
+applied): all rows there once, none open. Runs alternate after one warm-up
+round; medians are reported with ratios against librdkafka and the floor.
 
-    python benchmarks/kafka_throughput.py [--rows N] [--files F] [--repeat R]
-                                          [--partitions P] [--bootstrap HOST:PORT]
+    python benchmarks/kafka_throughput.py [--rows N] [--files F] [--files-per-batch K]
+        [--repeat R] [--partitions P] [--bootstrap HOST:PORT] [--variants a,b,...]
 
 Without ``--bootstrap`` a private tansu broker (memory storage) is started on
 loopback, as the tests do.
@@ -29,9 +33,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pyarrow as pa  # noqa: E402
-from kafka import KafkaAdminClient, KafkaProducer  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from kafka import KafkaAdminClient  # noqa: E402
 from kafka.admin import NewTopic  # noqa: E402
 from pyspark.sql import DataFrame  # noqa: E402
 
@@ -52,44 +60,135 @@ from benchmarks._common import (  # noqa: E402
     time_job,
 )
 from sinks import KafkaSink  # noqa: E402
-from sinks.kafka import encode  # noqa: E402
-from sinks.kafka.sink import _PRODUCER_DEFAULTS  # noqa: E402
+from sinks.kafka import encode, partitioner, records  # noqa: E402
+from sinks.kafka.produce import TxnProducer  # noqa: E402
 from sinks.kafka.wire import KafkaWire  # noqa: E402
 
+VARIANTS = ("librdkafka", "floor", "twin", "exactly-once")
 
-def _plain_task(bootstrap: str, topic: str):  # type: ignore[no-untyped-def]
-    """The baseline's executor side: a plain producer, same encoding as the sink."""
+
+# -- librdkafka -------------------------------------------------------------------------
+
+
+def _rdkafka_worker(bootstrap: str, topic: str, files: list[str], start, out) -> None:  # type: ignore[no-untyped-def]
+    import confluent_kafka
+
+    pairs: list[tuple[bytes | None, bytes]] = []
+    for f in files:
+        for b in pq.read_table(f).to_batches():
+            pairs.extend(zip(encode.to_bytes(b.column("id")), encode.json_rows(b), strict=True))
+    producer = confluent_kafka.Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "acks": "all",
+            "linger.ms": 5,
+            "batch.size": 1 << 20,
+            "queue.buffering.max.messages": 1_000_000,
+        }
+    )
+    start.wait()
+    t0 = time.perf_counter()
+    produce, poll = producer.produce, producer.poll
+    for key, value in pairs:
+        while True:
+            try:
+                produce(topic, value, key)
+                break
+            except BufferError:
+                poll(0.01)
+    left = producer.flush(120)
+    out.put((time.perf_counter() - t0, left))
+
+
+def run_librdkafka(bootstrap: str, topic: str, files: list[str], processes: int) -> float:
+    ctx = mp.get_context("spawn")
+    start = ctx.Event()
+    out = ctx.Queue()
+    shares = [files[i::processes] for i in range(processes)]
+    procs = [
+        ctx.Process(target=_rdkafka_worker, args=(bootstrap, topic, share, start, out))
+        for share in shares
+        if share
+    ]
+    for p in procs:
+        p.start()
+    time.sleep(0.5)
+    results = []
+    t0 = time.perf_counter()
+    start.set()
+    for _ in procs:
+        results.append(out.get(timeout=600))
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.join()
+    assert all(left == 0 for _, left in results), results
+    return wall
+
+
+# -- Spark variants ---------------------------------------------------------------------
+
+
+def _discard(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    n = 0
+    for b in batches:
+        n += b.num_rows
+    yield pa.RecordBatch.from_pydict({"n": [n]})
+
+
+def _twin_task(bootstrap: str, topic: str):  # type: ignore[no-untyped-def]
+    """The twin's executor side: the sink's encoder and producer, no transaction."""
 
     def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", **_PRODUCER_DEFAULTS)
-        errors: list[BaseException] = []
         n = 0
-        try:
+        with KafkaWire(bootstrap) as wire:
+            producer = TxnProducer(wire, None, transaction_timeout_ms=60_000)
+            producer.begin()
+            parts = sorted(producer.leaders(topic))
+            rr = 0
             for b in batches:
                 if b.num_rows == 0:
                     continue
-                keys = encode.to_bytes(b.column("id"))
-                values = encode.json_rows(b)
-                for key, value in zip(keys, values, strict=True):
-                    producer.send(topic, value=value, key=key).add_errback(errors.append)
+                keys = encode.to_binary(b.column("id"))
+                values = encode.json_values(b)
+                idx = partitioner.partition_indexes(keys, len(parts), rr)
+                rr = (rr + 1) % len(parts)
+                sends = records.batches_by_partition(
+                    idx,
+                    parts,
+                    keys,
+                    values,
+                    [],
+                    sequence=lambda p: producer.next_sequence(topic, p),
+                    producer_id=producer.producer_id,
+                    producer_epoch=producer.epoch,
+                    transactional=False,
+                    timestamp_ms=int(time.time() * 1000),
+                )
+                producer.send(topic, sends)
                 n += b.num_rows
-            producer.flush(timeout=120)
-            if errors:
-                raise RuntimeError(f"{len(errors)} record(s) not written: {errors[0]!r}")
-        finally:
-            producer.close(timeout=5)
+            producer.flush()
         yield pa.RecordBatch.from_pydict({"n": [n]})
 
     return task
 
 
-def run_baseline(src: DataFrame, bootstrap: str, topic: str, ckpt: Path) -> float:
-    task = _plain_task(bootstrap, topic)
+def run_floor(src: DataFrame, ckpt: Path) -> float:
+    def each(df: DataFrame, _batch: int) -> None:
+        df.mapInArrow(_discard, "n long").collect()
+
+    return time_foreach_batch(src, each, ckpt)
+
+
+def run_twin(src: DataFrame, bootstrap: str, topic: str, ckpt: Path) -> float:
+    task = _twin_task(bootstrap, topic)
 
     def each(df: DataFrame, _batch: int) -> None:
         df.mapInArrow(task, "n long").collect()
 
     return time_foreach_batch(src, each, ckpt)
+
+
+# -- checking ---------------------------------------------------------------------------
 
 
 def count_records(bootstrap: str, topic: str) -> tuple[int, int, int]:
@@ -118,16 +217,24 @@ def count_records(bootstrap: str, topic: str) -> tuple[int, int, int]:
     return committed, aborted, still_open
 
 
+# -- main -------------------------------------------------------------------------------
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=500_000)
     ap.add_argument("--files", type=int, default=20)
     ap.add_argument("--files-per-batch", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--partitions", type=int, default=3, help="partitions of each topic")
+    ap.add_argument("--partitions", type=int, default=4, help="partitions of each topic")
     ap.add_argument("--interval", type=float, default=0.0, help="checkpoint_interval")
     ap.add_argument("--bootstrap", help="Kafka bootstrap servers (default: start tansu)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("sinks.kafka").setLevel(logging.ERROR)  # tansu's missing config
     work = Path(tempfile.mkdtemp(prefix="twophase-kbench-"))
@@ -142,50 +249,61 @@ def main() -> int:
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     try:
         make_input(work / "in", args.rows, args.files)
+        files = sorted(str(p) for p in (work / "in").glob("*.parquet"))
         spark = bench_spark("twophase-kafka-bench")
+        cores = spark.sparkContext.defaultParallelism
 
         def source() -> DataFrame:
             return parquet_stream(spark, work / "in", args.files_per_batch)
 
-        times: dict[str, list[float]] = {"baseline": [], "exactly-once": []}
-        for r in range(-1, args.repeat):  # run -1 warms up the JVM and workers, not counted
-            for variant in times:
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for r in range(-1, args.repeat):  # round -1 warms up the JVM and workers
+            for variant in variants:
                 topic = f"bench-{variant}-{r + 1}-{uuid.uuid4().hex[:6]}"
-                admin.create_topics([NewTopic(topic, args.partitions, 1)])
                 where = work / f"{variant}-{r + 1}"
-                if variant == "baseline":
-                    secs = run_baseline(source(), bootstrap, topic, where)
+                if variant != "floor":
+                    admin.create_topics([NewTopic(topic, args.partitions, 1)])
+                if variant == "librdkafka":
+                    secs = run_librdkafka(bootstrap, topic, files, cores)
+                elif variant == "floor":
+                    secs = run_floor(source(), where)
+                elif variant == "twin":
+                    secs = run_twin(source(), bootstrap, topic, where)
                 else:
                     sink = KafkaSink(bootstrap, topic, key="id")
                     secs = time_job(spark, source(), sink, where, args.interval)
-                committed, aborted, still_open = count_records(bootstrap, topic)
-                assert (committed, still_open) == (args.rows, 0), (
-                    f"{variant}: {committed} committed, {aborted} aborted, {still_open} open "
-                    f"records; expected {args.rows} committed"
-                )
-                with contextlib.suppress(Exception):  # free the broker's memory
-                    admin.delete_topics([topic])
+                    sink.close()
+                if variant != "floor":
+                    committed, aborted, still_open = count_records(bootstrap, topic)
+                    assert (committed, still_open) == (args.rows, 0), (
+                        f"{variant}: {committed} committed, {aborted} aborted, {still_open} "
+                        f"open records; expected {args.rows} committed"
+                    )
+                    with contextlib.suppress(Exception):  # free the broker's memory
+                        admin.delete_topics([topic])
                 if r >= 0:
                     times[variant].append(secs)
                 label = "warm-up" if r < 0 else f"run {r}"
                 rate = args.rows / secs
                 print(f"{label:<8} {variant:<13} {secs:6.2f} s {rate:>10,.0f} rows/s", flush=True)
         spark.stop()
-        base = statistics.median(times["baseline"])
-        eo = statistics.median(times["exactly-once"])
+        med = {v: statistics.median(t) for v, t in times.items()}
         batches = -(-args.files // args.files_per_batch)
         print()
         print(
-            f"{args.rows:,} rows, {batches} micro-batches, {args.partitions} topic partitions, "
-            f"checkpoint_interval={args.interval}, median of {args.repeat} "
-            "(after a warm-up run)"
+            f"{args.rows:,} rows in {args.files} Parquet files, {batches} micro-batches, "
+            f"{args.partitions} topic partitions, {cores} cores (load average "
+            f"{os.getloadavg()[0]:.2f}), checkpoint_interval={args.interval}, median of "
+            f"{args.repeat} after a warm-up round"
         )
-        print("| variant | seconds | rows/s | throughput vs baseline |")
-        print("| --- | ---: | ---: | ---: |")
-        print(
-            f"| plain KafkaProducer (at-least-once) | {base:.2f} | {args.rows / base:,.0f} | 1.00 |"
-        )
-        print(f"| KafkaSink (exactly-once) | {eo:.2f} | {args.rows / eo:,.0f} | {base / eo:.2f} |")
+        print("| variant | seconds | rows/s | vs librdkafka | vs Spark's floor |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for v in variants:
+            rd = f"{med['librdkafka'] / med[v]:.2f}" if "librdkafka" in med else "-"
+            fl = f"{med['floor'] / med[v]:.2f}" if "floor" in med else "-"
+            print(f"| {v} | {med[v]:.2f} | {args.rows / med[v]:,.0f} | {rd} | {fl} |")
+        if "twin" in med and "exactly-once" in med:
+            print(f"\nexactly-once / twin: {med['twin'] / med['exactly-once']:.2f}")
         return 0
     finally:
         admin.close()

@@ -206,10 +206,9 @@ def test_a_writer_rides_out_a_restart_before_its_partitions_join_the_transaction
 ) -> None:
     """The broker dies after a writer opened its transaction and before its
     first records: the producer must add the partitions to the transaction
-    (AddPartitionsToTxn) against a dead coordinator. kafka-python 3.0.12 drops
-    that request when the connection attempt fails, and the records then wait
-    until ``delivery_timeout_ms`` (2 minutes) expires them; the writer's
-    producer retries it (``sinks.kafka.writer.RetryingNetClient``). One
+    (AddPartitionsToTxn) against a dead coordinator, and retry it until the
+    coordinator answers again (kafka-python 3.0.12's own producer dropped that
+    request and its records waited 2 minutes for ``delivery_timeout_ms``). One
     partition, so that no later partition sends a new AddPartitionsToTxn."""
     topic = make_topic(broker.bootstrap, partitions=1)
     sink = new_sink(topic, commit_timeout=30, flush_timeout=20)

@@ -30,6 +30,7 @@ from sinks.errors import (
 )
 from sinks.kafka import KafkaSink
 from sinks.kafka.encode import json_rows
+from sinks.kafka.produce import TxnProducer
 from sinks.kafka.registry import DEFAULT_TOPIC, RegistryView
 from sinks.kafka.wire import KafkaWire
 from tests.kafkabroker import KafkaBroker
@@ -570,7 +571,7 @@ def test_null_value_without_key_is_refused_and_aborted(
     assert log.committed == [] and log.n_open == 0
 
 
-def _take_sequence(bootstrap: str, producer: KafkaProducer, tid: str, topic: str, n: int) -> None:
+def _take_sequence(bootstrap: str, producer: TxnProducer, tid: str, topic: str, n: int) -> None:
     """Append ``n`` foreign records to ``topic``/0 under the writer's producer id,
     epoch and next sequence numbers (0..n-1), as a raw Produce request: the
     broker then holds the sequence the writer is about to use, but not its rows.
@@ -579,9 +580,7 @@ def _take_sequence(bootstrap: str, producer: KafkaProducer, tid: str, topic: str
     from kafka.protocol.producer import ProduceRequest
     from kafka.record.default_records import DefaultRecordBatchBuilder
 
-    from sinks.kafka.writer import producer_ids
-
-    pid, epoch = producer_ids(producer)
+    pid, epoch = producer.producer_id, producer.epoch
     builder = DefaultRecordBatchBuilder(
         magic=2,
         compression_type=0,
@@ -618,11 +617,11 @@ def _take_sequence(bootstrap: str, producer: KafkaProducer, tid: str, topic: str
 def test_records_acknowledged_without_an_offset_fail_the_task(
     bootstrap: str, new_sink: Callable[..., KafkaSink]
 ) -> None:
-    """A produce that the broker answers DUPLICATE_SEQUENCE_NUMBER is reported
-    by kafka-python as written, with offset -1, whether the broker stored it or
-    not. After a tansu crash it may not have (see ``_take_sequence``): a commit
-    would then miss the rows. The writer refuses to prepare, names the cause,
-    and its transaction is aborted; Spark's next attempt writes the partition."""
+    """A produce that the broker answers DUPLICATE_SEQUENCE_NUMBER comes with no
+    offset, whether the broker stored it or not. After a tansu crash it may not
+    have (see ``_take_sequence``): a commit would then miss the rows. The writer
+    refuses to prepare, names the cause, and its transaction is aborted; Spark's
+    next attempt writes the partition."""
     topic = make_topic(bootstrap)
     sink = new_sink(topic, sink_id="k", commit_timeout=20)
     sink.preflight(SCHEMA)

@@ -27,6 +27,7 @@ _RESERVED = {
     "acks": "transactions need acks='all'",
     "key_serializer": "keys are sent as bytes",
     "value_serializer": "values are sent as bytes",
+    "partitioner": "rows are partitioned by murmur2 of the key, as Kafka's default partitioner",
 }
 
 

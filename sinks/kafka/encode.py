@@ -261,21 +261,26 @@ def _plain(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
     return arr
 
 
-def to_bytes(arr: pa.Array | pa.ChunkedArray) -> list[bytes | None]:
-    """One ``bytes`` (or None for null) per element of a key/header/value column."""
+def to_binary(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A key/header/value column as a ``large_binary`` array (nulls stay null)."""
     arr = _plain(arr)
     t = arr.type
-    if _is_binary(t):
-        return arr.to_pylist()  # type: ignore[no-any-return]
-    if _is_text(t):
-        return pc.cast(arr, pa.large_binary()).to_pylist()  # type: ignore[no-any-return]
-    if pa.types.is_boolean(t) or pa.types.is_integer(t):
-        return pc.cast(pc.cast(arr, _LS), pa.large_binary()).to_pylist()  # type: ignore[no-any-return]
-    if pa.types.is_decimal(t):
-        return pc.cast(_decimal_text(arr), pa.large_binary()).to_pylist()  # type: ignore[no-any-return]
-    if pa.types.is_floating(t):
-        return pc.cast(_float_text(arr), pa.large_binary()).to_pylist()  # type: ignore[no-any-return]
-    raise TypeError(f"cannot turn a column of type {t} into Kafka bytes")
+    if _is_binary(t) or _is_text(t):
+        text = arr
+    elif pa.types.is_boolean(t) or pa.types.is_integer(t):
+        text = pc.cast(arr, _LS)
+    elif pa.types.is_decimal(t):
+        text = _decimal_text(arr)
+    elif pa.types.is_floating(t):
+        text = _float_text(arr)
+    else:
+        raise TypeError(f"cannot turn a column of type {t} into Kafka bytes")
+    return pc.cast(text, pa.large_binary())
+
+
+def to_bytes(arr: pa.Array | pa.ChunkedArray) -> list[bytes | None]:
+    """One ``bytes`` (or None for null) per element of a key/header/value column."""
+    return to_binary(arr).to_pylist()  # type: ignore[no-any-return]
 
 
 # -- JSON: scalars -----------------------------------------------------------------------
@@ -595,12 +600,18 @@ def _fragment(arr: pa.Array, path: str) -> pa.Array:
     raise JSONEncodeError(_type_problem(t, path) or f"{path!r}: unsupported type {t}")
 
 
-def json_rows(batch: pa.RecordBatch) -> list[bytes]:
-    """Each row of ``batch`` as a UTF-8 JSON object (``{"col": value, ...}``); see the
-    module docstring for the rules. Raises :class:`JSONEncodeError` for a value (or
-    a type) the encoding refuses, before returning anything."""
+def json_values(batch: pa.RecordBatch) -> pa.Array:
+    """Each row of ``batch`` as a UTF-8 JSON object (``{"col": value, ...}``), as a
+    ``large_binary`` array; see the module docstring for the rules. Raises
+    :class:`JSONEncodeError` for a value (or a type) the encoding refuses, before
+    returning anything."""
     problem = _schema_problem(batch.schema)
     if problem:
         raise JSONEncodeError(f"cannot write rows as Kafka JSON values: {problem}")
     rows = _object(batch.schema.names, batch.columns, batch.num_rows, "")
-    return pc.cast(rows, pa.large_binary()).to_pylist()  # type: ignore[no-any-return]
+    return pc.cast(rows, pa.large_binary())
+
+
+def json_rows(batch: pa.RecordBatch) -> list[bytes]:
+    """:func:`json_values` as a list of ``bytes``."""
+    return json_values(batch).to_pylist()  # type: ignore[no-any-return]

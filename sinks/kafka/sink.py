@@ -101,6 +101,7 @@ from sinks.base import (
 )
 from sinks.errors import ConfigError, PreflightError
 from sinks.kafka import checks, encode, outcome, txn, txn_age
+from sinks.kafka.produce import ProducerOptions
 from sinks.kafka.progress import ProgressStore
 from sinks.kafka.registry import (
     ABORTED,
@@ -111,7 +112,7 @@ from sinks.kafka.registry import (
     write_tombstones,
 )
 from sinks.kafka.wire import KafkaWire
-from sinks.kafka.writer import KafkaWriter, RetryingNetClient
+from sinks.kafka.writer import KafkaWriter
 from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.progress import SinkProgress
 
@@ -121,7 +122,6 @@ log = logging.getLogger("sinks.kafka")
 # CONCURRENT_TRANSACTIONS...; UnknownBrokerIdError: a broker not yet in our
 # metadata (the connection is rebuilt, with fresh metadata, on the next attempt).
 _TRANSIENT: tuple[type[BaseException], ...] = (Errors.RetriableError, Errors.UnknownBrokerIdError)
-_PRODUCER_DEFAULTS: dict[str, Any] = {"linger_ms": 5, "batch_size": 256 * 1024}
 _REGISTRY_TIMEOUT_S = 30.0
 
 
@@ -311,25 +311,11 @@ class KafkaSink(Sink):
         """The Kafka ``transactional.id`` of a transaction name."""
         return f"{self.id_prefix}{name}"
 
-    def producer_settings(self, transactional_id: str) -> dict[str, Any]:
-        """kafka-python ``KafkaProducer`` settings of a writer."""
-        return {
-            **_PRODUCER_DEFAULTS,
-            "kafka_client": RetryingNetClient,
-            **self.producer_config,
-            "bootstrap_servers": self.bootstrap_servers,
-            "transactional_id": transactional_id,
-            "transaction_timeout_ms": self.transaction_timeout_ms,
-            "enable_idempotence": True,
-            "acks": "all",
-        }
-
     @property
     def max_request_size(self) -> int:
-        """The producer's ``max_request_size`` (bytes): kafka-python refuses a
-        record larger than this before sending it."""
-        settings = {**KafkaProducer.DEFAULT_CONFIG, **_PRODUCER_DEFAULTS, **self.producer_config}
-        return int(settings["max_request_size"])
+        """The producer's ``max_request_size`` (bytes): a writer refuses a record
+        larger than this before sending anything."""
+        return ProducerOptions.of(self.producer_config).max_request_size
 
     # -- driver-side state (never pickled to executors) ----------------------------------
 

@@ -49,6 +49,14 @@ _FETCH_MAX_VERSION = 12
 # stay on the v1 protocol the producer itself uses.
 _END_TXN_MAX_VERSION = 3
 _INIT_PID_MAX_VERSION = 4
+# How long each Fetch of a raw read may wait for records, by the number of empty
+# answers in a row below the high watermark; then the read fails. A read at the end
+# of the log is answered after the first wait (a registry refresh with nothing new
+# took 50 ms a partition with Kafka's usual max_wait_ms=50). Not 0: tansu answers a
+# zero wait with no partition at all. Not always short: tansu on S3 answers a short
+# wait with no records below its high watermark. (Nor ListOffsets to skip the read:
+# tansu on S3 answered it short of the last control batches.)
+_WAITS = (1, 50, 200, 1000)
 
 
 def client_config(producer_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -112,6 +120,13 @@ class KafkaWire:
             return await manager.send(request, node_id=node_id)
 
         return manager.run(call)
+
+    def submit(self, request: Any, node_id: Any) -> Any:
+        """Send ``request`` to ``node_id`` without waiting: a kafka-python ``Future``
+        of the answer (thread-safe; requests submitted from one thread go out in
+        order on the node's connection)."""
+        manager = self._manager
+        return manager.call_soon(manager.send, request, node_id)
 
     def api_version(self, request_class: Any) -> int:
         """Highest version of ``request_class`` both sides speak (-1 if none)."""
@@ -188,10 +203,12 @@ class KafkaWire:
         return Errors.for_code(response.error_code)
 
     def init_producer_id(
-        self, coordinator: Any, transactional_id: str, transaction_timeout_ms: int
+        self, coordinator: Any, transactional_id: str | None, transaction_timeout_ms: int
     ) -> tuple[type[Errors.KafkaError], int, int]:
         """InitProducerId for ``transactional_id``: bumps its epoch, which fences
-        any producer still using it and aborts its open transaction.
+        any producer still using it and aborts its open transaction. Without a
+        transactional id (``coordinator`` None: any broker): a fresh producer id
+        for an idempotent producer.
 
         Returns (error class, producer id, new epoch)."""
         response = self.send(
@@ -215,9 +232,12 @@ class KafkaWire:
         partition: int,
         offset: int,
         max_bytes: int = 4 << 20,
-        max_wait_ms: int = 50,
+        max_wait_ms: int = 1,
     ) -> RawPartition:
-        """One read_uncommitted Fetch of ``topic``/``partition`` from ``offset``."""
+        """One read_uncommitted Fetch of ``topic``/``partition`` from ``offset``.
+
+        ``max_wait_ms``: how long the broker may wait for records (see
+        :meth:`batches`)."""
         topic_req = FetchRequest.FetchTopic
         request = FetchRequest(
             max_wait_ms=max_wait_ms,
@@ -266,7 +286,7 @@ class KafkaWire:
         offset = start
         empty = 0
         while stop is None or offset < stop:
-            part = self.fetch(leader, topic, partition, offset)
+            part = self.fetch(leader, topic, partition, offset, max_wait_ms=_WAITS[empty])
             if stop is None:
                 stop = part.high_watermark
             if offset < part.log_start_offset:
@@ -282,7 +302,7 @@ class KafkaWire:
                 if offset >= stop:
                     return
             empty = 0 if progressed else empty + 1
-            if empty >= 3 and offset < stop:
+            if empty >= len(_WAITS) and offset < stop:
                 raise Errors.KafkaTimeoutError(
                     f"{topic}/{partition}: no records at offset {offset} below the high "
                     f"watermark {stop} after {empty} fetches"
