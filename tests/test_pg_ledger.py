@@ -143,6 +143,24 @@ def test_two_opens_at_once_exactly_one_gets_the_lock(uri: str) -> None:
     assert _doc(uri)["run"] == 5
 
 
+def test_a_closed_ledger_releases_its_lock_before_close_returns(
+    pg_dsn: str, uri: str, tmp_path: Path
+) -> None:
+    """A backend drops a closed session's advisory lock only as it exits, after the
+    client has gone: a ledger opened right after a close once found the lock still
+    taken (LedgerLockedError). ``close`` releases it first; another session, asking
+    at once, finds it free every time."""
+    with psycopg.connect(pg_dsn, autocommit=True) as other:
+        for _round in range(40):
+            led = open_ledger(f"{uri}?job=j", tmp_path, "j")
+            assert isinstance(led, PostgresLedger)
+            key = led._key
+            led.close()
+            row = other.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
+            assert row is not None and row[0], f"round {_round}: the lock was still held"
+            other.execute("SELECT pg_advisory_unlock(%s)", (key,))
+
+
 # -- a transaction killed before COMMIT ------------------------------------------------
 
 

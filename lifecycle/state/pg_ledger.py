@@ -175,7 +175,14 @@ class PostgresLedger(StateLedger):
         )
 
     def close(self) -> None:
-        """Close both sessions (the lock is released); the ledger cannot change afterwards."""
+        """Close both sessions (the lock is released); the ledger cannot change afterwards.
+
+        The lock is released explicitly first: a closed session's backend drops its
+        advisory locks only as it exits, after the client has gone, so a ledger
+        opened right after the close could still find the lock taken."""
+        if self._lock_conn is not None:
+            with contextlib.suppress(Exception):
+                self._lock_conn.execute("SELECT pg_advisory_unlock(%s)", (self._key,))
         for conn in (self._writer, self._lock_conn):
             if conn is not None:
                 with contextlib.suppress(Exception):
