@@ -53,20 +53,13 @@ from kafka.future import Future
 from kafka.protocol.producer import AddPartitionsToTxnRequest, ProduceRequest
 
 from sinks.kafka.records import EncodedBatch
-from sinks.kafka.wire import KafkaWire
+from sinks.kafka.wire import TRANSIENT, KafkaWire
 
 log = logging.getLogger("sinks.kafka")
 
 _PRODUCE_MAX_VERSION = 11  # v12 adds partitions implicitly (transactions v2): not for us
 _ADD_PARTITIONS_MAX_VERSION = 3
 _SEQUENCE_WRAP = 1 << 31
-# what a retry may cure: RetriableError covers timeouts, NOT_COORDINATOR, a node not
-# ready...; a lost connection; a broker not yet in our metadata
-_TRANSIENT: tuple[type[BaseException], ...] = (
-    Errors.RetriableError,
-    Errors.KafkaConnectionError,
-    Errors.UnknownBrokerIdError,
-)
 
 
 _COMPRESSION = {
@@ -191,7 +184,7 @@ class TxnProducer:
                 error, pid, epoch = self.wire.init_producer_id(
                     coordinator, self.transactional_id, self.transaction_timeout_ms
                 )
-            except _TRANSIENT as e:
+            except TRANSIENT as e:
                 error, pid, epoch = type(e), -1, -1
             if error is Errors.NoError:
                 self.producer_id, self.epoch = int(pid), int(epoch)
@@ -216,7 +209,7 @@ class TxnProducer:
         return self._coordinator
 
     def _retry_or_raise(self, error: type[BaseException], deadline: float, what: str) -> None:
-        if not issubclass(error, _TRANSIENT) or time.monotonic() > deadline:
+        if not issubclass(error, TRANSIENT) or time.monotonic() > deadline:
             raise ProduceError(
                 f"{what} for Kafka transaction {self.transactional_id}: {error.__name__}"
             )
@@ -246,7 +239,7 @@ class TxnProducer:
                     for t in response.results_by_topic_v3_and_below
                     for r in t.results_by_partition
                 }
-            except _TRANSIENT as e:
+            except TRANSIENT as e:
                 errors = {type(e)}
             errors.discard(Errors.NoError)
             if not errors:
@@ -279,7 +272,7 @@ class TxnProducer:
         if leader is None or leader < 0:
             try:
                 leader = self.leaders(topic, refresh=True).get(partition, -1)
-            except _TRANSIENT:
+            except TRANSIENT:
                 leader = -1
         return leader
 
@@ -403,7 +396,7 @@ class TxnProducer:
         if error is Errors.DuplicateSequenceNumberError:
             self.unconfirmed += item.batch.records
             return
-        retriable = issubclass(error, _TRANSIENT)
+        retriable = issubclass(error, TRANSIENT)
         follows_failure = (
             error is Errors.OutOfOrderSequenceNumberError and key in self._failed_round
         )
@@ -435,7 +428,7 @@ class TxnProducer:
                     f"not written within delivery_timeout_ms={self.delivery_timeout_ms}"
                 )
                 continue
-            retry = sorted(self._retry, key=lambda i: (i.topic, i.partition, _seq_order(i)))
+            retry = sorted(self._retry, key=lambda i: (i.topic, i.partition, i.batch.base_sequence))
             self._retry = []
             self._failed_round.clear()
             log.info(
@@ -445,16 +438,9 @@ class TxnProducer:
             )
             time.sleep(self.retry_backoff_s)
             for topic in {i.topic for i in retry}:
-                with contextlib.suppress(*_TRANSIENT):
+                with contextlib.suppress(*TRANSIENT):
                     self.leaders(topic, refresh=True)
             self._dispatch(retry)
-
-    def pending_requests(self) -> int:
-        return sum(len(q) for q in self._in_flight.values())
-
-
-def _seq_order(item: _Pending) -> int:
-    return item.batch.base_sequence
 
 
 def _failed(error: BaseException) -> Any:

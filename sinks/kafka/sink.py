@@ -111,17 +111,13 @@ from sinks.kafka.registry import (
     Announcement,
     write_tombstones,
 )
-from sinks.kafka.wire import KafkaWire
+from sinks.kafka.wire import TRANSIENT, KafkaWire
 from sinks.kafka.writer import KafkaWriter
 from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.kafka")
 
-# RetriableError covers dropped connections, timeouts, NOT_COORDINATOR,
-# CONCURRENT_TRANSACTIONS...; UnknownBrokerIdError: a broker not yet in our
-# metadata (the connection is rebuilt, with fresh metadata, on the next attempt).
-_TRANSIENT: tuple[type[BaseException], ...] = (Errors.RetriableError, Errors.UnknownBrokerIdError)
 _REGISTRY_TIMEOUT_S = 30.0
 
 
@@ -478,7 +474,7 @@ class KafkaSink(Sink):
         return retry_transient(
             read,
             what=f"read of the progress of {scope.key()} in {self.describe()}",
-            transient=_TRANSIENT,
+            transient=TRANSIENT,
             deadline=self.commit_timeout,
         )
 
@@ -505,7 +501,7 @@ class KafkaSink(Sink):
         return retry_transient(
             claim,
             what=f"claim of {scope.key()} in {self.describe()}",
-            transient=_TRANSIENT,
+            transient=TRANSIENT,
             deadline=self.commit_timeout,
         )
 
@@ -565,7 +561,7 @@ class KafkaSink(Sink):
         retry_transient(
             attempt,
             what=f"commit of {total} transaction(s) to {self.describe()}",
-            transient=_TRANSIENT,
+            transient=TRANSIENT,
             deadline=self.commit_timeout,
         )
         self._tombstone(replayed)
@@ -592,7 +588,7 @@ class KafkaSink(Sink):
         retry_transient(
             read,
             what=f"check of {len(committables)} transaction(s) in {self.describe()}",
-            transient=_TRANSIENT,
+            transient=TRANSIENT,
             deadline=self.commit_timeout,
         )
         return found
@@ -615,7 +611,7 @@ class KafkaSink(Sink):
         retry_transient(
             attempt,
             what=f"abort of {len(ids)} transaction(s) in {self.describe()}",
-            transient=_TRANSIENT,
+            transient=TRANSIENT,
             deadline=self.commit_timeout,
         )
         self._tombstone(ids)
@@ -654,7 +650,7 @@ class KafkaSink(Sink):
         found = retry_transient(
             read,
             what=f"listing of announced transactions in {self.describe()}",
-            transient=_TRANSIENT,
+            transient=TRANSIENT,
             deadline=self.commit_timeout,
         )
         return [
@@ -693,7 +689,7 @@ class KafkaSink(Sink):
         fenced, found = retry_transient(
             sweep,
             what=f"sweep of lingering transactions in {self.describe()}",
-            transient=_TRANSIENT,
+            transient=TRANSIENT,
             deadline=self.commit_timeout,
         )
         committed = [t for t, a in found.items() if a.state == COMMITTED]

@@ -59,6 +59,12 @@ _INIT_PID_MAX_VERSION = 4
 _WAITS = (1, 50, 200, 1000)
 
 
+# What a retry may cure: RetriableError covers dropped connections, timeouts,
+# NOT_COORDINATOR, CONCURRENT_TRANSACTIONS, a node not ready...; UnknownBrokerIdError:
+# a broker not yet in our metadata (looked up again on the next attempt).
+TRANSIENT: tuple[type[BaseException], ...] = (Errors.RetriableError, Errors.UnknownBrokerIdError)
+
+
 def client_config(producer_config: dict[str, Any] | None) -> dict[str, Any]:
     """The part of a producer configuration that also applies to an admin client."""
     return {k: v for k, v in (producer_config or {}).items() if k in _CLIENT_KEYS}
