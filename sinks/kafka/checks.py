@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import kafka.errors as Errors
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
@@ -12,9 +12,6 @@ from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 from sinks.errors import ConfigError, PreflightError
 from sinks.kafka.registry import DEFAULT_TOPIC
 from sinks.kafka.wire import KafkaWire
-
-if TYPE_CHECKING:
-    from sinks.kafka.sink import KafkaSink
 
 log = logging.getLogger("sinks.kafka")
 
@@ -62,34 +59,39 @@ def check_settings(
 
 def ensure_topic(
     wire: KafkaWire,
-    sink: KafkaSink,
+    where: str,
     topic: str,
+    *,
     partitions: int,
+    replication_factor: int,
     config: dict[str, str],
     create: bool,
+    registry: bool = False,
 ) -> None:
-    """Raise unless ``topic`` exists; create it first when ``create``."""
+    """Raise unless ``topic`` exists; create it first when ``create``. ``where``
+    names the sink in messages; ``registry``: the topic is the sink's registry
+    of transactional ids."""
     if wire.partition_leaders(topic) is not None:
         return
     if not create:
         raise PreflightError(
-            f"topic {topic!r} does not exist ({sink.describe()}); create it, or pass "
+            f"topic {topic!r} does not exist ({where}); create it, or pass "
             "create_topic=True (with partitions= and replication_factor=) to KafkaSink"
         )
     try:
         wire.admin.create_topics(
-            [NewTopic(topic, partitions, sink.replication_factor, topic_configs=config)]
+            [NewTopic(topic, partitions, replication_factor, topic_configs=config)]
         )
     except Errors.TopicAlreadyExistsError:
         pass  # created concurrently
     except Exception as e:
         hint = ""
-        if topic == sink.registry_topic:
+        if registry:
             hint = (
                 f"; it is the registry of transactional ids (default {DEFAULT_TOPIC}): create "
                 "it as an admin (compacted), or pass registry_topic= naming a topic you may write"
             )
-        raise PreflightError(f"cannot create topic {topic!r} ({sink.describe()}): {e}{hint}") from e
+        raise PreflightError(f"cannot create topic {topic!r} ({where}): {e}{hint}") from e
     log.info("created Kafka topic %s (%d partition(s))", topic, partitions)
 
 
@@ -111,15 +113,16 @@ def broker_max_timeout(wire: KafkaWire) -> int | None:
     return min(found) if found else None
 
 
-def check_transaction_timeout(wire: KafkaWire, sink: KafkaSink) -> None:
-    """Refuse a ``transaction_timeout_ms`` above the brokers' maximum, and a
-    cluster that will not start a transaction (disabled, or ACLs)."""
-    mine = sink.transaction_timeout_ms
+def check_transaction_timeout(wire: KafkaWire, where: str, mine: int, probe: str) -> None:
+    """Refuse a ``transaction_timeout_ms`` (``mine``) above the brokers' maximum,
+    and a cluster that will not start a transaction (disabled, or ACLs), found
+    by an InitProducerId for the transactional id ``probe``. ``where`` names the
+    sink in messages."""
     broker_max = broker_max_timeout(wire)
     if broker_max is not None and mine > broker_max:
         raise PreflightError(
             f"transaction_timeout_ms={mine} exceeds the broker's transaction.max.timeout.ms="
-            f"{broker_max} ({sink.describe()}); lower transaction_timeout_ms or raise "
+            f"{broker_max} ({where}); lower transaction_timeout_ms or raise "
             "transaction.max.timeout.ms on the brokers"
         )
     if broker_max is None:
@@ -128,29 +131,28 @@ def check_transaction_timeout(wire: KafkaWire, sink: KafkaSink) -> None:
             "transaction_timeout_ms=%d cannot be compared with it (an InitProducerId probe "
             "follows, which Apache Kafka refuses for a timeout above its maximum; tansu "
             "enforces no transaction timeout at all)",
-            sink.describe(),
+            where,
             mine,
         )
     # The definitive test: InitProducerId with a timeout above the maximum is
     # refused (INVALID_TRANSACTION_TIMEOUT), as is one the ACLs do not allow.
-    probe = f"{sink.id_prefix}twophase-preflight.{sink.sink_id}"
     try:
         coordinator = wire.find_coordinators([probe])[probe]
         error, _, _ = wire.init_producer_id(coordinator, probe, mine)
     except Exception as e:
         raise PreflightError(
-            f"{sink.describe()}: the broker cannot start a transaction ({e!r}); "
+            f"{where}: the broker cannot start a transaction ({e!r}); "
             "exactly-once needs a broker with transactions enabled"
         ) from e
     if error is Errors.InvalidTransactionTimeoutError:
         raise PreflightError(
             f"transaction_timeout_ms={mine} is larger than the broker's "
-            f"transaction.max.timeout.ms ({sink.describe()}); lower it, or raise "
+            f"transaction.max.timeout.ms ({where}); lower it, or raise "
             "transaction.max.timeout.ms on the brokers"
         )
     if error is not Errors.NoError:
         raise PreflightError(
-            f"{sink.describe()}: the broker refused a transaction ({error.__name__}); "
+            f"{where}: the broker refused a transaction ({error.__name__}); "
             "check the TransactionalId ACLs (WRITE and DESCRIBE on the "
             "transactional_id_prefix) and IdempotentWrite on the cluster"
         )
@@ -177,26 +179,29 @@ def min_safe_timeout_ms(
 
 
 def check_checkpoint_interval(
-    sink: KafkaSink,
+    where: str,
+    timeout_ms: int,
     checkpoint_interval_s: float,
     *,
+    commit_timeout_s: float,
     batch_duration_s: float = 60.0,
     restart_s: float = 300.0,
 ) -> None:
-    """Raise :class:`PreflightError` when the sink's ``transaction_timeout_ms`` is
-    smaller than :func:`min_safe_timeout_ms` for this checkpoint interval."""
+    """Raise :class:`PreflightError` when the sink's ``transaction_timeout_ms``
+    (``timeout_ms``) is smaller than :func:`min_safe_timeout_ms` for this
+    checkpoint interval. ``where`` names the sink in messages."""
     need = min_safe_timeout_ms(
         checkpoint_interval_s,
         batch_duration_s=batch_duration_s,
-        commit_timeout_s=sink.commit_timeout,
+        commit_timeout_s=commit_timeout_s,
         restart_s=restart_s,
     )
-    if sink.transaction_timeout_ms < need:
+    if timeout_ms < need:
         raise PreflightError(
-            f"{sink.describe()}: transaction_timeout_ms={sink.transaction_timeout_ms} is "
+            f"{where}: transaction_timeout_ms={timeout_ms} is "
             f"too small for checkpoint_interval={checkpoint_interval_s:g}s: a prepared "
             f"transaction may wait up to {need} ms (batch {batch_duration_s:g}s + interval "
-            f"+ commit_timeout {sink.commit_timeout:g}s + restart {restart_s:g}s) for its "
+            f"+ commit_timeout {commit_timeout_s:g}s + restart {restart_s:g}s) for its "
             "commit, and Kafka aborts it after transaction_timeout_ms, losing its rows. "
             f"Raise transaction_timeout_ms to at least {need} (and the brokers' "
             "transaction.max.timeout.ms with it), or checkpoint more often"

@@ -112,7 +112,7 @@ from sinks.kafka.registry import (
     write_tombstones,
 )
 from sinks.kafka.wire import TRANSIENT, KafkaWire
-from sinks.kafka.writer import KafkaWriter
+from sinks.kafka.writer import KafkaWriter, WriterSettings
 from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.progress import SinkProgress
 
@@ -398,10 +398,32 @@ class KafkaSink(Sink):
                 f"cannot reach Kafka at {','.join(self._servers())}: {e}".strip()
             ) from e
         with wire:
-            checks.ensure_topic(wire, self, self.topic, self.partitions, {}, self.create_topic)
+            checks.ensure_topic(
+                wire,
+                self.describe(),
+                self.topic,
+                partitions=self.partitions,
+                replication_factor=self.replication_factor,
+                config={},
+                create=self.create_topic,
+            )
             if self.registry_topic:
-                checks.ensure_topic(wire, self, self.registry_topic, 1, TOPIC_CONFIG, True)
-            checks.check_transaction_timeout(wire, self)
+                checks.ensure_topic(
+                    wire,
+                    self.describe(),
+                    self.registry_topic,
+                    partitions=1,
+                    replication_factor=self.replication_factor,
+                    config=TOPIC_CONFIG,
+                    create=True,
+                    registry=True,
+                )
+            checks.check_transaction_timeout(
+                wire,
+                self.describe(),
+                self.transaction_timeout_ms,
+                probe=f"{self.id_prefix}twophase-preflight.{self.sink_id}",
+            )
 
     def _check_schema(self, schema: pa.Schema) -> None:
         if self.key:
@@ -440,7 +462,12 @@ class KafkaSink(Sink):
         """Raise :class:`PreflightError` when ``transaction_timeout_ms`` is smaller
         than :meth:`min_safe_timeout_ms` for this checkpoint interval."""
         checks.check_checkpoint_interval(
-            self, checkpoint_interval_s, batch_duration_s=batch_duration_s, restart_s=restart_s
+            self.describe(),
+            self.transaction_timeout_ms,
+            checkpoint_interval_s,
+            commit_timeout_s=self.commit_timeout,
+            batch_duration_s=batch_duration_s,
+            restart_s=restart_s,
         )
         self._checkpoint_interval_s = checkpoint_interval_s
 
@@ -458,7 +485,20 @@ class KafkaSink(Sink):
     # -- executor side -------------------------------------------------------------------
 
     def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
-        return KafkaWriter(self, ctx, schema)
+        return KafkaWriter(self._writer_settings(), ctx, self.transactional_id(ctx.txn_name()))
+
+    def _writer_settings(self) -> WriterSettings:
+        return WriterSettings(
+            where=self.describe(),
+            bootstrap_servers=self.bootstrap_servers,
+            producer_config=dict(self.producer_config),
+            topic=self.topic,
+            key=self.key,
+            value=self.value,
+            headers=tuple(self.headers),
+            registry_topic=self.registry_topic,
+            transaction_timeout_ms=self.transaction_timeout_ms,
+        )
 
     # -- progress and claims (sinks.kafka.progress) --------------------------------------
 

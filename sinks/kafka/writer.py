@@ -37,7 +37,8 @@ import contextlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -52,9 +53,6 @@ from sinks.kafka.produce import ProducerOptions, TxnProducer
 from sinks.kafka.registry import announcement
 from sinks.kafka.wire import KafkaWire
 
-if TYPE_CHECKING:
-    from sinks.kafka.sink import KafkaSink
-
 log = logging.getLogger("sinks.kafka")
 
 _ABORT_TIMEOUT_S = 30.0
@@ -63,15 +61,33 @@ _ABORT_TIMEOUT_S = 30.0
 _RECORD_OVERHEAD = 61 + 21
 
 
-class KafkaWriter(SinkWriter):
-    """Writes one task's partition into one Kafka transaction and prepares it."""
+@dataclass(frozen=True)
+class WriterSettings:
+    """What a writer needs of its sink, handed over by ``KafkaSink.open_writer``
+    (the writer never reaches back into the driver-side sink)."""
 
-    def __init__(self, sink: KafkaSink, ctx: WriteContext, schema: pa.Schema) -> None:
-        self._sink = sink
+    where: str
+    """the sink, for messages (``KafkaSink.describe()``)"""
+    bootstrap_servers: str | list[str]
+    producer_config: dict[str, Any]
+    topic: str
+    key: str | None
+    value: str | None
+    headers: tuple[str, ...]
+    registry_topic: str | None
+    transaction_timeout_ms: int
+
+
+class KafkaWriter(SinkWriter):
+    """Writes one task's partition into one Kafka transaction (``transactional_id``)
+    and prepares it."""
+
+    def __init__(self, settings: WriterSettings, ctx: WriteContext, transactional_id: str) -> None:
+        self._settings = settings
         self._txn = str(ctx.txn_name())
-        self._tid = sink.transactional_id(ctx.txn_name())
+        self._tid = transactional_id
         self._spark_partition = ctx.partition
-        self._options = ProducerOptions.of(sink.producer_config)
+        self._options = ProducerOptions.of(settings.producer_config)
         self._wire: KafkaWire | None = None
         self._producer: TxnProducer | None = None
         self._partitions: list[int] = []
@@ -83,25 +99,25 @@ class KafkaWriter(SinkWriter):
     # -- opening ----------------------------------------------------------------------
 
     def _begin(self) -> TxnProducer:
-        sink = self._sink
+        cfg = self._settings
         wire = KafkaWire(
-            sink.bootstrap_servers,
-            config=sink.producer_config,
+            cfg.bootstrap_servers,
+            config=cfg.producer_config,
             timeout_s=self._options.request_timeout_ms / 1000,
         )
         self._wire = wire
         producer = TxnProducer(
             wire,
             self._tid,
-            transaction_timeout_ms=sink.transaction_timeout_ms,
+            transaction_timeout_ms=cfg.transaction_timeout_ms,
             options=self._options,
         )
         producer.begin()
         self._producer = producer
         self._opened_at = time.time()  # the broker's timer starts with the first record
-        if sink.registry_topic:
-            self._announce(producer, sink.registry_topic)
-        self._partitions = sorted(producer.leaders(sink.topic))
+        if cfg.registry_topic:
+            self._announce(producer, cfg.registry_topic)
+        self._partitions = sorted(producer.leaders(cfg.topic))
         self._round_robin = self._spark_partition % len(self._partitions)
         return producer
 
@@ -113,7 +129,7 @@ class KafkaWriter(SinkWriter):
         partition = partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
         batches = records.record_batches(
             pa.array([key], pa.large_binary()),
-            pa.array([announcement(self._sink.topic)], pa.large_binary()),
+            pa.array([announcement(self._settings.topic)], pa.large_binary()),
             producer_id=producer.producer_id,
             producer_epoch=producer.epoch,
             base_sequence=producer.next_sequence(registry, partition),
@@ -129,20 +145,20 @@ class KafkaWriter(SinkWriter):
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
             return
-        sink = self._sink
+        cfg = self._settings
         # encode first: a value the encoding refuses fails the task before anything
         # of this batch is sent (and before a producer is opened for the first one)
-        keys = encode.to_binary(batch.column(sink.key)) if sink.key else None
-        values = encode.to_binary(batch.column(sink.value)) if sink.value else self._json(batch)
-        if sink.value and values.null_count:
+        keys = encode.to_binary(batch.column(cfg.key)) if cfg.key else None
+        values = encode.to_binary(batch.column(cfg.value)) if cfg.value else self._json(batch)
+        if cfg.value and values.null_count:
             self._check_nulls(keys, values)
-        headers = [(name, encode.to_binary(batch.column(name))) for name in sink.headers]
+        headers = [(name, encode.to_binary(batch.column(name))) for name in cfg.headers]
         self._check_sizes(keys, values, headers)
         producer = self._producer or self._begin()
         n = len(self._partitions)
         indexes = partitioner.partition_indexes(keys, n, self._round_robin, rows=batch.num_rows)
         self._round_robin = (self._round_robin + 1) % n
-        topic = sink.topic
+        topic = cfg.topic
         by_partition = records.batches_by_partition(
             indexes,
             self._partitions,
@@ -165,7 +181,7 @@ class KafkaWriter(SinkWriter):
             return encode.json_values(batch)
         except encode.JSONEncodeError as e:
             raise encode.JSONEncodeError(
-                f"{self._sink.describe()}: batch rows {self._rows} to "
+                f"{self._settings.where}: batch rows {self._rows} to "
                 f"{self._rows + batch.num_rows - 1} of this task: {e}"
             ) from e
 
@@ -174,9 +190,9 @@ class KafkaWriter(SinkWriter):
         hits = np.flatnonzero(both.to_numpy(zero_copy_only=False))
         if len(hits):
             raise ValueError(
-                f"{self._sink.describe()}: a row (number {self._rows + int(hits[0])} of this task) "
-                f"has a null value column {self._sink.value!r} and no key; a Kafka record needs "
-                "a key or a value (a null value with a key is a tombstone)"
+                f"{self._settings.where}: a row (number {self._rows + int(hits[0])} of this "
+                f"task) has a null value column {self._settings.value!r} and no key; a Kafka "
+                "record needs a key or a value (a null value with a key is a tombstone)"
             )
 
     def _check_sizes(
@@ -202,7 +218,7 @@ class KafkaWriter(SinkWriter):
     def _check_unconfirmed(self, producer: TxnProducer) -> None:
         if producer.unconfirmed:
             raise UnconfirmedWriteError(
-                f"{self._sink.describe()}: Kafka transaction {self._tid}: the broker "
+                f"{self._settings.where}: Kafka transaction {self._tid}: the broker "
                 f"acknowledged {producer.unconfirmed} record(s) without an offset "
                 "(DUPLICATE_SEQUENCE_NUMBER: a produce resent after the broker restarted or "
                 "lost a request), so this transaction cannot be shown to hold them. The task "
@@ -218,7 +234,7 @@ class KafkaWriter(SinkWriter):
             return None
         spans = producer.flush()
         self._check_unconfirmed(producer)
-        topic = self._sink.topic
+        topic = self._settings.topic
         offsets = {
             str(p): [first, last] for (t, p), (first, last) in sorted(spans.items()) if t == topic
         }

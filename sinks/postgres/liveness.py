@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 DEFAULT_BOUND = 30.0
@@ -37,3 +38,18 @@ def dead_peer_options(conninfo: str, within: float = DEFAULT_BOUND) -> dict[str,
         "tcp_user_timeout": int(bound * 1000),
     }
     return {k: v for k, v in options.items() if k not in given}
+
+
+def connect(
+    dsn: str, application_name: str, *, connect_timeout: float, commit_timeout: float
+) -> psycopg.Connection:
+    """An autocommit connection that notices a dead server within a third of
+    ``commit_timeout`` (at most :data:`DEFAULT_BOUND`), so a half-open
+    connection cannot outlast a commit's retries."""
+    return psycopg.connect(
+        dsn,
+        autocommit=True,
+        connect_timeout=max(1, int(connect_timeout)),
+        application_name=application_name,
+        **dead_peer_options(dsn, commit_timeout / 3),
+    )

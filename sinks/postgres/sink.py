@@ -39,12 +39,11 @@ from sinks.base import (
 )
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
 from sinks.naming import TxnName, check_id, scope_prefixes
-from sinks.postgres import catalog
-from sinks.postgres.liveness import dead_peer_options
+from sinks.postgres import catalog, liveness
 from sinks.postgres.progress import PROGRESS_DDL, ProgressTable
 from sinks.postgres.types import wire_type
 from sinks.postgres.values import PG_TYPE_KEY
-from sinks.postgres.writer import PostgresWriter
+from sinks.postgres.writer import PostgresWriter, WriterSettings
 from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.postgres")
@@ -246,12 +245,11 @@ class PostgresSink(Sink):
         """A connection that notices a dead server within a third of
         ``commit_timeout`` (at most 30 s; :mod:`sinks.postgres.liveness`), so
         a half-open connection cannot outlast the commit's retries."""
-        return psycopg.connect(
+        return liveness.connect(
             self.dsn,
-            autocommit=True,
-            connect_timeout=max(1, int(self.connect_timeout)),
-            application_name=application_name,
-            **dead_peer_options(self.dsn, self.commit_timeout / 3),
+            application_name,
+            connect_timeout=self.connect_timeout,
+            commit_timeout=self.commit_timeout,
         )
 
     # -- preflight ----------------------------------------------------------------
@@ -362,7 +360,19 @@ class PostgresSink(Sink):
     def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
         if self._wire is None:
             raise RuntimeError("PostgresSink.preflight() must run before writers open")
-        return PostgresWriter(self, ctx, self._wire)
+        settings = WriterSettings(
+            where=self.describe(),
+            dsn=self.dsn,
+            connect_timeout=self.connect_timeout,
+            commit_timeout=self.commit_timeout,
+            lock_timeout=self.lock_timeout,
+            table=self.table_ident,
+            markers=self.marker_ident,
+            marker_schema=self.marker_schema,
+            key=tuple(self.key),
+            order_by=self.order_by,
+        )
+        return PostgresWriter(settings, ctx, self._wire)
 
     # -- progress and claims -----------------------------------------------------------
 

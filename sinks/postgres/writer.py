@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import pgpq
 import psycopg
@@ -15,11 +16,9 @@ from psycopg import sql
 from sinks import keys
 from sinks.base import Committable, SinkWriter, WriteContext
 from sinks.errors import LockWaitError, PreparedLimitError
+from sinks.postgres import liveness
 from sinks.postgres.upsert import Upsert
 from sinks.postgres.values import to_wire
-
-if TYPE_CHECKING:
-    from sinks.postgres.sink import PostgresSink
 
 STAGE_NAME = re.compile(r"\bstage_[0-9a-f]{20}\b")
 """How an upsert's private staging table is named (in the marker schema): error
@@ -29,6 +28,34 @@ messages about it are rewritten to name the target table (:mod:`sinks.explain`).
 def stage_table(gid: str) -> str:
     """The name of the staging table of the transaction ``gid`` (upserts)."""
     return f"stage_{hashlib.sha1(gid.encode()).hexdigest()[:20]}"
+
+
+@dataclass(frozen=True)
+class WriterSettings:
+    """What a writer needs of its sink, handed over by ``PostgresSink.open_writer``
+    (the writer never reaches back into the driver-side sink)."""
+
+    where: str
+    """the sink, for messages (``PostgresSink.describe()``)"""
+    dsn: str
+    connect_timeout: float
+    commit_timeout: float
+    lock_timeout: float
+    table: sql.Composable
+    """the target table, quoted"""
+    markers: sql.Composable
+    """the commit-marker table, quoted"""
+    marker_schema: str
+    key: tuple[str, ...]
+    order_by: str | None
+
+    def connect(self, application_name: str) -> psycopg.Connection:
+        return liveness.connect(
+            self.dsn,
+            application_name,
+            connect_timeout=self.connect_timeout,
+            commit_timeout=self.commit_timeout,
+        )
 
 
 class PostgresWriter(SinkWriter):
@@ -41,8 +68,8 @@ class PostgresWriter(SinkWriter):
     encoded and streamed as they come: memory stays flat for any partition size.
     """
 
-    def __init__(self, sink: PostgresSink, ctx: WriteContext, wire: pa.Schema) -> None:
-        self._sink = sink
+    def __init__(self, settings: WriterSettings, ctx: WriteContext, wire: pa.Schema) -> None:
+        self._settings = settings
         self._name = ctx.txn_name()
         self._batch_id = ctx.batch_id
         self._gid = str(self._name)
@@ -60,21 +87,21 @@ class PostgresWriter(SinkWriter):
         return sql.SQL(", ").join(sql.Identifier(n) for n in self._wire.names)
 
     def _begin(self) -> None:
-        sink = self._sink
-        self._conn = conn = sink.connect(application_name="twophase-writer")
+        cfg = self._settings
+        self._conn = conn = cfg.connect("twophase-writer")
         self._abort_earlier_attempts(conn)
-        ms = int(sink.lock_timeout * 1000)
+        ms = int(cfg.lock_timeout * 1000)
         conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{ms}ms")))
         conn.execute("BEGIN")
-        target = sink.table_ident
-        if sink.key:
+        target = cfg.table
+        if cfg.key:
             self._upsert = Upsert(
                 target=target,
-                stage=sql.Identifier(sink.marker_schema, stage_table(self._gid)),
+                stage=sql.Identifier(cfg.marker_schema, stage_table(self._gid)),
                 columns=self._wire.names,
-                key=sink.key,
-                order_by=sink.order_by,
-                sink=sink.describe(),
+                key=cfg.key,
+                order_by=cfg.order_by,
+                sink=cfg.where,
                 batch_id=self._batch_id,
             )
             self._upsert.create_stage(conn)
@@ -112,10 +139,10 @@ class PostgresWriter(SinkWriter):
             raise self._lock_wait_error() from e
 
     def _write(self, batch: pa.RecordBatch) -> None:
-        sink = self._sink
-        if sink.key:
-            keys.check_nulls(sink.describe(), batch, sink.key, sink.order_by, self._batch_id)
-        wire = to_wire(batch, self._wire, sink.describe())  # checked before sending
+        cfg = self._settings
+        if cfg.key:
+            keys.check_nulls(cfg.where, batch, cfg.key, cfg.order_by, self._batch_id)
+        wire = to_wire(batch, self._wire, cfg.where)  # checked before sending
         if self._conn is None:
             self._begin()
         assert self._encoder is not None
@@ -132,8 +159,8 @@ class PostgresWriter(SinkWriter):
 
     def _lock_wait_error(self) -> LockWaitError:
         return LockWaitError(
-            f"task {self._gid} waited more than lock_timeout={self._sink.lock_timeout:g}s for "
-            f"rows of {self._sink.describe()} that another transaction holds: prepared work "
+            f"task {self._gid} waited more than lock_timeout={self._settings.lock_timeout:g}s for "
+            f"rows of {self._settings.where} that another transaction holds: prepared work "
             "of an interrupted earlier execution of this partition, or another writer of the "
             "same keys (see pg_prepared_xacts and pg_locks). The task fails so that Spark "
             "retries it; a retry rolls back this job's earlier executions of the partition"
@@ -141,14 +168,14 @@ class PostgresWriter(SinkWriter):
 
     def _prepare(self) -> Committable:
         assert self._encoder is not None
-        conn, sink = self._conn, self._sink
+        conn, cfg = self._conn, self._settings
         self._copy.write(self._encoder.finish())
         cm, self._copy_cm = self._copy_cm, None
         cm.__exit__(None, None, None)
         if self._upsert is not None:
             self._upsert.merge(conn)
         conn.execute(
-            sql.SQL("INSERT INTO {} (gid, job) VALUES (%s, %s)").format(sink.marker_ident),
+            sql.SQL("INSERT INTO {} (gid, job) VALUES (%s, %s)").format(cfg.markers),
             (self._gid, self._job),
         )
         try:
@@ -157,7 +184,7 @@ class PostgresWriter(SinkWriter):
             if "prepared transactions" not in str(e):
                 raise
             raise PreparedLimitError(
-                f"task {self._gid}: {sink.describe()} holds as many prepared transactions as "
+                f"task {self._gid}: {cfg.where} holds as many prepared transactions as "
                 f"its max_prepared_transactions allows ({e.diag.message_hint or e}). This "
                 "job's batches awaiting a checkpoint count, and so do other jobs'. Raise "
                 "max_prepared_transactions in postgresql.conf (a server restart), or take "
