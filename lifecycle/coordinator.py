@@ -4,8 +4,10 @@ commits, and recovers. This module is where the recovery rules live.
 Commit path: ``register`` (from the batch handler, before Spark may write its
 commit-log entry) -> ``checkpoint`` (cut = highest Spark-completed pending
 batch per pipeline; the decision is written to the ledger) -> each sink's
-``commit`` (idempotent, retried) -> ``ledger.complete`` -> ``forget`` and a sweep
-of orphans at or below the cut.
+``commit`` (idempotent, retried; sinks of different targets at once, each
+sink's transactions over a few connections) -> ``ledger.complete`` -> ``forget``
+and a sweep of orphans at or below the cut. One checkpoint at a time: every
+commit of checkpoint N has returned before any of N+1 starts.
 
 Before recovery, ``claim_sinks`` makes this incarnation (the ledger's random
 id) the owner of every sink's scope in the target itself, or refuses when
@@ -43,6 +45,7 @@ then skips the abandoned transactions, so the rest commits and it completes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterable
@@ -53,6 +56,7 @@ from lifecycle.failures import cause_of, full_trace
 from lifecycle.ledger import Checkpoint, Ledger
 from lifecycle.spark_log import SparkCommitLog
 from sinks import _faults
+from sinks._parallel import run_all
 from sinks.base import Committable, JobScope, Sink
 from sinks.naming import TxnName
 from sinks.progress import SinkProgress, claim_order, conflict
@@ -83,7 +87,9 @@ makes on a sink: ``committed``, ``aborted`` (pending work dropped),
 class Coordinator:
     """Lives in the driver; one per job run. ``observer``: told of every move on a
     sink (see :data:`Observer`). ``new_state``: how the job gets a new state, for
-    refusals that suggest one (see :func:`lifecycle.ledger.new_state_advice`)."""
+    refusals that suggest one (see :func:`lifecycle.ledger.new_state_advice`).
+    ``commit_parallelism``: how many sinks (of different targets) a checkpoint
+    commits at once."""
 
     def __init__(
         self,
@@ -93,8 +99,10 @@ class Coordinator:
         *,
         observer: Observer | None = None,
         new_state: str = "a new state_dir",
+        commit_parallelism: int = 4,
     ) -> None:
         self.job = job
+        self.commit_parallelism = commit_parallelism
         self.ledger = ledger
         self.new_state = new_state
         self.pipelines = {p.name: p for p in pipelines}
@@ -326,16 +334,12 @@ class Coordinator:
                 self._tell("skipped", p, sid, (c["txn"] for c in cs))
         sinks = {key: self._sink(*key) for key in groups}
         _faults.hit("driver.before_commit", batch=max(cp.cut.values(), default=None))
+        failed = self._commit_sinks(groups, sinks)
         rows: dict[str, int] = {}
-        failed: dict[tuple[str, str], Exception] = {}
         for (p, sid), cs in groups.items():
-            try:
-                sinks[(p, sid)].commit(cs)
-            except Exception as e:
-                failed[(p, sid)] = e
-                continue
-            rows[sink_label(p, sid)] = sum(int(c.get("rows", 0)) for c in cs)
-            self._tell("committed", p, sid, (c["txn"] for c in cs))
+            if (p, sid) not in failed:
+                rows[sink_label(p, sid)] = sum(int(c.get("rows", 0)) for c in cs)
+                self._tell("committed", p, sid, (c["txn"] for c in cs))
         if failed:
             raise self._commit_error(cp, failed, sinks)
         done = self.ledger.complete(cp, rows)
@@ -345,6 +349,35 @@ class Coordinator:
             self._sink(p, sid).forget(cs)
         self._sweep(cp.cut)
         return done
+
+    def _commit_sinks(
+        self,
+        groups: dict[tuple[str, str], list[Committable]],
+        sinks: dict[tuple[str, str], Sink],
+    ) -> dict[tuple[str, str], Exception]:
+        """Commit every group, sinks of different targets concurrently (a bounded
+        pool) and sinks of one target one after another (two pipelines writing
+        one Delta table must not race for its next version); every sink is
+        committed even when another fails. Returns the failures."""
+        lanes: dict[str, list[tuple[str, str]]] = {}
+        for key in groups:
+            lanes.setdefault(sinks[key].describe(), []).append(key)
+
+        def lane(keys: list[tuple[str, str]]) -> dict[tuple[str, str], Exception]:
+            failed: dict[tuple[str, str], Exception] = {}
+            for key in keys:
+                try:
+                    sinks[key].commit(groups[key])
+                except Exception as e:
+                    failed[key] = e
+            return failed
+
+        failed: dict[tuple[str, str], Exception] = {}
+        calls = [functools.partial(lane, keys) for keys in lanes.values()]
+        for done in run_all(calls, limit=self.commit_parallelism, name="twophase-commit"):
+            assert done.value is not None  # a lane catches its sinks' errors
+            failed.update(done.value)
+        return failed
 
     def _commit_error(
         self,

@@ -9,7 +9,8 @@ epoch, rows, topic, partitions: {partition: [first offset, last offset]}}``
 without committing or aborting.
 
 Commit and abort (driver, :mod:`sinks.kafka.txn`): the transaction is resumed
-by EndTxn (never ``init_transactions()``, which aborts), idempotently; any
+by EndTxn (never ``init_transactions()``, which aborts), idempotently, the
+transactions of a checkpoint over a few connections at once; any
 refusal is settled from the control markers in the log, and so is a success
 answered to a retry (a broker that died inside an EndTxn may answer success
 without having written every marker). Abort fences (InitProducerId). Retried
@@ -76,12 +77,14 @@ compare it with the checkpoint interval plus batch, commit and restart time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import itertools
 import logging
 import re
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import kafka.errors as Errors
@@ -89,6 +92,13 @@ import pyarrow as pa
 from kafka import KafkaProducer
 
 from sinks import _faults, base, settings
+from sinks._parallel import (
+    COMMIT_CONNECTIONS,
+    check_connections,
+    raise_first,
+    run_all,
+    slices,
+)
 from sinks._retry import retry_transient
 from sinks.base import (
     Committable,
@@ -151,6 +161,12 @@ class KafkaSink(Sink):
             transactional id); default derived from the servers and topic.
         producer_config: extra kafka-python ``KafkaProducer`` settings (security,
             batching, compression); keys that would break transactions are refused.
+        commit_connections: connections the driver sends a checkpoint's EndTxn
+            requests (and an abort's InitProducerId requests) over at once, at
+            most (one per 4 transactions): a broker handles one request of a
+            connection at a time. On tansu, the test broker, more than one is
+            faster while tasks write and slower when it is idle (README,
+            "Performance").
         commit_timeout: seconds a commit, abort or sweep keeps retrying
             transient errors before the job fails (the decision stays in the ledger).
         registry_topic: compacted topic where writers announce their
@@ -179,6 +195,7 @@ class KafkaSink(Sink):
         sink_id: str | None = None,
         producer_config: dict[str, Any] | None = None,
         commit_timeout: float = 300.0,
+        commit_connections: int = COMMIT_CONNECTIONS,
         registry_topic: str | None = DEFAULT_TOPIC,
         flush_timeout: float = 120.0,
         connect_timeout: float = 15.0,
@@ -204,6 +221,7 @@ class KafkaSink(Sink):
         self.replication_factor = replication_factor
         self.producer_config = dict(producer_config or {})
         self.commit_timeout = commit_timeout
+        self.commit_connections = check_connections(commit_connections)
         self._checkpoint_interval_s = 0.0
         self.registry_topic = registry_topic
         self.flush_timeout = flush_timeout
@@ -255,6 +273,7 @@ class KafkaSink(Sink):
             "redacted": redacted,
             "omitted": omitted,
             "commit_timeout": self.commit_timeout,
+            "commit_connections": self.commit_connections,
             "registry_topic": self.registry_topic,
             "flush_timeout": self.flush_timeout,
             "connect_timeout": self.connect_timeout,
@@ -295,6 +314,7 @@ class KafkaSink(Sink):
             sink_id=s["sink_id"],
             producer_config=config,
             commit_timeout=s["commit_timeout"],
+            commit_connections=s.get("commit_connections", COMMIT_CONNECTIONS),
             registry_topic=s["registry_topic"],
             flush_timeout=s["flush_timeout"],
             connect_timeout=s["connect_timeout"],
@@ -318,6 +338,8 @@ class KafkaSink(Sink):
     def _init_driver_state(self) -> None:
         self._lock = threading.RLock()
         self._wire: KafkaWire | None = None
+        self._spares: list[KafkaWire] = []  # connections of a commit's other slices
+        self._spares_lock = threading.Lock()
         self._plain: KafkaProducer | None = None  # claims, progress records, tombstones
         self._store = (
             ProgressStore(self.registry_topic, self.topic, self.id_prefix, self.describe())
@@ -327,7 +349,7 @@ class KafkaSink(Sink):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for k in ("_lock", "_wire", "_plain", "_store"):
+        for k in ("_lock", "_wire", "_plain", "_store", "_spares", "_spares_lock"):
             state.pop(k, None)
         return state
 
@@ -340,11 +362,7 @@ class KafkaSink(Sink):
         """The driver's cached connection; dropped (and rebuilt next time) on error."""
         with self._lock:
             if self._wire is None:
-                # one attempt never outlasts the whole retry budget by much
-                timeout = min(30.0, max(2.0, self.commit_timeout / 4))
-                self._wire = KafkaWire(
-                    self.bootstrap_servers, config=self.producer_config, timeout_s=timeout
-                )
+                self._wire = self._new_wire()
             try:
                 yield self._wire
             except BaseException:
@@ -352,6 +370,29 @@ class KafkaSink(Sink):
                 with contextlib.suppress(Exception):
                     wire.close()
                 raise
+
+    def _new_wire(self) -> KafkaWire:
+        # one attempt never outlasts the whole retry budget by much
+        timeout = min(30.0, max(2.0, self.commit_timeout / 4))
+        return KafkaWire(self.bootstrap_servers, config=self.producer_config, timeout_s=timeout)
+
+    @contextlib.contextmanager
+    def _spare_wire(self) -> Iterator[KafkaWire]:
+        """A connection of its own for one slice of a commit (tansu closes the
+        connection that carried a refused EndTxn, which must not fail the
+        other slices' requests), kept for the next commit; dropped on error."""
+        with self._spares_lock:
+            wire = self._spares.pop() if self._spares else None
+        if wire is None:
+            wire = self._new_wire()
+        try:
+            yield wire
+        except BaseException:
+            with contextlib.suppress(Exception):
+                wire.close()
+            raise
+        with self._spares_lock:
+            self._spares.append(wire)
 
     @contextlib.contextmanager
     def _producer(self) -> Iterator[KafkaProducer]:
@@ -380,8 +421,11 @@ class KafkaSink(Sink):
         with self._lock:
             wire, self._wire = self._wire, None
             producer, self._plain = self._plain, None
-        if wire is not None:
-            wire.close()
+        with self._spares_lock:
+            spares, self._spares = self._spares, []
+        for w in [wire, *spares]:
+            if w is not None:
+                w.close()
         if producer is not None:
             producer.close(timeout=5)
 
@@ -556,7 +600,7 @@ class KafkaSink(Sink):
         )
         total = len(pending)
         replayed: list[str] = []
-        done = 0
+        done = itertools.count(1)
         failed = False  # an attempt failed: the broker may have died inside an EndTxn
 
         def attempt() -> None:
@@ -568,7 +612,6 @@ class KafkaSink(Sink):
                 raise
 
         def commit_pending() -> None:
-            nonlocal done
             with self._client() as wire:
                 replays = self._store.replays(wire, pending) if self._store else []
                 if replays:
@@ -583,20 +626,23 @@ class KafkaSink(Sink):
                     for tid in replays:
                         del pending[tid]
                     replayed.extend(replays)
-                coordinators = wire.find_coordinators(sorted(pending))
-                for tid in sorted(pending):
-                    txn.commit(
-                        wire,
-                        coordinators[tid],
-                        pending[tid],
-                        where=self.describe(),
-                        timeout_ms=self.transaction_timeout_ms,
-                        verify=failed,
-                    )
-                    del pending[tid]
-                    done += 1
-                    if done == 1 and total > 1:
-                        _faults.hit("driver.mid_commit")
+                parts = slices(sorted(pending), most=self.commit_connections)
+                self._on_connections(wire, parts, commit_part, "commit")
+
+        def commit_part(wire: KafkaWire, part: list[str]) -> None:
+            coordinators = wire.find_coordinators(part)
+            for tid in part:
+                txn.commit(
+                    wire,
+                    coordinators[tid],
+                    pending[tid],
+                    where=self.describe(),
+                    timeout_ms=self.transaction_timeout_ms,
+                    verify=failed,
+                )
+                del pending[tid]  # distinct keys per thread: a retry skips it
+                if next(done) == 1 and total > 1:
+                    _faults.hit("driver.mid_commit")
 
         retry_transient(
             attempt,
@@ -638,15 +684,33 @@ class KafkaSink(Sink):
     def _fence(self, wire: KafkaWire, transactional_ids: list[str]) -> None:
         txn.fence(wire, transactional_ids, self.transaction_timeout_ms)
 
+    def _on_connections(
+        self,
+        wire: KafkaWire,
+        parts: list[list[str]],
+        work: Callable[[KafkaWire, list[str]], None],
+        what: str,
+    ) -> None:
+        """``work(connection, part)`` for every part at once, the first on ``wire``
+        and each other on a spare connection of its own; the first error is
+        raised once every part has ended."""
+
+        def run(part: list[str], own: KafkaWire | None) -> None:
+            with contextlib.ExitStack() as stack:
+                work(own or stack.enter_context(self._spare_wire()), part)
+
+        calls = [functools.partial(run, p, wire if i == 0 else None) for i, p in enumerate(parts)]
+        raise_first(run_all(calls, limit=len(calls), name=f"twophase-kafka-{what}"))
+
     def abort(self, committables: Sequence[Committable]) -> None:
         ids = sorted({c["transactional_id"] for c in committables})
         if not ids:
             return
-        remaining = list(ids)
+        parts = slices(ids, most=self.commit_connections)  # fence() empties them as it goes
 
         def attempt() -> None:
             with self._client() as wire:
-                self._fence(wire, remaining)
+                self._on_connections(wire, [p for p in parts if p], self._fence, "abort")
 
         retry_transient(
             attempt,

@@ -1,7 +1,9 @@
 """PostgreSQL exactly-once sink: prepared transactions, committed by the driver.
 
 The commit path (driver): :meth:`PostgresSink.commit` issues ``COMMIT PREPARED``
-for every committable. It is idempotent: a gid that is no longer prepared was
+for every committable, over a few connections at once (each ``COMMIT
+PREPARED`` waits for its WAL flush; the server flushes concurrent ones
+together). It is idempotent: a gid that is no longer prepared was
 either committed before (its marker row, written inside the prepared
 transaction, is visible) or lost (no marker): the latter raises
 :class:`TransactionLostError`, never silence.
@@ -10,7 +12,9 @@ transaction, is visible) or lost (no marker): the latter raises
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import itertools
 import logging
 import re
 from collections.abc import Mapping, Sequence
@@ -22,6 +26,13 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from sinks import _faults, keys, settings
+from sinks._parallel import (
+    COMMIT_CONNECTIONS,
+    check_connections,
+    raise_first,
+    run_all,
+    slices,
+)
 from sinks._retry import retry_transient
 from sinks.base import (
     COMMITTED,
@@ -80,6 +91,10 @@ class PostgresSink(Sink):
         sink_id: stable id of this sink in its pipeline (part of every gid);
             default derived from the database and table.
         marker_table: ``schema.table`` of the commit markers; created on preflight.
+        commit_connections: connections the driver commits a checkpoint's
+            prepared transactions over at once, at most (one per 4
+            transactions); concurrent ``COMMIT PREPARED`` share their WAL
+            flushes.
         commit_timeout: seconds a commit or abort keeps retrying transient errors
             (server restarting, connection refused) before the job fails; the
             decision stays in the ledger and the next start finishes it.
@@ -106,6 +121,7 @@ class PostgresSink(Sink):
         sink_id: str | None = None,
         marker_table: str = "twophase.committed_txns",
         commit_timeout: float = 300.0,
+        commit_connections: int = COMMIT_CONNECTIONS,
         connect_timeout: float = 10.0,
         lock_timeout: float | None = None,
     ) -> None:
@@ -123,6 +139,7 @@ class PostgresSink(Sink):
         if not self.marker_schema:
             raise ConfigError(f"marker_table {marker_table!r} must be 'schema.table'")
         self.commit_timeout = commit_timeout
+        self.commit_connections = check_connections(commit_connections)
         self.connect_timeout = connect_timeout
         if lock_timeout is not None and lock_timeout < 0:
             raise ConfigError("lock_timeout must be >= 0 seconds (0: wait forever)")
@@ -183,6 +200,7 @@ class PostgresSink(Sink):
             "create_table": self.create_table,
             "marker_table": self.marker_table,
             "commit_timeout": self.commit_timeout,
+            "commit_connections": self.commit_connections,
             "connect_timeout": self.connect_timeout,
             "lock_timeout": self._lock_timeout_given,
         }
@@ -208,6 +226,7 @@ class PostgresSink(Sink):
             sink_id=s["sink_id"],
             marker_table=s["marker_table"],
             commit_timeout=s["commit_timeout"],
+            commit_connections=s.get("commit_connections", COMMIT_CONNECTIONS),
             connect_timeout=s["connect_timeout"],
             lock_timeout=s["lock_timeout"],
         )
@@ -447,18 +466,27 @@ class PostgresSink(Sink):
                     replays[:5],
                 )
                 self._rollback(replays)
-            done = 0
-            for gid in gids:
-                if gid not in prepared or gid in replays:
-                    continue
-                doing.append(f"COMMIT PREPARED '{gid}'")
-                try:
-                    conn.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
-                except psycopg.errors.UndefinedObject:
-                    self._check_committed(conn, [gid])  # committed concurrently, or lost
-                done += 1
-                if done == 1 and len(prepared) > 1:
-                    _faults.hit("driver.mid_commit")
+            todo = [g for g in gids if g in prepared and g not in replays]
+            parts = slices(todo, most=self.commit_connections)
+            count = itertools.count(1)  # the fault point is after the first COMMIT PREPARED
+
+            def commit_part(part: list[str], own: psycopg.Connection | None) -> None:
+                with contextlib.ExitStack() as stack:
+                    c = own or stack.enter_context(self.connect("twophase-commit"))
+                    for gid in part:
+                        doing.append(f"COMMIT PREPARED '{gid}'")
+                        try:
+                            c.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
+                        except psycopg.errors.UndefinedObject:
+                            self._check_committed(c, [gid])  # committed concurrently, or lost
+                        if next(count) == 1 and len(prepared) > 1:
+                            _faults.hit("driver.mid_commit")
+
+            calls = [
+                functools.partial(commit_part, part, conn if i == 0 else None)
+                for i, part in enumerate(parts)
+            ]
+            raise_first(run_all(calls, limit=len(calls), name="twophase-pg-commit"))
 
     def _marked(self, conn: psycopg.Connection, gids: list[str]) -> set[str]:
         """The ``gids`` whose commit marker is visible: committed."""

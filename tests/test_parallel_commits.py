@@ -1,0 +1,304 @@
+"""Commits in parallel: sinks of a checkpoint at once, a sink's transactions over
+several connections, and the order and failure rules that must survive it.
+
+The coordinator tests use sinks of our own protocol that record when they
+commit (what is observed is the coordinator's scheduling); the PostgreSQL and
+Kafka tests run against the real server and broker.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import psycopg
+import pyarrow as pa
+import pytest
+
+from lifecycle.coordinator import Coordinator, PipelineSinks
+from lifecycle.errors import CheckpointCommitError
+from lifecycle.ledger import FileLedger
+from lifecycle.spark_log import SparkCommitLog
+from sinks import KafkaSink, PostgresSink, _faults
+from sinks._parallel import slices
+from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
+from sinks.errors import ConfigError, TransactionLostError
+from sinks.naming import TxnName
+from tests.kafkabroker import KafkaBroker
+from tests.kafkalog import read_topic
+from tests.pgcheck import job_prepared
+
+SCHEMA = pa.schema([("id", pa.int64())])
+
+
+# -- the coordinator: sinks at once, one target at a time ---------------------------------
+
+
+class TimedSink(Sink):
+    """Records the interval of each of its commits; ``meet`` (a barrier shared
+    with other sinks) makes a commit wait until the others' are under way."""
+
+    kind = "timed"
+
+    def __init__(
+        self,
+        sid: str,
+        target: str,
+        meet: threading.Barrier | None = None,
+        fail: bool = False,
+    ) -> None:
+        self._sid, self.target, self.meet, self.fail = sid, target, meet, fail
+        self.commits: list[tuple[float, float, list[str]]] = []
+
+    @property
+    def sink_id(self) -> str:
+        return self._sid
+
+    def describe(self) -> str:
+        return self.target
+
+    def preflight(self, schema: pa.Schema) -> None:
+        pass
+
+    def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
+        raise NotImplementedError
+
+    def commit(self, committables: Sequence[Committable]) -> None:
+        start = time.monotonic()
+        if self.meet is not None:
+            self.meet.wait()  # BrokenBarrierError after its timeout: not concurrent
+        time.sleep(0.2)
+        if self.fail:
+            raise TransactionLostError(f"{self.target}: lost on purpose")
+        self.commits.append((start, time.monotonic(), [c["txn"] for c in committables]))
+
+    def abort(self, committables: Sequence[Committable]) -> None:
+        pass
+
+    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+        return []
+
+
+def _coordinator(tmp_path: Path, sinks: list[TimedSink]) -> tuple[Coordinator, FileLedger]:
+    spark = tmp_path / "spark"
+    (spark / "commits").mkdir(parents=True)
+    (spark / "metadata").write_text("{}")
+    (spark / "commits" / "0").write_text("v1\n{}")
+    ledger = FileLedger(tmp_path / "ledger", "j")
+    ledger.begin_run()
+    coord = Coordinator(
+        "j", ledger, [PipelineSinks("p", {s.sink_id: s for s in sinks}, SparkCommitLog(spark))]
+    )
+    names = {
+        s.sink_id: str(TxnName("j", "p", s.sink_id, 1, 0, 0, 0, ledger.incarnation)) for s in sinks
+    }
+    coord.register("p", 0, {sid: [{"txn": n, "rows": 1}] for sid, n in names.items()})
+    return coord, ledger
+
+
+def test_sinks_of_different_targets_commit_at_once(tmp_path: Path) -> None:
+    meet = threading.Barrier(3, timeout=10)
+    sinks = [TimedSink(f"s{i}", f"target {i}", meet) for i in range(3)]
+    coord, ledger = _coordinator(tmp_path, sinks)
+    cp = coord.checkpoint()
+    assert cp is not None and cp.committed_at is not None
+    assert all(len(s.commits) == 1 for s in sinks)
+    assert ledger.pending() == {} and ledger.decided() is None
+    ledger.close()
+
+
+def test_sinks_of_one_target_commit_one_after_another(tmp_path: Path) -> None:
+    sinks = [TimedSink(f"s{i}", "one table") for i in range(3)]
+    coord, ledger = _coordinator(tmp_path, sinks)
+    assert coord.checkpoint() is not None
+    spans = sorted((s.commits[0][0], s.commits[0][1]) for s in sinks)
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert start >= end, f"commits of one target overlapped: {spans}"
+    ledger.close()
+
+
+def test_a_failing_sink_does_not_stop_the_others(tmp_path: Path) -> None:
+    meet = threading.Barrier(3, timeout=10)
+    sinks = [
+        TimedSink("a", "target a", meet),
+        TimedSink("bad", "target bad", meet, fail=True),
+        TimedSink("c", "target c", meet),
+    ]
+    coord, ledger = _coordinator(tmp_path, sinks)
+    with pytest.raises(CheckpointCommitError) as e:
+        coord.checkpoint()
+    assert "p/bad" in str(e.value) and list(e.value.failed) == ["p/bad"]
+    assert len(sinks[0].commits) == len(sinks[2].commits) == 1
+    assert ledger.decided() is not None  # kept: the next start finishes it
+    ledger.close()
+
+
+def test_slices_and_the_option() -> None:
+    assert slices([]) == []
+    assert slices(list(range(7))) == [list(range(7))]  # a few: one connection
+    assert slices(list(range(10))) == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    assert [len(s) for s in slices(list(range(100)))] == [25, 25, 25, 25]
+    assert [len(s) for s in slices(list(range(100)), most=1)] == [100]
+    with pytest.raises(ConfigError, match="commit_connections"):
+        PostgresSink("host=127.0.0.1", "t", commit_connections=0)
+    with pytest.raises(ConfigError, match="commit_connections"):
+        KafkaSink("127.0.0.1:9092", "t", commit_connections=True)  # type: ignore[arg-type]
+
+
+# -- PostgreSQL: COMMIT PREPARED over several connections ---------------------------------
+
+
+@pytest.fixture
+def pg_sink(pg_dsn: str) -> PostgresSink:
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE t (id bigint PRIMARY KEY)")
+    sink = PostgresSink(pg_dsn, "t", commit_connections=4)
+    sink.preflight(SCHEMA)
+    return sink
+
+
+def _prepare_pg(sink: PostgresSink, job: str, n: int) -> list[Committable]:
+    scope = JobScope(job, "p", sink.sink_id, "0123456789ab")
+    sink.claim(scope)
+    out = []
+    for part in range(n):
+        w = sink.open_writer(WriteContext(scope, 1, 0, part, part), SCHEMA)
+        w.write(pa.RecordBatch.from_pydict({"id": [part]}, schema=SCHEMA))
+        c = w.prepare()
+        w.close()
+        assert c is not None
+        out.append(c)
+    return out
+
+
+def test_postgres_commits_over_several_connections(pg_sink: PostgresSink, pg_dsn: str) -> None:
+    """24 transactions, 4 connections of 6: the first connection is held after its
+    first COMMIT PREPARED until the three others have committed all of theirs,
+    which only concurrent connections can do (one connection would wait for
+    ever: the hold gives up after 20 s and the test fails)."""
+    job = f"par{uuid.uuid4().hex[:6]}"
+    cs = _prepare_pg(pg_sink, job, 24)
+    seen: list[int] = []
+
+    def hold() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            left = len(job_prepared(pg_dsn, job))
+            if left == 5:  # the held connection's own five
+                seen.append(left)
+                return
+            time.sleep(0.02)
+
+    _faults.register("driver.mid_commit", hold)
+    try:
+        pg_sink.commit(cs)
+    finally:
+        _faults.clear()
+    assert seen == [5]
+    assert job_prepared(pg_dsn, job) == []
+    pg_sink.commit(cs)  # again: recognised from the markers
+    with psycopg.connect(pg_dsn) as c:
+        assert c.execute("SELECT count(*) FROM t").fetchone() == (24,)
+
+
+def test_postgres_a_lost_transaction_fails_the_commit_and_the_rest_commits_after(
+    pg_sink: PostgresSink, pg_dsn: str
+) -> None:
+    job = f"par{uuid.uuid4().hex[:6]}"
+    cs = _prepare_pg(pg_sink, job, 16)
+    lost = cs[5]["txn"]
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f"ROLLBACK PREPARED '{lost}'")
+    with pytest.raises(TransactionLostError, match=lost):
+        pg_sink.commit(cs)
+    pg_sink.commit([c for c in cs if c["txn"] != lost])  # what an abandon leads to
+    assert job_prepared(pg_dsn, job) == []
+    with psycopg.connect(pg_dsn) as c:
+        assert c.execute("SELECT count(*) FROM t").fetchone() == (15,)
+
+
+# -- Kafka: EndTxn over several connections -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bootstrap() -> Iterator[str]:
+    b = KafkaBroker()
+    b.start()
+    try:
+        yield b.bootstrap
+    finally:
+        b.cleanup()
+
+
+@pytest.fixture
+def kafka_sink(bootstrap: str) -> Iterator[Callable[[int], KafkaSink]]:
+    made: list[KafkaSink] = []
+
+    def build(connections: int) -> KafkaSink:
+        topic = f"t-{uuid.uuid4().hex[:10]}"
+        sink = KafkaSink(
+            bootstrap,
+            topic,
+            create_topic=True,
+            partitions=2,
+            sink_id="k",
+            commit_connections=connections,
+            commit_timeout=20,
+        )
+        sink.preflight(SCHEMA)
+        made.append(sink)
+        return sink
+
+    yield build
+    for sink in made:
+        sink.close()
+
+
+def _prepare_kafka(sink: KafkaSink, start: int, n: int, batch: int = 0) -> list[Committable]:
+    scope = JobScope(f"j{uuid.uuid4().hex[:6]}", "p", "k", "0123456789ab")
+    out = []
+    for part in range(n):
+        w = sink.open_writer(WriteContext(scope, 1, batch, part, 1000 * batch + part), SCHEMA)
+        w.write(pa.RecordBatch.from_pydict({"id": [start + part]}, schema=SCHEMA))
+        c = w.prepare()
+        w.close()
+        assert c is not None
+        out.append(c)
+    return out
+
+
+def _committed(bootstrap: str, topic: str) -> list[int]:
+    log = read_topic(bootstrap, topic)
+    assert log.n_open == 0
+    return sorted(json.loads(r.value)["id"] for r in log.committed if r.value is not None)
+
+
+def test_kafka_commits_over_several_connections_and_a_lost_one_is_named(
+    bootstrap: str, kafka_sink: Callable[[int], KafkaSink]
+) -> None:
+    """12 transactions over 3 connections, one fenced by an intruder (its
+    EndTxn is refused, tansu closes that connection): the error names it; the
+    commit of the 11 others (as after an operator's abandon) and the next
+    commit (new transactions, the spare connections again) go through."""
+    from kafka import KafkaProducer
+
+    sink = kafka_sink(3)
+    cs = _prepare_kafka(sink, 0, 12)
+    lost = cs[4]["transactional_id"]
+    intruder = KafkaProducer(bootstrap_servers=bootstrap, transactional_id=lost)
+    intruder.init_transactions()  # aborts the prepared transaction
+    intruder.close()
+    with pytest.raises(TransactionLostError, match=lost):
+        sink.commit(cs)
+    sink.commit([c for c in cs if c["transactional_id"] != lost])
+    assert _committed(bootstrap, sink.topic) == [i for i in range(12) if i != 4]
+    more = _prepare_kafka(sink, 100, 12, batch=1)
+    sink.commit(more)
+    sink.commit(more)  # again: harmless
+    expected = [i for i in range(12) if i != 4] + list(range(100, 112))
+    assert _committed(bootstrap, sink.topic) == expected
