@@ -1,0 +1,170 @@
+"""A job's driver without Spark, for the benchmarks of commits and recovery.
+
+Real services (a PostgreSQL server of its own, with room for many prepared
+transactions; a tansu broker; a Delta table on local disk), the three real
+sinks, a real file ledger and a real :class:`~lifecycle.coordinator.Coordinator`.
+What Spark's executors do is done here by :meth:`Driver.prepare_batch`: it
+opens a writer per task and sink, writes, prepares, on a few threads, exactly
+as a task would; :meth:`Driver.spark_completed` writes Spark's ``commits/N``.
+The figures are then the driver's own: what a checkpoint or a recovery costs,
+without Spark's planning and scheduling around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import pickle
+import tempfile
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from lifecycle.coordinator import Coordinator, PipelineSinks
+from lifecycle.ledger import FileLedger
+from lifecycle.spark_log import SparkCommitLog
+from sinks import DeltaSink, KafkaSink, PostgresSink
+from sinks.base import Committable, JobScope, Sink, WriteContext
+
+JOB = "bench"
+PIPELINE = "p"
+SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string()), ("amount", pa.float64())])
+
+
+@dataclass
+class Services:
+    dsn: str
+    bootstrap: str
+    root: Path
+
+
+@contextlib.contextmanager
+def services(max_prepared: int = 2000) -> Iterator[Services]:
+    """PostgreSQL (``max_prepared_transactions`` = ``max_prepared``) and tansu,
+    started here and stopped afterwards, and a temporary directory."""
+    from tests.kafkabroker import KafkaBroker
+    from tests.pgserver import PostgresServer
+
+    pg = PostgresServer(
+        settings={
+            "max_prepared_transactions": str(max_prepared),
+            "max_connections": "300",
+            "fsync": "on",
+            "synchronous_commit": "on",
+        }
+    )
+    broker = KafkaBroker()
+    with tempfile.TemporaryDirectory(prefix="bench-driver-") as tmp:
+        try:
+            pg.start()
+            broker.start()
+            yield Services(pg.dsn(), broker.bootstrap, Path(tmp))
+        finally:
+            broker.cleanup()
+            pg.cleanup()
+
+
+def make_sinks(
+    s: Services, name: str, partitions: int = 4, options: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Sink]:
+    """The three sinks, writing table/topic ``name``, preflighted; ``options``:
+    more constructor arguments per sink id (``pg``, ``kafka``, ``delta``)."""
+    more = options or {}
+    sinks: dict[str, Sink] = {
+        "pg": PostgresSink(s.dsn, name, create_table=True, sink_id="pg", **more.get("pg", {})),
+        "kafka": KafkaSink(
+            s.bootstrap,
+            name,
+            key="id",
+            create_topic=True,
+            partitions=partitions,
+            sink_id="kafka",
+            **more.get("kafka", {}),
+        ),
+        "delta": DeltaSink(s.root / name, sink_id="delta"),
+    }
+    for sink in sinks.values():
+        sink.preflight(SCHEMA)
+    return sinks
+
+
+def executors(n: int = 2) -> ProcessPoolExecutor:
+    """Processes that do the executors' part (the machine's 2 cores)."""
+    return ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _task(job: tuple[bytes, JobScope, int, int, int, int, int]) -> Committable:
+    """One Spark task: open the sink's writer, write ``rows`` rows, prepare."""
+    shipped, scope, run, batch, part, tasks, rows = job
+    sink: Sink = pickle.loads(shipped)
+    ctx = WriteContext(scope, run, batch, part, batch * tasks + part)
+    first = (batch * tasks + part) * rows
+    ids = range(first, first + rows)
+    data = pa.RecordBatch.from_pydict(
+        {"id": list(ids), "name": [f"n{i}" for i in ids], "amount": [i * 0.5 for i in ids]},
+        schema=SCHEMA,
+    )
+    writer = sink.open_writer(ctx, SCHEMA)
+    try:
+        writer.write(data)
+        c = writer.prepare()
+    finally:
+        writer.close()
+    assert c is not None
+    return c
+
+
+class Driver:
+    """One incarnation of the job's driver: a ledger, its coordinator, the sinks."""
+
+    def __init__(self, s: Services, name: str, sinks: dict[str, Sink]) -> None:
+        self.sinks = sinks
+        # as Spark ships them to executors, taken before anything wraps a method
+        self._shipped = {sid: pickle.dumps(sink) for sid, sink in sinks.items()}
+        self.spark = s.root / f"{name}-spark"
+        (self.spark / "commits").mkdir(parents=True, exist_ok=True)
+        (self.spark / "metadata").write_text("{}")
+        self.ledger = FileLedger(s.root / f"{name}-ledger", JOB)
+        self.run = self.ledger.begin_run()
+        self.coordinator = Coordinator(
+            JOB, self.ledger, [PipelineSinks(PIPELINE, sinks, SparkCommitLog(self.spark))]
+        )
+        self.coordinator.claim_sinks()
+
+    def scope(self, sink_id: str) -> JobScope:
+        return JobScope(JOB, PIPELINE, sink_id, self.ledger.incarnation)
+
+    def prepare_batch(
+        self, batch: int, tasks: int, rows: int, pool: ProcessPoolExecutor
+    ) -> dict[str, list[Committable]]:
+        """What ``tasks`` Spark tasks of ``batch`` prepare in every sink,
+        ``rows`` rows each: the executors' part, done in the processes of
+        ``pool`` (see :func:`executors`) as Spark's Python workers would."""
+        jobs = [
+            (self._shipped[sid], self.scope(sid), self.run, batch, part, tasks, rows)
+            for sid in self.sinks
+            for part in range(tasks)
+        ]
+        done = list(pool.map(_task, jobs, chunksize=8))
+        out: dict[str, list[Committable]] = {sid: [] for sid in self.sinks}
+        for job, c in zip(jobs, done, strict=True):
+            out[job[1].sink_id].append(c)
+        return out
+
+    def spark_completed(self, batch: int) -> None:
+        """Spark wrote ``commits/<batch>``."""
+        (self.spark / "commits" / str(batch)).write_text("v1\n{}")
+
+    def close(self) -> None:
+        self.ledger.close()
+        for sink in self.sinks.values():
+            sink.close()
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:8]}"
