@@ -377,7 +377,7 @@ class Coordinator:
         for done in run_all(calls, limit=self.commit_parallelism, name="twophase-commit"):
             assert done.value is not None  # a lane catches its sinks' errors
             failed.update(done.value)
-        return failed
+        return {key: failed[key] for key in groups if key in failed}  # in the groups' order
 
     def _commit_error(
         self,

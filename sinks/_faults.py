@@ -10,8 +10,10 @@ environment of the process under test (inherited by Spark's Python workers)::
     TWOPHASE_FAULT="executor.prepared@1+once=kill-executor"  # one executor JVM dies, once
 
 Syntax: ``point[@batch][#attempt_number][+once]=action`` (several joined by
-``;``); actions: ``kill`` (SIGKILL this process), ``kill-driver`` (SIGKILL the
-process in ``TWOPHASE_DRIVER_PID``, then go on as a zombie would),
+``;``); a sink's point can name the kind of sink, ``driver.mid_commit.delta``,
+to fire in that sink alone (the sinks of a checkpoint commit at once); actions:
+``kill`` (SIGKILL this process), ``kill-driver`` (SIGKILL the process in
+``TWOPHASE_DRIVER_PID``, then go on as a zombie would),
 ``kill-executor`` (SIGKILL the executor JVM this Python worker runs under),
 ``kill-worker`` (SIGKILL the process group of the Spark standalone Worker this
 task runs under: the Worker, its executor JVMs and their Python workers),
@@ -61,12 +63,14 @@ def clear() -> None:
     _callbacks.clear()
 
 
-def _matches(spec: str, point: str, batch: int | None, attempt: int | None) -> str | None:
+def _matches(
+    spec: str, point: str, batch: int | None, attempt: int | None, sink: str | None
+) -> str | None:
     where, _, action = spec.partition("=")
     where = where.removesuffix("+once")
     where, _, attempt_s = where.partition("#")
     name, _, batch_s = where.partition("@")
-    if name.strip() != point:
+    if name.strip() not in (point, f"{point}.{sink}" if sink else point):
         return None
     if batch_s and (batch is None or int(batch_s) != batch):
         return None
@@ -75,8 +79,12 @@ def _matches(spec: str, point: str, batch: int | None, attempt: int | None) -> s
     return action.strip() or "kill"
 
 
-def hit(point: str, *, batch: int | None = None, attempt: int | None = None) -> None:
-    """Called by the protocol at ``point``; does nothing unless a fault is set."""
+def hit(
+    point: str, *, batch: int | None = None, attempt: int | None = None, sink: str | None = None
+) -> None:
+    """Called by the protocol at ``point``; does nothing unless a fault is set.
+    ``sink``: the kind of sink that hits it (a fault named ``point.<kind>`` fires
+    there only)."""
     cb = _callbacks.pop(point, None)
     if cb is not None:
         cb()
@@ -84,7 +92,7 @@ def hit(point: str, *, batch: int | None = None, attempt: int | None = None) -> 
     if not specs:
         return
     for spec in specs.split(";"):
-        action = _matches(spec, point, batch, attempt)
+        action = _matches(spec, point, batch, attempt, sink)
         if action is None or not _first_time(spec):
             continue
         if action == "kill":

@@ -16,10 +16,11 @@ exit 0 and leave:
   rows, and one Delta version per checkpoint holding exactly its batches.
 
 Delta is the first sink of the pipeline, so the executor-side kill hits a Delta
-task in the middle of staging files, and ``driver.mid_commit`` (which Delta
-hits right after its version is written, before its staging markers are
-deleted) leaves Delta committed and PostgreSQL and Kafka prepared: the restart
-must recognise the Delta version as done and commit the other two.
+task in the middle of staging files, and ``driver.mid_commit.delta`` (which
+Delta hits right after its version is written, before its staging markers are
+deleted; the other sinks commit at the same time) leaves Delta committed and
+PostgreSQL and Kafka committed or still prepared: the restart must recognise
+the Delta version as done and commit what the other two have not.
 
 Last, a Delta-only run whose first task attempts are SIGKILLed right after
 staging their files (Spark retries them): the checkpoints sweep the dead
@@ -53,7 +54,7 @@ CRASH_POINTS = {
         2,
     ),
     "after Spark's commit log, before our commit": ("driver.before_commit@2=kill", 0.0, 1, 1),
-    "in the middle of committing": ("driver.mid_commit=kill", 1.0, 2, None),
+    "in the middle of committing": ("driver.mid_commit.delta=kill", 1.0, 2, None),
 }
 
 

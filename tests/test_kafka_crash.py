@@ -164,7 +164,7 @@ def test_task_fails_after_flush_and_is_retried(  # type: ignore[no-untyped-def]
         assert len(ordered) >= 2, f"{where}: the first attempt did not fail"
 
 
-@pytest.mark.parametrize("fault", ["driver.after_record@2=kill", "driver.mid_commit=kill"])
+@pytest.mark.parametrize("fault", ["driver.after_record@2=kill", "driver.mid_commit.kafka=kill"])
 def test_crash_with_postgres_and_kafka(  # type: ignore[no-untyped-def]
     kafka_bootstrap, kafka_topic, pg_dsn, tmp_path, fault
 ):

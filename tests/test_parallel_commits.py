@@ -302,3 +302,15 @@ def test_kafka_commits_over_several_connections_and_a_lost_one_is_named(
     sink.commit(more)  # again: harmless
     expected = [i for i in range(12) if i != 4] + list(range(100, 112))
     assert _committed(bootstrap, sink.topic) == expected
+
+
+def test_a_fault_point_can_name_the_kind_of_sink(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sinks commit at once, so a crash test that means one sink's commit names it."""
+    monkeypatch.setenv(_faults.ENV, "driver.mid_commit.delta=raise")
+    _faults.hit("driver.mid_commit", sink="kafka")
+    _faults.hit("driver.mid_commit")
+    with pytest.raises(_faults.InjectedFault):
+        _faults.hit("driver.mid_commit", sink="delta")
+    monkeypatch.setenv(_faults.ENV, "driver.mid_commit=raise")  # any sink
+    with pytest.raises(_faults.InjectedFault):
+        _faults.hit("driver.mid_commit", sink="kafka")

@@ -397,7 +397,7 @@ class DeltaSink(Sink):
                 app,
                 version,
             )
-            _faults.hit("driver.mid_commit", batch=version)
+            _faults.hit("driver.mid_commit", batch=version, sink=self.kind)
         for c in cs:
             for a in c["adds"]:
                 self._storage.delete(marker_path(a["path"]))

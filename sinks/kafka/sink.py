@@ -642,7 +642,7 @@ class KafkaSink(Sink):
                 )
                 del pending[tid]  # distinct keys per thread: a retry skips it
                 if next(done) == 1 and total > 1:
-                    _faults.hit("driver.mid_commit")
+                    _faults.hit("driver.mid_commit", sink=self.kind)
 
         retry_transient(
             attempt,

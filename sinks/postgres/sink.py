@@ -480,7 +480,7 @@ class PostgresSink(Sink):
                         except psycopg.errors.UndefinedObject:
                             self._check_committed(c, [gid])  # committed concurrently, or lost
                         if next(count) == 1 and len(prepared) > 1:
-                            _faults.hit("driver.mid_commit")
+                            _faults.hit("driver.mid_commit", sink=self.kind)
 
             calls = [
                 functools.partial(commit_part, part, conn if i == 0 else None)
