@@ -16,6 +16,7 @@ import contextlib
 import multiprocessing
 import pickle
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -164,6 +165,23 @@ class Driver:
         self.ledger.close()
         for sink in self.sinks.values():
             sink.close()
+
+
+def timed(sink: Sink, method: str) -> list[float]:
+    """Seconds of each call of ``sink.<method>`` from now on (the instance's
+    method wrapped, to show where the driver's time goes)."""
+    took: list[float] = []
+    call = getattr(sink, method)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            took.append(time.perf_counter() - t0)
+
+    setattr(sink, method, wrapper)
+    return took
 
 
 def unique(prefix: str) -> str:

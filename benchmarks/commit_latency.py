@@ -31,7 +31,6 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,32 +43,15 @@ from benchmarks._driver import (  # noqa: E402
     executors,
     make_sinks,
     services,
+    timed,
     unique,
 )
-from sinks.base import Committable, Sink  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``values``, nearest rank."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
-
-
-def timed_commits(sink: Sink) -> list[float]:
-    """Seconds of each ``sink.commit`` call from now on (the instance's method
-    wrapped, to show where a checkpoint's time goes)."""
-    took: list[float] = []
-    commit = sink.commit
-
-    def timed(committables: Sequence[Committable]) -> None:
-        t0 = time.perf_counter()
-        try:
-            commit(committables)
-        finally:
-            took.append(time.perf_counter() - t0)
-
-    sink.commit = timed  # type: ignore[method-assign]
-    return took
 
 
 def main() -> int:
@@ -101,7 +83,7 @@ def main() -> int:
         name = unique("lat")
         sinks = make_sinks(s, name, options=options)
         driver = Driver(s, name, sinks)
-        per_sink = {sid: timed_commits(sink) for sid, sink in sinks.items()}
+        per_sink = {sid: timed(sink, "commit") for sid, sink in sinks.items()}
         ended: dict[int, float] = {}
         failure: list[BaseException] = []
 

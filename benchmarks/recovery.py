@@ -37,6 +37,7 @@ from benchmarks._driver import (  # noqa: E402
     executors,
     make_sinks,
     services,
+    timed,
     unique,
 )
 
@@ -60,8 +61,8 @@ def main() -> int:
     batches = math.ceil(args.pending / (3 * args.tasks))
     pending = batches * 3 * args.tasks
     took: list[float] = []
-    with services() as s, executors() as pool:
-        for _ in range(args.repeat):
+    for _ in range(args.repeat):  # fresh services each time: tansu slows as it sees more
+        with services() as s, executors() as pool:
             name = unique("rec")
             first = Driver(s, name, make_sinks(s, name, options=options))
             for b in range(batches):
@@ -72,6 +73,11 @@ def main() -> int:
                     first.spark_completed(b)
             first.close()  # the driver dies: nothing committed or aborted
             second = Driver(s, name, make_sinks(s, name, options=options))
+            calls = {
+                f"{sid}.{m}": timed(sink, m)
+                for sid, sink in second.sinks.items()
+                for m in ("commit", "abort")
+            }
             t0 = time.perf_counter()
             second.coordinator.recover()
             took.append(time.perf_counter() - t0)
@@ -83,7 +89,8 @@ def main() -> int:
             kafkacheck.assert_exactly_once(s.bootstrap, name, n)
             deltacheck.assert_exactly_once(s.root / name, n)
             deltacheck.assert_nothing_staged(s.root / name)
-            print(f"recover(): {took[-1]:.2f} s", flush=True)
+            split = ", ".join(f"{k} {sum(v):.2f}" for k, v in calls.items())
+            print(f"recover(): {took[-1]:.2f} s ({split})", flush=True)
     print(
         f"{pending} pending committables ({batches} batches x {args.tasks} tasks x 3 sinks, "
         f"the last batch not completed by Spark): recover() median {statistics.median(took):.2f}"
