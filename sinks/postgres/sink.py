@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import logging
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -150,8 +151,32 @@ class PostgresSink(Sink):
         keys.check_config(self.describe(), self.key, order_by)
         self._wire: pa.Schema | None = None
         self._claims = ClaimedScopes()
+        self._init_driver_state()
         self.max_prepared: int | None = None
         """the server's ``max_prepared_transactions``, read at preflight"""
+
+    # -- driver-side state (never pickled to executors) ----------------------------
+
+    def _init_driver_state(self) -> None:
+        self._capacity: psycopg.Connection | None = None  # the capacity check's, kept
+        self._capacity_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for k in ("_capacity", "_capacity_lock"):
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_driver_state()
+
+    def close(self) -> None:
+        """Release the driver's kept connection (the capacity check's)."""
+        with self._capacity_lock:
+            conn, self._capacity = self._capacity, None
+        if conn is not None:
+            conn.close()
 
     # -- identity ---------------------------------------------------------------
 
@@ -363,8 +388,7 @@ class PostgresSink(Sink):
         if not batch or limit is None:
             return None
         try:
-            with self.connect(application_name="twophase-capacity") as conn:
-                held = conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone()[0]
+            held = self._prepared_count()
         except psycopg.OperationalError:
             return None  # the commit will say what is wrong with the server
         if held + 2 * len(batch) <= limit:
@@ -373,6 +397,24 @@ class PostgresSink(Sink):
             f"{self.describe()}: {held} of max_prepared_transactions={limit} are prepared "
             f"and the last batch prepared {len(batch)}"
         )
+
+    def _prepared_count(self) -> int:
+        """How many transactions the server holds prepared (every database and
+        job), over a connection kept from one batch to the next: the check runs
+        in every batch's barrier, where a new connection would cost more than
+        the query. A connection that fails is dropped; the next check opens one."""
+        with self._capacity_lock:
+            conn = self._capacity
+            if conn is None or conn.closed:
+                conn = self._capacity = self.connect("twophase-capacity")
+            try:
+                row = conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone()
+            except psycopg.Error:
+                self._capacity = None
+                with contextlib.suppress(Exception):
+                    conn.close()
+                raise
+            return int(row[0]) if row else 0
 
     # -- executor side --------------------------------------------------------------
 
