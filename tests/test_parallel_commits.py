@@ -13,7 +13,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import psycopg
@@ -29,7 +29,6 @@ from sinks._parallel import slices
 from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
 from sinks.errors import ConfigError, TransactionLostError
 from sinks.naming import TxnName
-from tests.kafkabroker import KafkaBroker
 from tests.kafkalog import read_topic
 from tests.pgcheck import job_prepared
 
@@ -225,38 +224,22 @@ def test_postgres_a_lost_transaction_fails_the_commit_and_the_rest_commits_after
 # -- Kafka: EndTxn over several connections -----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def bootstrap() -> Iterator[str]:
-    b = KafkaBroker()
-    b.start()
-    try:
-        yield b.bootstrap
-    finally:
-        b.cleanup()
-
-
 @pytest.fixture
-def kafka_sink(bootstrap: str) -> Iterator[Callable[[int], KafkaSink]]:
-    made: list[KafkaSink] = []
-
-    def build(connections: int) -> KafkaSink:
-        topic = f"t-{uuid.uuid4().hex[:10]}"
-        sink = KafkaSink(
-            bootstrap,
-            topic,
-            create_topic=True,
-            partitions=2,
-            sink_id="k",
-            commit_connections=connections,
-            commit_timeout=20,
-        )
-        sink.preflight(SCHEMA)
-        made.append(sink)
-        return sink
-
-    yield build
-    for sink in made:
-        sink.close()
+def kafka_sink(kafka_bootstrap: str) -> Iterator[KafkaSink]:
+    """A sink of 3 commit connections on a new topic, preflighted, closed after."""
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    sink = KafkaSink(
+        kafka_bootstrap,
+        topic,
+        create_topic=True,
+        partitions=2,
+        sink_id="k",
+        commit_connections=3,
+        commit_timeout=20,
+    )
+    sink.preflight(SCHEMA)
+    yield sink
+    sink.close()
 
 
 def _prepare_kafka(sink: KafkaSink, start: int, n: int, batch: int = 0) -> list[Committable]:
@@ -279,7 +262,7 @@ def _committed(bootstrap: str, topic: str) -> list[int]:
 
 
 def test_kafka_commits_over_several_connections_and_a_lost_one_is_named(
-    bootstrap: str, kafka_sink: Callable[[int], KafkaSink]
+    kafka_bootstrap: str, kafka_sink: KafkaSink
 ) -> None:
     """12 transactions over 3 connections, one fenced by an intruder (its
     EndTxn is refused, tansu closes that connection): the error names it; the
@@ -287,21 +270,21 @@ def test_kafka_commits_over_several_connections_and_a_lost_one_is_named(
     commit (new transactions, the spare connections again) go through."""
     from kafka import KafkaProducer
 
-    sink = kafka_sink(3)
+    sink = kafka_sink
     cs = _prepare_kafka(sink, 0, 12)
     lost = cs[4]["transactional_id"]
-    intruder = KafkaProducer(bootstrap_servers=bootstrap, transactional_id=lost)
+    intruder = KafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=lost)
     intruder.init_transactions()  # aborts the prepared transaction
     intruder.close()
     with pytest.raises(TransactionLostError, match=lost):
         sink.commit(cs)
     sink.commit([c for c in cs if c["transactional_id"] != lost])
-    assert _committed(bootstrap, sink.topic) == [i for i in range(12) if i != 4]
+    assert _committed(kafka_bootstrap, sink.topic) == [i for i in range(12) if i != 4]
     more = _prepare_kafka(sink, 100, 12, batch=1)
     sink.commit(more)
     sink.commit(more)  # again: harmless
     expected = [i for i in range(12) if i != 4] + list(range(100, 112))
-    assert _committed(bootstrap, sink.topic) == expected
+    assert _committed(kafka_bootstrap, sink.topic) == expected
 
 
 def test_a_fault_point_can_name_the_kind_of_sink(monkeypatch: pytest.MonkeyPatch) -> None:
