@@ -76,27 +76,20 @@ compare it with the checkpoint interval plus batch, commit and restart time.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import itertools
 import logging
 import re
-import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import kafka.errors as Errors
 import pyarrow as pa
-from kafka import KafkaProducer
 
 from sinks import _faults, base, settings
 from sinks._parallel import (
     COMMIT_CONNECTIONS,
     check_connections,
-    raise_first,
-    run_all,
     slices,
 )
 from sinks._retry import retry_transient
@@ -111,6 +104,7 @@ from sinks.base import (
 )
 from sinks.errors import ConfigError, PreflightError
 from sinks.kafka import checks, encode, outcome, txn, txn_age
+from sinks.kafka.connections import DriverConnections
 from sinks.kafka.produce import ProducerOptions
 from sinks.kafka.progress import ProgressStore
 from sinks.kafka.registry import (
@@ -336,11 +330,9 @@ class KafkaSink(Sink):
     # -- driver-side state (never pickled to executors) ----------------------------------
 
     def _init_driver_state(self) -> None:
-        self._lock = threading.RLock()
-        self._wire: KafkaWire | None = None
-        self._spares: list[KafkaWire] = []  # connections of a commit's other slices
-        self._spares_lock = threading.Lock()
-        self._plain: KafkaProducer | None = None  # claims, progress records, tombstones
+        self._conns = DriverConnections(
+            self.bootstrap_servers, self.producer_config, self.commit_timeout
+        )
         self._store = (
             ProgressStore(self.registry_topic, self.topic, self.id_prefix, self.describe())
             if self.registry_topic
@@ -349,7 +341,7 @@ class KafkaSink(Sink):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for k in ("_lock", "_wire", "_plain", "_store", "_spares", "_spares_lock"):
+        for k in ("_conns", "_store"):
             state.pop(k, None)
         return state
 
@@ -357,77 +349,9 @@ class KafkaSink(Sink):
         self.__dict__.update(state)
         self._init_driver_state()
 
-    @contextlib.contextmanager
-    def _client(self) -> Iterator[KafkaWire]:
-        """The driver's cached connection; dropped (and rebuilt next time) on error."""
-        with self._lock:
-            if self._wire is None:
-                self._wire = self._new_wire()
-            try:
-                yield self._wire
-            except BaseException:
-                wire, self._wire = self._wire, None
-                with contextlib.suppress(Exception):
-                    wire.close()
-                raise
-
-    def _new_wire(self) -> KafkaWire:
-        # one attempt never outlasts the whole retry budget by much
-        timeout = min(30.0, max(2.0, self.commit_timeout / 4))
-        return KafkaWire(self.bootstrap_servers, config=self.producer_config, timeout_s=timeout)
-
-    @contextlib.contextmanager
-    def _spare_wire(self) -> Iterator[KafkaWire]:
-        """A connection of its own for one slice of a commit (tansu closes the
-        connection that carried a refused EndTxn, which must not fail the
-        other slices' requests), kept for the next commit; dropped on error."""
-        with self._spares_lock:
-            wire = self._spares.pop() if self._spares else None
-        if wire is None:
-            wire = self._new_wire()
-        try:
-            yield wire
-        except BaseException:
-            with contextlib.suppress(Exception):
-                wire.close()
-            raise
-        with self._spares_lock:
-            self._spares.append(wire)
-
-    @contextlib.contextmanager
-    def _producer(self) -> Iterator[KafkaProducer]:
-        """The driver's plain (non-transactional, acks=all) producer for the
-        registry; dropped (and rebuilt next time) on a Kafka error."""
-        with self._lock:
-            if self._plain is None:
-                self._plain = KafkaProducer(
-                    **{
-                        **self.producer_config,
-                        "bootstrap_servers": self.bootstrap_servers,
-                        "acks": "all",
-                    }
-                )
-            try:
-                yield self._plain
-            except Errors.KafkaError:
-                producer, self._plain = self._plain, None
-                if producer is not None:
-                    with contextlib.suppress(Exception):
-                        producer.close(timeout=0)
-                raise
-
     def close(self) -> None:
         """Release the driver's connections (optional; they are daemon threads)."""
-        with self._lock:
-            wire, self._wire = self._wire, None
-            producer, self._plain = self._plain, None
-        with self._spares_lock:
-            spares, self._spares = self._spares, []
-        for w in [wire, *spares]:
-            if w is not None:
-                w.close()
-        if producer is not None:
-            producer.close(timeout=5)
+        self._conns.close()
 
     # -- preflight ----------------------------------------------------------------------
 
@@ -552,7 +476,7 @@ class KafkaSink(Sink):
             return SinkProgress(owner=None)
 
         def read() -> SinkProgress:
-            with self._client() as wire:
+            with self._conns.wire() as wire:
                 return store.read(wire, scope)
 
         return retry_transient(
@@ -577,7 +501,7 @@ class KafkaSink(Sink):
         nonce = uuid.uuid4().hex[:16]  # one per claim: a retry appends the same claim
 
         def claim() -> SinkProgress:
-            with self._client() as wire, self._producer() as producer:
+            with self._conns.wire() as wire, self._conns.producer() as producer:
                 return store.claim(
                     wire, producer, scope, start_over_from, nonce, _REGISTRY_TIMEOUT_S
                 )
@@ -612,7 +536,7 @@ class KafkaSink(Sink):
                 raise
 
         def commit_pending() -> None:
-            with self._client() as wire:
+            with self._conns.wire() as wire:
                 replays = self._store.replays(wire, pending) if self._store else []
                 if replays:
                     log.warning(
@@ -627,7 +551,7 @@ class KafkaSink(Sink):
                         del pending[tid]
                     replayed.extend(replays)
                 parts = slices(sorted(pending), most=self.commit_connections)
-                self._on_connections(wire, parts, commit_part, "commit")
+                self._conns.each(wire, parts, commit_part, "commit")
 
         def commit_part(wire: KafkaWire, part: list[str]) -> None:
             coordinators = wire.find_coordinators(part)
@@ -659,7 +583,7 @@ class KafkaSink(Sink):
         found: dict[str, str] = {}
 
         def read() -> None:
-            with self._client() as wire:
+            with self._conns.wire() as wire:
                 for c in committables:
                     if c["txn"] not in found:
                         verdict = outcome.txn_outcome(wire, c)
@@ -684,24 +608,6 @@ class KafkaSink(Sink):
     def _fence(self, wire: KafkaWire, transactional_ids: list[str]) -> None:
         txn.fence(wire, transactional_ids, self.transaction_timeout_ms)
 
-    def _on_connections(
-        self,
-        wire: KafkaWire,
-        parts: list[list[str]],
-        work: Callable[[KafkaWire, list[str]], None],
-        what: str,
-    ) -> None:
-        """``work(connection, part)`` for every part at once, the first on ``wire``
-        and each other on a spare connection of its own; the first error is
-        raised once every part has ended."""
-
-        def run(part: list[str], own: KafkaWire | None) -> None:
-            with contextlib.ExitStack() as stack:
-                work(own or stack.enter_context(self._spare_wire()), part)
-
-        calls = [functools.partial(run, p, wire if i == 0 else None) for i, p in enumerate(parts)]
-        raise_first(run_all(calls, limit=len(calls), name=f"twophase-kafka-{what}"))
-
     def abort(self, committables: Sequence[Committable]) -> None:
         ids = sorted({c["transactional_id"] for c in committables})
         if not ids:
@@ -709,8 +615,8 @@ class KafkaSink(Sink):
         parts = slices(ids, most=self.commit_connections)  # fence() empties them as it goes
 
         def attempt() -> None:
-            with self._client() as wire:
-                self._on_connections(wire, [p for p in parts if p], self._fence, "abort")
+            with self._conns.wire() as wire:
+                self._conns.each(wire, [p for p in parts if p], self._fence, "abort")
 
         retry_transient(
             attempt,
@@ -748,7 +654,7 @@ class KafkaSink(Sink):
             return []
 
         def read() -> dict[str, tuple[TxnName, Announcement]]:
-            with self._client() as wire:
+            with self._conns.wire() as wire:
                 return self._announced(wire, scope_prefixes(job, pipeline, self.sink_id))
 
         found = retry_transient(
@@ -781,7 +687,7 @@ class KafkaSink(Sink):
             return []
 
         def sweep() -> tuple[list[TxnName], dict[str, Announcement]]:
-            with self._client() as wire:
+            with self._conns.wire() as wire:
                 announced = self._announced(wire, scope.own_prefixes())
                 orphans = {t: n for t, (n, _) in announced.items() if is_orphan(n)}
                 fenced = [t for t in sorted(orphans) if announced[t][1].state != COMMITTED]
@@ -820,7 +726,7 @@ class KafkaSink(Sink):
         if store is None:
             return True
         try:
-            with self._client() as wire, self._producer() as producer:
+            with self._conns.wire() as wire, self._conns.producer() as producer:
                 store.record_committed(wire, producer, ids, _REGISTRY_TIMEOUT_S, as_named=as_named)
         except Exception as e:
             log.warning(
@@ -839,7 +745,7 @@ class KafkaSink(Sink):
         if not ids or self._store is None:
             return
         try:
-            with self._producer() as producer:
+            with self._conns.producer() as producer:
                 write_tombstones(producer, self._store.registry, ids, timeout_s=_REGISTRY_TIMEOUT_S)
         except Exception as e:
             log.warning(
