@@ -185,7 +185,27 @@ class LingeringTxn:
 
 
 class Sink(abc.ABC):
-    """Driver-side half of a sink and factory of its executor-side writers."""
+    """Driver-side half of a sink and factory of its executor-side writers.
+
+    A sink that keeps state on the driver (connections kept between
+    checkpoints) names those attributes in ``_driver_only``: they are never
+    pickled to executors, and ``_init_driver_state`` makes them anew after
+    unpickling (and in the sink's constructor)."""
+
+    _driver_only: tuple[str, ...] = ()
+
+    def _init_driver_state(self) -> None:  # noqa: B027
+        """Create the attributes named in ``_driver_only``."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for k in self._driver_only:
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_driver_state()
 
     #: short kind name used in ids and messages ("postgres", "kafka", "delta")
     kind: str = "sink"

@@ -171,6 +171,7 @@ class KafkaSink(Sink):
     """
 
     kind = "kafka"
+    _driver_only = ("_conns", "_store")
     prepared_work_expires = True
 
     def __init__(
@@ -338,16 +339,6 @@ class KafkaSink(Sink):
             if self.registry_topic
             else None
         )
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for k in ("_conns", "_store"):
-            state.pop(k, None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_driver_state()
 
     def close(self) -> None:
         """Release the driver's connections (optional; they are daemon threads)."""

@@ -109,6 +109,7 @@ class PostgresSink(Sink):
     """
 
     kind = "postgres"
+    _driver_only = ("_capacity", "_capacity_lock")
 
     def __init__(
         self,
@@ -160,16 +161,6 @@ class PostgresSink(Sink):
     def _init_driver_state(self) -> None:
         self._capacity: psycopg.Connection | None = None  # the capacity check's, kept
         self._capacity_lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for k in ("_capacity", "_capacity_lock"):
-            state.pop(k, None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_driver_state()
 
     def close(self) -> None:
         """Release the driver's kept connection (the capacity check's)."""
