@@ -56,7 +56,7 @@ from lifecycle.failures import cause_of, full_trace
 from lifecycle.ledger import Checkpoint, Ledger
 from lifecycle.spark_log import SparkCommitLog
 from sinks import _faults
-from sinks._parallel import run_all
+from sinks._parallel import raise_first, run_all
 from sinks.base import Committable, JobScope, Sink
 from sinks.naming import TxnName
 from sinks.progress import SinkProgress, claim_order, conflict
@@ -71,6 +71,17 @@ class PipelineSinks:
     name: str
     sinks: dict[str, Sink]
     commit_log: SparkCommitLog
+
+
+def _by_target(
+    sinks: dict[tuple[str, str], Sink], keys: Iterable[tuple[str, str]]
+) -> dict[str, list[tuple[str, str]]]:
+    """``keys`` (pipeline, sink id) in lanes, one per target (``describe()``),
+    in their order: what one lane holds is done one after another."""
+    lanes: dict[str, list[tuple[str, str]]] = {}
+    for key in keys:
+        lanes.setdefault(sinks[key].describe(), []).append(key)
+    return lanes
 
 
 def sink_label(pipeline: str, sink_id: str) -> str:
@@ -345,9 +356,7 @@ class Coordinator:
         done = self.ledger.complete(cp, rows)
         self.checkpoints_taken.append(done)
         log.info("checkpoint %d (%s) committed: cut %s, rows %s", cp.id, cp.kind, cp.cut, rows)
-        for (p, sid), cs in groups.items():
-            self._sink(p, sid).forget(cs)
-        self._sweep(cp.cut)
+        self._forget_and_sweep(groups, cp.cut)
         return done
 
     def _commit_sinks(
@@ -359,9 +368,7 @@ class Coordinator:
         pool) and sinks of one target one after another (two pipelines writing
         one Delta table must not race for its next version); every sink is
         committed even when another fails. Returns the failures."""
-        lanes: dict[str, list[tuple[str, str]]] = {}
-        for key in groups:
-            lanes.setdefault(sinks[key].describe(), []).append(key)
+        lanes = _by_target(sinks, groups)
 
         def lane(keys: list[tuple[str, str]]) -> dict[tuple[str, str], Exception]:
             failed: dict[tuple[str, str], Exception] = {}
@@ -391,18 +398,37 @@ class Coordinator:
         error.__cause__ = next(iter(failed.values()))
         return error
 
-    def _sweep(self, cut: dict[str, int]) -> None:
-        """Abort orphans of batches at or below ``cut`` and of earlier runs."""
+    def _forget_and_sweep(
+        self, groups: dict[tuple[str, str], list[Committable]], cut: dict[str, int]
+    ) -> None:
+        """After a commit: each sink forgets what it committed, then every sink
+        aborts its orphans of batches at or below ``cut`` and of earlier runs;
+        sinks of different targets at once, like the commit."""
         owned = self.ledger.is_owned
         run = self.run
-        for p, ps in self.pipelines.items():
+        sinks = {(p, sid): s for p, ps in self.pipelines.items() for sid, s in ps.sinks.items()}
+
+        def settle(key: tuple[str, str]) -> list[str]:
+            p, sid = key
+            if key in groups:
+                sinks[key].forget(groups[key])
             last = cut.get(p, -1)
 
-            def is_orphan(n: TxnName, last: int = last) -> bool:
+            def is_orphan(n: TxnName) -> bool:
                 return not owned(str(n)) and (n.run < run or n.batch_id <= last)
 
-            for sid, sink in ps.sinks.items():
-                self._tell("swept", p, sid, sink.abort_lingering(self.scope(p, sid), is_orphan))
+            return sinks[key].abort_lingering(self.scope(p, sid), is_orphan)
+
+        def lane(keys: list[tuple[str, str]]) -> list[list[str]]:
+            return [settle(k) for k in keys]  # an error ends the lane, as it ended the sweep
+
+        lanes = list(_by_target(sinks, sinks).values())
+        calls = [functools.partial(lane, keys) for keys in lanes]
+        outcomes = run_all(calls, limit=self.commit_parallelism, name="twophase-sweep")
+        for keys, done in zip(lanes, outcomes, strict=True):
+            for (p, sid), swept in zip(keys, done.value or [], strict=False):
+                self._tell("swept", p, sid, swept)
+        raise_first(outcomes)
 
     # -- recovery ---------------------------------------------------------------------
 

@@ -50,8 +50,10 @@ class TimedSink(Sink):
         target: str,
         meet: threading.Barrier | None = None,
         fail: bool = False,
+        sweep_meet: threading.Barrier | None = None,
     ) -> None:
         self._sid, self.target, self.meet, self.fail = sid, target, meet, fail
+        self.sweep_meet = sweep_meet
         self.commits: list[tuple[float, float, list[str]]] = []
 
     @property
@@ -80,6 +82,8 @@ class TimedSink(Sink):
         pass
 
     def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+        if self.sweep_meet is not None:
+            self.sweep_meet.wait()
         return []
 
 
@@ -108,6 +112,16 @@ def test_sinks_of_different_targets_commit_at_once(tmp_path: Path) -> None:
     assert cp is not None and cp.committed_at is not None
     assert all(len(s.commits) == 1 for s in sinks)
     assert ledger.pending() == {} and ledger.decided() is None
+    ledger.close()
+
+
+def test_sinks_of_different_targets_sweep_at_once(tmp_path: Path) -> None:
+    """After the commit, each sink's forget and sweep run beside the others'."""
+    meet = threading.Barrier(3, timeout=10)
+    sinks = [TimedSink(f"s{i}", f"target {i}", sweep_meet=meet) for i in range(3)]
+    coord, ledger = _coordinator(tmp_path, sinks)
+    assert coord.checkpoint() is not None
+    assert not meet.broken
     ledger.close()
 
 
