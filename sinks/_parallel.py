@@ -10,15 +10,18 @@ would do anyway. The caller then sees every outcome and decides what to raise.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from sinks.errors import ConfigError
 
 T = TypeVar("T")
+C = TypeVar("C")
 
 COMMIT_CONNECTIONS = 4
 """Connections a sink commits one checkpoint's transactions over, at most, by
@@ -45,6 +48,30 @@ def run_all(calls: Sequence[Callable[[], T]], *, limit: int, name: str) -> list[
         return [_call(c) for c in calls]
     with ThreadPoolExecutor(max_workers=min(limit, len(calls)), thread_name_prefix=name) as pool:
         return list(pool.map(_call, calls))
+
+
+def run_parts(
+    parts: Sequence[list[str]],
+    work: Callable[[C, list[str]], None],
+    first: C,
+    open_other: Callable[[], AbstractContextManager[C]],
+    *,
+    name: str,
+) -> None:
+    """``work(connection, part)`` for every part at once: the first part on
+    ``first`` (a connection the caller holds), each other on a connection of its
+    own from ``open_other()``; the first error is raised once every part has
+    ended."""
+
+    def run(part: list[str], own: C | None) -> None:
+        if own is not None:
+            work(own, part)
+            return
+        with open_other() as conn:
+            work(conn, part)
+
+    calls = [functools.partial(run, p, first if i == 0 else None) for i, p in enumerate(parts)]
+    raise_first(run_all(calls, limit=len(calls), name=name))
 
 
 def raise_first(outcomes: Sequence[Outcome[T]]) -> list[T | None]:

@@ -20,7 +20,6 @@ Each is dropped on an error and opened anew the next time it is needed.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import kafka.errors as Errors
 from kafka import KafkaProducer
 
-from sinks._parallel import raise_first, run_all
+from sinks._parallel import run_parts
 from sinks.kafka.wire import KafkaWire
 
 
@@ -92,13 +91,7 @@ class DriverConnections:
         """``work(connection, part)`` for every part at once, the first on
         ``wire`` (the main connection, which the caller holds) and each other on
         a spare; the first error is raised once every part has ended."""
-
-        def run(part: list[str], own: KafkaWire | None) -> None:
-            with contextlib.ExitStack() as stack:
-                work(own or stack.enter_context(self.spare()), part)
-
-        calls = [functools.partial(run, p, wire if i == 0 else None) for i, p in enumerate(parts)]
-        raise_first(run_all(calls, limit=len(calls), name=f"twophase-kafka-{what}"))
+        run_parts(parts, work, wire, self.spare, name=f"twophase-kafka-{what}")
 
     @contextlib.contextmanager
     def producer(self) -> Iterator[KafkaProducer]:

@@ -12,7 +12,6 @@ transaction, is visible) or lost (no marker): the latter raises
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import itertools
 import logging
@@ -30,8 +29,7 @@ from sinks import _faults, keys, settings
 from sinks._parallel import (
     COMMIT_CONNECTIONS,
     check_connections,
-    raise_first,
-    run_all,
+    run_parts,
     slices,
 )
 from sinks._retry import retry_transient
@@ -503,23 +501,23 @@ class PostgresSink(Sink):
             parts = slices(todo, most=self.commit_connections)
             count = itertools.count(1)  # the fault point is after the first COMMIT PREPARED
 
-            def commit_part(part: list[str], own: psycopg.Connection | None) -> None:
-                with contextlib.ExitStack() as stack:
-                    c = own or stack.enter_context(self.connect("twophase-commit"))
-                    for gid in part:
-                        doing.append(f"COMMIT PREPARED '{gid}'")
-                        try:
-                            c.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
-                        except psycopg.errors.UndefinedObject:
-                            self._check_committed(c, [gid])  # committed concurrently, or lost
-                        if next(count) == 1 and len(prepared) > 1:
-                            _faults.hit("driver.mid_commit", sink=self.kind)
+            def commit_part(c: psycopg.Connection, part: list[str]) -> None:
+                for gid in part:
+                    doing.append(f"COMMIT PREPARED '{gid}'")
+                    try:
+                        c.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
+                    except psycopg.errors.UndefinedObject:
+                        self._check_committed(c, [gid])  # committed concurrently, or lost
+                    if next(count) == 1 and len(prepared) > 1:
+                        _faults.hit("driver.mid_commit", sink=self.kind)
 
-            calls = [
-                functools.partial(commit_part, part, conn if i == 0 else None)
-                for i, part in enumerate(parts)
-            ]
-            raise_first(run_all(calls, limit=len(calls), name="twophase-pg-commit"))
+            run_parts(
+                parts,
+                commit_part,
+                conn,
+                lambda: self.connect("twophase-commit"),
+                name="twophase-pg-commit",
+            )
 
     def _marked(self, conn: psycopg.Connection, gids: list[str]) -> set[str]:
         """The ``gids`` whose commit marker is visible: committed."""
