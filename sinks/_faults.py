@@ -85,9 +85,10 @@ def hit(
     """Called by the protocol at ``point``; does nothing unless a fault is set.
     ``sink``: the kind of sink that hits it (a fault named ``point.<kind>`` fires
     there only)."""
-    cb = _callbacks.pop(point, None)
-    if cb is not None:
-        cb()
+    for name in (point, f"{point}.{sink}") if sink else (point,):
+        cb = _callbacks.pop(name, None)
+        if cb is not None:
+            cb()
     specs = os.environ.get(ENV)
     if not specs:
         return

@@ -311,3 +311,9 @@ def test_a_fault_point_can_name_the_kind_of_sink(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(_faults.ENV, "driver.mid_commit=raise")  # any sink
     with pytest.raises(_faults.InjectedFault):
         _faults.hit("driver.mid_commit", sink="kafka")
+    monkeypatch.delenv(_faults.ENV)
+    fired: list[str] = []
+    _faults.register("driver.mid_commit.postgres", lambda: fired.append("postgres"))
+    _faults.hit("driver.mid_commit", sink="kafka")
+    _faults.hit("driver.mid_commit", sink="postgres")
+    assert fired == ["postgres"]  # a registered callback names its sink the same way
