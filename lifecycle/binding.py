@@ -71,6 +71,9 @@ def precommit(
     df: DataFrame, sink: Sink, scope: JobScope, run: int, batch_id: int, schema: pa.Schema
 ) -> list[Committable]:
     """Write ``df`` through ``sink`` on the executors; return the committables."""
+    own = sink.precommit_frame(df, scope, run, batch_id)
+    if own is not None:
+        return own
     cols = sink.partition_columns()
     if cols:
         df = df.repartition(*map(column, cols))

@@ -237,6 +237,18 @@ class Sink(abc.ABC):
     def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
         """Open the executor-side writer of one task attempt."""
 
+    def precommit_frame(
+        self, df: Any, scope: JobScope, run: int, batch_id: int
+    ) -> list[Committable] | None:
+        """Pre-commit a whole micro-batch (a Spark ``DataFrame``) with a Spark job
+        of the sink's own, on the driver; return its committables. ``None``, the
+        default, means: write it with per-task writers (:meth:`open_writer`).
+
+        Same contract as the writers: nothing visible before commit, every staged
+        thing named after a transaction of ``scope`` in ``run`` and ``batch_id``
+        so that a sweep finds it after any crash."""
+        return None
+
     @abc.abstractmethod
     def commit(self, committables: Sequence[Committable]) -> None:
         """Commit prepared work. Idempotent: committing twice is harmless.

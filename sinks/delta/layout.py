@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from sinks.errors import ConfigError
 
@@ -308,3 +309,60 @@ class Layout:
                     f"{where}: column {f.name!r} is {delta_type_name(f.type)} in the DataFrame "
                     f"but {delta_type_name(target.type)} in the Delta table ({why})"
                 )
+
+
+# -- data files -------------------------------------------------------------------
+
+
+def check_file_schema(meta: pq.FileMetaData, layout: Layout, what: str) -> None:
+    """Compare a staged file's Parquet schema with the table's data-file schema:
+    the same columns (a nullable table column the file lacks reads as null) of
+    exactly the table's types, no partition columns, no nulls in NOT NULL ones."""
+    actual = meta.schema.to_arrow_schema()
+    expected = layout.file_schema
+    for f in actual:
+        if f.name in layout.partition_by:
+            raise DeltaSchemaError(
+                f"{what} holds partition column {f.name!r} (Delta data files must not); "
+                "nothing was committed"
+            )
+        if f.name not in expected.names:
+            raise DeltaSchemaError(
+                f"{what} has column {f.name!r}, which the table does not have; nothing was "
+                "committed"
+            )
+    for f in expected:
+        idx = actual.get_field_index(f.name)
+        if idx < 0 and f.nullable:
+            continue  # a column added to the table later: Delta reads it as null
+        if idx < 0:
+            raise DeltaSchemaError(
+                f"{what} lacks column {f.name!r} of the table; nothing was committed"
+            )
+        have = actual.field(idx)
+        why = incompatibility(have.type, f.type, exact=True)
+        if why:
+            raise DeltaSchemaError(
+                f"{what}: column {f.name!r} is {delta_type_name(have.type)} in the file but "
+                f"{delta_type_name(f.type)} in the table ({why}); nothing was committed"
+            )
+        if not f.nullable and have.nullable and _nulls(meta, f.name) != 0:
+            raise DeltaSchemaError(
+                f"{what}: column {f.name!r} is NOT NULL in the table but the file may hold "
+                "nulls; nothing was committed"
+            )
+
+
+def _nulls(meta: pq.FileMetaData, name: str) -> int | None:
+    """Nulls in the top-level primitive column ``name`` per the footer's
+    statistics; ``None`` when unknown (nested column, no statistics)."""
+    leaf = next((j for j in range(meta.num_columns) if meta.schema.column(j).path == name), None)
+    if leaf is None:
+        return None
+    total = 0
+    for rg in range(meta.num_row_groups):
+        st = meta.row_group(rg).column(leaf).statistics
+        if st is None or not st.has_null_count:
+            return None
+        total += st.null_count
+    return total

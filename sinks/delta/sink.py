@@ -50,7 +50,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction
@@ -71,9 +70,11 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.delta import progress, table
-from sinks.delta.layout import DeltaSchemaError, Layout, delta_type_name, incompatibility
+from sinks.delta.layout import DeltaSchemaError, Layout, check_file_schema
+from sinks.delta.spark_stage import SparkStage, nested_not_null
 from sinks.delta.storage import (
     DATA_SUFFIX,
+    SPARK_STAGING_DIR,
     STAGING_DIR,
     TableStorage,
     local_root,
@@ -88,6 +89,7 @@ from sinks.progress import SinkProgress, conflict, may_claim
 log = logging.getLogger("sinks.delta")
 
 _TRANSIENT = (CommitFailedError, OSError)
+WRITE_WITH = ("auto", "spark", "arrow")
 
 
 def app_id(scope: JobScope) -> str:
@@ -112,6 +114,13 @@ class DeltaSink(Sink):
         commit_timeout: seconds a commit, abort or sweep keeps retrying commit
             conflicts and storage errors before the job fails (the decision stays
             in the ledger; the next start finishes it).
+        write_with: who writes the Parquet files. ``"spark"``: Spark's own
+            Parquet writer, one Spark job per micro-batch, no Python in the
+            tasks (:mod:`sinks.delta.spark_stage`; local and shared-filesystem
+            tables). ``"arrow"``: the sink's writer in each task
+            (``mapInArrow``, pyarrow; any store deltalake opens). ``"auto"``
+            (default): ``"spark"`` for local tables, except tables with NOT NULL
+            fields inside nested columns; ``"arrow"`` otherwise.
 
     Tables are ordinary Delta tables (protocol 1/2, or 3/7 with ``timestampNtz``
     when a column is a timestamp without time zone) that delta-spark reads.
@@ -129,6 +138,7 @@ class DeltaSink(Sink):
         sink_id: str | None = None,
         create_table: bool = True,
         commit_timeout: float = 300.0,
+        write_with: str = "auto",
     ) -> None:
         uri = os.fspath(table_uri)
         if not uri:
@@ -147,6 +157,14 @@ class DeltaSink(Sink):
         self.storage_options = dict(storage_options or {})
         self.create_table = create_table
         self.commit_timeout = commit_timeout
+        if write_with not in WRITE_WITH:
+            raise ConfigError(f"write_with={write_with!r}: one of {', '.join(WRITE_WITH)}")
+        if write_with == "spark" and root is None:
+            raise ConfigError(
+                f"write_with='spark' stages files by moving them, which needs a local or "
+                f"shared-filesystem table, not {uri}; use write_with='arrow' (or 'auto')"
+            )
+        self.write_with = write_with
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
         self._storage = TableStorage(self.table_uri, self.storage_options)
         self._layout: Layout | None = None
@@ -183,6 +201,7 @@ class DeltaSink(Sink):
             "omitted": omitted,
             "create_table": self.create_table,
             "commit_timeout": self.commit_timeout,
+            "write_with": self.write_with,
         }
 
     @classmethod
@@ -212,6 +231,7 @@ class DeltaSink(Sink):
             sink_id=s["sink_id"],
             create_table=s["create_table"],
             commit_timeout=s["commit_timeout"],
+            write_with=s.get("write_with", "auto"),
         )
 
     def __repr__(self) -> str:
@@ -283,7 +303,28 @@ class DeltaSink(Sink):
             raise RuntimeError("DeltaSink.preflight() must run before writers open")
         return DeltaWriter(self._storage, self._layout, ctx)
 
-    # -- driver side: commit ---------------------------------------------------------
+    def spark_writes(self) -> bool:
+        """Whether micro-batches are staged by Spark's own Parquet writer (see
+        ``write_with``); known after :meth:`preflight`."""
+        if self.write_with == "auto":
+            return (
+                self._storage.root is not None
+                and self._layout is not None
+                and not nested_not_null(self._layout)
+            )
+        return self.write_with == "spark"
+
+    def precommit_frame(
+        self, df: Any, scope: JobScope, run: int, batch_id: int
+    ) -> list[Committable] | None:
+        if self._layout is None:
+            raise RuntimeError("DeltaSink.preflight() must run before batches are written")
+        if not self.spark_writes():
+            return None
+        staged = SparkStage(self._storage, self._layout, self.describe()).stage(
+            df, scope, run, batch_id
+        )
+        return [staged] if staged is not None else []
 
     # -- progress and claims -----------------------------------------------------------
 
@@ -430,7 +471,7 @@ class DeltaSink(Sink):
                 f"{where}: staged file {rel} of transaction {txn} holds {meta.num_rows} rows, "
                 "not the number its prepare recorded: it was changed, so it is not committed"
             )
-        _check_file_schema(meta, layout, f"{where}: staged file {rel}")
+        check_file_schema(meta, layout, f"{where}: staged file {rel}")
         return AddAction(
             path=rel,
             size=info[0],
@@ -489,12 +530,24 @@ class DeltaSink(Sink):
                 found.setdefault(str(name), (name, []))[1].append(stem)
         return found
 
+    def _spark_staged(self, prefixes: tuple[str, ...]) -> dict[str, TxnName]:
+        """Every transaction under one of ``prefixes`` with a Spark staging
+        directory (:mod:`sinks.delta.spark_stage`): a batch whose driver died
+        before its files moved to their places."""
+        found: dict[str, TxnName] = {}
+        for d in self._storage.list_dirs(SPARK_STAGING_DIR):
+            name = TxnName.parse(d) if d.startswith(prefixes) else None
+            if name is not None:
+                found[d] = name
+        return found
+
     def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
         """Every transaction of (``job``, ``pipeline``, this sink), of every
         incarnation, with staging markers in the table: what :meth:`abort_lingering`
         looks at."""
-        found = retry_transient(
-            lambda: self._staged(scope_prefixes(job, pipeline, self.sink_id)),
+        prefixes = scope_prefixes(job, pipeline, self.sink_id)
+        found, spark = retry_transient(
+            lambda: (self._staged(prefixes), self._spark_staged(prefixes)),
             what=f"listing of staged files in {self.describe()}",
             transient=_TRANSIENT,
             deadline=self.commit_timeout,
@@ -502,6 +555,10 @@ class DeltaSink(Sink):
         return [
             LingeringTxn(txn, name, "staged", f"{len(stems)} staged file(s)")
             for txn, (name, stems) in found.items()
+        ] + [
+            LingeringTxn(txn, name, "staged", "files in Spark's staging directory")
+            for txn, name in spark.items()
+            if txn not in found
         ]
 
     def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
@@ -540,13 +597,17 @@ class DeltaSink(Sink):
         )
 
     def _sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+        prefixes = scope.own_prefixes()
         orphans = {
-            txn: stems
-            for txn, (name, stems) in self._staged(scope.own_prefixes()).items()
-            if is_orphan(name)
+            txn: stems for txn, (name, stems) in self._staged(prefixes).items() if is_orphan(name)
         }
+        spark = sorted(d for d, name in self._spark_staged(prefixes).items() if is_orphan(name))
+        for d in spark:
+            self._storage.delete_tree(f"{SPARK_STAGING_DIR}/{d}")
+        if spark:
+            log.info("%s: deleted Spark's staging directories of %s", self.describe(), spark)
         if not orphans:
-            return []
+            return spark
         dt = self._load()
         committed = table.committed_paths(dt) if dt is not None else set()
         aborted = []
@@ -565,7 +626,7 @@ class DeltaSink(Sink):
                 aborted.append(txn)
         if aborted:
             log.info("%s: deleted the staged files of %s", self.describe(), aborted)
-        return aborted
+        return sorted(set(aborted) | set(spark))
 
 
 def _is_staged_path(rel: str, stem: str) -> bool:
@@ -577,57 +638,3 @@ def _is_staged_path(rel: str, stem: str) -> bool:
         and not rel.startswith("/")
         and all(p not in ("", ".", "..") and not p.startswith("_delta_log") for p in parts)
     )
-
-
-def _check_file_schema(meta: pq.FileMetaData, layout: Layout, what: str) -> None:
-    """Compare a staged file's Parquet schema with the table's data-file schema:
-    the same columns (a nullable table column the file lacks reads as null) of
-    exactly the table's types, no partition columns, no nulls in NOT NULL ones."""
-    actual = meta.schema.to_arrow_schema()
-    expected = layout.file_schema
-    for f in actual:
-        if f.name in layout.partition_by:
-            raise DeltaSchemaError(
-                f"{what} holds partition column {f.name!r} (Delta data files must not); "
-                "nothing was committed"
-            )
-        if f.name not in expected.names:
-            raise DeltaSchemaError(
-                f"{what} has column {f.name!r}, which the table does not have; nothing was "
-                "committed"
-            )
-    for f in expected:
-        idx = actual.get_field_index(f.name)
-        if idx < 0 and f.nullable:
-            continue  # a column added to the table later: Delta reads it as null
-        if idx < 0:
-            raise DeltaSchemaError(
-                f"{what} lacks column {f.name!r} of the table; nothing was committed"
-            )
-        have = actual.field(idx)
-        why = incompatibility(have.type, f.type, exact=True)
-        if why:
-            raise DeltaSchemaError(
-                f"{what}: column {f.name!r} is {delta_type_name(have.type)} in the file but "
-                f"{delta_type_name(f.type)} in the table ({why}); nothing was committed"
-            )
-        if not f.nullable and have.nullable and _nulls(meta, f.name) != 0:
-            raise DeltaSchemaError(
-                f"{what}: column {f.name!r} is NOT NULL in the table but the file may hold "
-                "nulls; nothing was committed"
-            )
-
-
-def _nulls(meta: pq.FileMetaData, name: str) -> int | None:
-    """Nulls in the top-level primitive column ``name`` per the footer's
-    statistics; ``None`` when unknown (nested column, no statistics)."""
-    leaf = next((j for j in range(meta.num_columns) if meta.schema.column(j).path == name), None)
-    if leaf is None:
-        return None
-    total = 0
-    for rg in range(meta.num_row_groups):
-        st = meta.row_group(rg).column(leaf).statistics
-        if st is None or not st.has_null_count:
-            return None
-        total += st.null_count
-    return total

@@ -28,7 +28,12 @@ each bound exact or, for cut strings, on the safe side; never wrong.
   1 to 9999, a max of 32 times U+10FFFF.
 
 Bounds are computed from the Arrow data as it is written (one ``min_max`` per
-column and record batch), not from Parquet footers, so they are exact. The
+column and record batch) by the sink's own writer. Files written by Spark's
+Parquet writer (:mod:`sinks.delta.spark_stage`) get them from their footers
+(:meth:`FileStats.from_footer`): Parquet statistics are exact for these types,
+a float column's NaN shows as a NaN bound, and a column whose footer states no
+bound (Spark leaves out bounds of values over 4 KB) leaves the file without
+bounds, by the rule above. The
 JSON holds characters beyond U+FFFF as UTF-8, not as escapes (see :func:`_dumps`).
 """
 
@@ -43,6 +48,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 STRING_PREFIX = 32
 _EPOCH = dt.datetime(1970, 1, 1)
@@ -82,6 +88,7 @@ class _Column:
         self.lo: Any = None
         self.hi: Any = None
         self.unbounded = False  # holds a value no bound can state
+        self.nulls_unknown = False  # a footer without a null count
 
     def update(self, arr: pa.Array | pa.ChunkedArray) -> None:
         self.nulls += arr.null_count
@@ -96,6 +103,22 @@ class _Column:
             arr = arr.cast(pa.int64())
         mm = pc.min_max(arr)
         lo, hi = mm["min"].as_py(), mm["max"].as_py()
+        self.lo = lo if self.lo is None or lo < self.lo else self.lo
+        self.hi = hi if self.hi is None or hi > self.hi else self.hi
+
+    def update_bounds(self, nulls: int, bounds: tuple[Any, Any] | None, rows: int) -> None:
+        """Account for one Parquet row group: its null count and its (min, max)
+        as footer statistics give them (``None``: the footer states none)."""
+        self.nulls += nulls
+        if self.kind is None or self.unbounded or nulls == rows:
+            return
+        if bounds is None:
+            self.unbounded = True  # values the footer holds no bound of
+            return
+        lo, hi = (_footer_value(self.kind, v) for v in bounds)
+        if lo is None or hi is None:
+            self.unbounded = True
+            return
         self.lo = lo if self.lo is None or lo < self.lo else self.lo
         self.hi = hi if self.hi is None or hi > self.hi else self.hi
 
@@ -116,6 +139,21 @@ class _Column:
             zone = "Z" if self.kind == "timestamp" else ""
             return _timestamp_ms(self.lo // 1000, zone), _timestamp_ms(-(-self.hi // 1000), zone)
         return self.lo, self.hi
+
+
+def _footer_value(kind: str, value: Any) -> Any:
+    """A footer's bound in the form :meth:`_Column.update` keeps (days for dates,
+    microseconds for timestamps); ``None`` for a NaN or an infinity."""
+    if kind == "float":
+        return value if math.isfinite(value) else None
+    if kind == "date":
+        return (value - _EPOCH_DATE).days
+    if kind in ("timestamp", "timestamp_ntz"):
+        if value.tzinfo is not None:
+            value = value.astimezone(dt.timezone.utc).replace(tzinfo=None)
+        delta = value - _EPOCH
+        return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+    return value
 
 
 def _string_upper(s: str) -> str:
@@ -158,6 +196,26 @@ class FileStats:
             f.name: _Column(_kind(f.type)) for f in schema if not pa.types.is_nested(f.type)
         }
 
+    @classmethod
+    def from_footer(cls, meta: pq.FileMetaData, schema: pa.Schema) -> FileStats:
+        """Statistics of a Parquet file of ``schema`` (its columns at the top
+        level) from its footer, without reading its data."""
+        stats = cls(schema)
+        leaves = {meta.schema.column(j).path: j for j in range(meta.num_columns)}
+        for rg in range(meta.num_row_groups):
+            group = meta.row_group(rg)
+            stats.rows += group.num_rows
+            for name, col in stats._columns.items():
+                j = leaves.get(name)
+                st = group.column(j).statistics if j is not None else None
+                if st is None or not st.has_null_count:
+                    col.unbounded = col.unbounded or col.kind is not None
+                    col.nulls_unknown = True
+                    continue
+                bounds = (st.min, st.max) if st.has_min_max else None
+                col.update_bounds(st.null_count, bounds, group.num_rows)
+        return stats
+
     def update(self, data: pa.RecordBatch | pa.Table) -> None:
         """Account for ``data`` (a batch or table of the file's schema)."""
         self.rows += data.num_rows
@@ -178,7 +236,9 @@ class FileStats:
         if lo:
             doc["minValues"] = lo
             doc["maxValues"] = hi
-        doc["nullCount"] = {name: col.nulls for name, col in self._columns.items()}
+        doc["nullCount"] = {
+            name: col.nulls for name, col in self._columns.items() if not col.nulls_unknown
+        }
         return _dumps(doc)
 
 

@@ -24,6 +24,7 @@ through :class:`_ObjectOutput`, which fixes both.)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Any
@@ -35,6 +36,10 @@ import pyarrow.parquet as pq
 from sinks.delta.exclusive import S3Exclusive
 
 STAGING_DIR = "_twophase/staged"
+SPARK_STAGING_DIR = "_twophase/spark"
+"""Where Spark's Parquet writer stages a batch, one directory per transaction
+(named after it), before its files move to their places (see
+:mod:`sinks.delta.spark_stage`)."""
 DATA_SUFFIX = ".snappy.parquet"
 _STEM = re.compile(r"^(?P<txn>tp[12]\..+\.a\d+)-(?P<seq>\d+)$")
 
@@ -180,7 +185,51 @@ class TableStorage:
         sel = pafs.FileSelector(self.path(rel_dir), allow_not_found=True, recursive=False)
         return [fi.base_name for fi in self.fs.get_file_info(sel) if fi.type == pafs.FileType.File]
 
+    def list_dirs(self, rel_dir: str) -> list[str]:
+        """Names of the directories directly in ``rel_dir`` (empty when it does not exist)."""
+        sel = pafs.FileSelector(self.path(rel_dir), allow_not_found=True, recursive=False)
+        return [
+            fi.base_name for fi in self.fs.get_file_info(sel) if fi.type == pafs.FileType.Directory
+        ]
+
+    # -- moving (local tables) ---------------------------------------------------
+
+    def move_new(self, src: str, dst: str) -> None:
+        """Move the local file ``src`` to ``dst`` (both relative to the table),
+        exclusively: :class:`FileExistsError` when ``dst`` exists (a hard link,
+        then the old name removed; never overwrites). Not durable until
+        :meth:`sync_dirs` of the directories involved."""
+        if self.root is None:
+            raise NotImplementedError(f"{self.table_uri}: moving files needs a local table")
+        target = self.path(dst)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.link(self.path(src), target)
+        os.unlink(self.path(src))
+
+    def sync_dirs(self, rel_dirs: set[str]) -> None:
+        """fsync each of ``rel_dirs`` (relative directories, ``""`` the root) and
+        the directories above them (local tables; a no-op on object stores)."""
+        if self.root is None:
+            return
+        todo: set[str] = set()
+        for d in rel_dirs:
+            d = d.strip("/")
+            while True:
+                todo.add(d)
+                if not d:
+                    break
+                d = d.rsplit("/", 1)[0] if "/" in d else ""
+        for d in sorted(todo, key=lambda x: -x.count("/")):
+            _fsync(self.path(d) if d else self.root)
+
     # -- deleting --------------------------------------------------------------
+
+    def delete_tree(self, rel_dir: str) -> None:
+        """Delete the directory ``rel_dir`` and everything in it; missing is fine."""
+        if not rel_dir.strip("/") or ".." in rel_dir.split("/"):
+            raise ValueError(f"refusing to delete {rel_dir!r} of {self.table_uri}")
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.delete_dir(self.path(rel_dir))
 
     def delete(self, rel: str) -> None:
         """Delete ``rel``; a missing file is fine."""
