@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 from deltalake import DeltaTable
 
-from sinks.delta.storage import STAGING_DIR
+from sinks.delta.storage import SPARK_STAGING_DIR, STAGING_DIR
 from sinks.naming import TxnName
 
 _LOG = "_delta_log"
@@ -93,6 +93,16 @@ def assert_nothing_staged(uri: str | Path) -> None:
         f"{sorted(on_disk - committed)[:10]}"
     )
     assert markers(uri) == [], f"staging markers left in {uri}: {markers(uri)[:10]}"
+    assert spark_staging(uri) == [], f"Spark staging directories left: {spark_staging(uri)}"
+
+
+def spark_staging(uri: str | Path) -> list[str]:
+    """Spark's staging directories (one per batch staged by Spark's writer) left
+    in the table directory, with what is in them."""
+    d = Path(uri) / SPARK_STAGING_DIR
+    if not d.exists():
+        return []
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
 
 
 # -- versions ----------------------------------------------------------------------------

@@ -39,9 +39,11 @@ class Run:
         state: Path | str | None = None,
         env: dict[str, str] | None = None,
         ledger: Path | str | None = None,
+        delta_write_with: str | None = None,
     ) -> None:
         """``state``: the job's state_dir (a URI: give ``ledger``, the job's
-        ``ledger=``, too: a directory, or a PostgreSQL URI as a str)."""
+        ``ledger=``, too: a directory, or a PostgreSQL URI as a str);
+        ``delta_write_with``: the Delta sink's ``write_with`` (None: its default)."""
         self.tmp = tmp
         self.dsn = dsn
         self.bootstrap = bootstrap
@@ -52,6 +54,7 @@ class Run:
         self.sinks = sinks or (ORDER if dsn else "delta")
         self.env = env
         self.ledger = ledger
+        self.delta_write_with = delta_write_with
         self.cwd: Path | None = None  # the jobs' working directory (None: the checkout)
 
     def start(
@@ -74,6 +77,7 @@ class Run:
             "files-per-batch": str(files_per_batch),
             "sinks": self.sinks,
             "ledger": str(self.ledger) if self.ledger else None,
+            "delta-write-with": self.delta_write_with,
         }
         args = [a for k, v in opts.items() if v is not None for a in (f"--{k}", v)]
         log = self.tmp / f"job-{'fault' if fault else 'clean'}.log"

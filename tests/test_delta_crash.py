@@ -15,8 +15,14 @@ exit 0 and leave:
 * a ledger whose checkpoints each committed all three sinks, for the same
   rows, and one Delta version per checkpoint holding exactly its batches.
 
-Delta is the first sink of the pipeline, so the executor-side kill hits a Delta
-task in the middle of staging files, and ``driver.mid_commit.delta`` (which
+The Delta sink stages its files with Spark's own Parquet writer (its default
+for local tables, :mod:`sinks.delta.spark_stage`), so two more points kill the
+driver between Spark's job commit and the files' moves (``driver.spark_staged``)
+and in the middle of the moves (``driver.mid_move``): the restart's sweep must
+find them from Spark's staging directory and the markers. The points that only
+the sink's own writer has run with ``write_with="arrow"``, where Delta is the
+first sink of the pipeline, so the executor-side kill hits a Delta task in the
+middle of staging files. ``driver.mid_commit.delta`` (which
 Delta hits right after its version is written, before its staging markers are
 deleted; the other sinks commit at the same time) leaves Delta committed and
 PostgreSQL and Kafka committed or still prepared: the restart must recognise
@@ -55,13 +61,21 @@ CRASH_POINTS = {
     ),
     "after Spark's commit log, before our commit": ("driver.before_commit@2=kill", 0.0, 1, 1),
     "in the middle of committing": ("driver.mid_commit.delta=kill", 1.0, 2, None),
+    "after Spark's job, before the files move": ("driver.spark_staged@2=kill", 0.0, 1, 2),
+    "while the staged files move": ("driver.mid_move@2=kill", 0.0, 1, 2),
 }
+ROUTES = {
+    "while executors write": ("spark", "arrow"),
+    "after Spark's job, before the files move": ("spark",),
+    "while the staged files move": ("spark",),
+}
+CASES = [(p, r) for p in CRASH_POINTS for r in ROUTES.get(p, ("spark",))]
 
 
-@pytest.mark.parametrize("point", list(CRASH_POINTS), ids=list(CRASH_POINTS))
-def test_crash_at_each_phase(pg_dsn, kafka_bootstrap, kafka_topic, tmp_path, point):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("point", "route"), CASES, ids=[f"{p}, {r}" for p, r in CASES])
+def test_crash_at_each_phase(pg_dsn, kafka_bootstrap, kafka_topic, tmp_path, point, route):  # type: ignore[no-untyped-def]
     fault, interval, files_per_batch, batch2_run = CRASH_POINTS[point]
-    run = Run(tmp_path, pg_dsn, kafka_bootstrap, kafka_topic(3))
+    run = Run(tmp_path, pg_dsn, kafka_bootstrap, kafka_topic(3), delta_write_with=route)
     files = 3 if files_per_batch == 1 else 4  # batches 0, 1, 2; or 0, 1 of 2 files each
     n = write_input(tmp_path / "in", files=files, rows_per_file=100)
     with psycopg.connect(pg_dsn, autocommit=True) as c:
@@ -78,6 +92,8 @@ def test_crash_at_each_phase(pg_dsn, kafka_bootstrap, kafka_topic, tmp_path, poi
     if fault.startswith("driver.mid_commit"):
         # Delta committed its version, then the driver died before deleting its markers
         assert left and deltacheck.versions(run.delta)[-1].operation == "WRITE"
+    elif fault.startswith("driver.spark_staged"):
+        assert deltacheck.spark_staging(run.delta), "Spark's writer staged nothing"
     elif not fault.startswith("executor."):
         assert left, "the killed run left no staged Delta work behind"
 
@@ -96,7 +112,7 @@ def test_task_killed_after_staging_is_retried(tmp_path):  # type: ignore[no-unty
     staged its files (they stay on disk, with their markers); Spark retries the
     task. The retry's files are committed, the dead attempts' files are swept by
     the checkpoints (they are in no ledger entry), and nothing is left staged."""
-    run = Run(tmp_path, None, None, None)  # Delta only
+    run = Run(tmp_path, None, None, None, delta_write_with="arrow")  # Delta only, own writer
     n = write_input(tmp_path / "in", files=3, rows_per_file=100)
     proc = run.start("executor.prepared#0=kill")
     assert proc.proc.returncode == 0, proc.tail(5000)

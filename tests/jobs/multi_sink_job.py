@@ -48,6 +48,7 @@ def main() -> int:
         default=None,
         help="Job(ledger=...): a PostgreSQL URI or a local directory (state on a URI)",
     )
+    ap.add_argument("--delta-write-with", default="auto", help="DeltaSink(write_with=...)")
     ap.add_argument("--probe", default=None, help="a driver-side path executors must not see")
     args = ap.parse_args()
     spark = start_driver(args.job)
@@ -78,7 +79,14 @@ def main() -> int:
                 )
             )
         elif kind == "delta":
-            sinks.append(DeltaSink(args.delta, partition_by=["part"], sink_id=SINK_IDS["delta"]))
+            sinks.append(
+                DeltaSink(
+                    args.delta,
+                    partition_by=["part"],
+                    sink_id=SINK_IDS["delta"],
+                    write_with=args.delta_write_with,
+                )
+            )
         else:
             ap.error(f"unknown sink {kind!r}")
     job = Job(
