@@ -34,6 +34,7 @@ is set to ``TIMESTAMP_MICROS`` (logged once).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from sinks import _faults
+from sinks._parallel import raise_first, run_all
 from sinks.base import Committable, JobScope
 from sinks.delta.layout import (
     NULL_PARTITION,
@@ -69,6 +71,8 @@ log = logging.getLogger("sinks.delta")
 _TIMESTAMP_CONF = "spark.sql.parquet.outputTimestampType"
 _ATTEMPTS = itertools.count()
 _ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
+PLACE_THREADS = 8
+"""Files of a batch the driver checks and moves at once."""
 
 
 def nested_not_null(layout: Layout) -> bool:
@@ -205,6 +209,8 @@ class SparkStage:
             raise
         if not adds:
             return None
+        for a in adds:
+            del a["rows"]  # an add action holds numRecords in its statistics
         return {"txn": str(txn), "rows": rows, "adds": adds}
 
     def _write(self, df: DataFrame, staging: str) -> None:
@@ -222,44 +228,47 @@ class SparkStage:
     def _place(
         self, staging: str, txn: str, moved: list[str], batch_id: int
     ) -> tuple[list[dict[str, Any]], int]:
-        """Check, describe and move each file Spark wrote; its add actions and rows."""
+        """Check, describe and move each file Spark wrote (several at once: each
+        is a few file-system round trips and fsyncs); their add actions and rows."""
+        files = _spark_files(self._storage.path(staging))
+        calls = [
+            functools.partial(self._place_one, staging, rel, txn, seq, moved, batch_id)
+            for seq, rel in enumerate(files)
+        ]
+        placed = [a for a in raise_first(run_all(calls, limit=PLACE_THREADS, name="place")) if a]
+        dirs = {a["path"].rsplit("/", 1)[0] if "/" in a["path"] else "" for a in placed}
+        self._storage.sync_dirs(dirs)
+        self._storage.delete_tree(staging)
+        return placed, sum(a["rows"] for a in placed)
+
+    def _place_one(
+        self, staging: str, rel: str, txn: str, seq: int, moved: list[str], batch_id: int
+    ) -> dict[str, Any] | None:
         layout, storage = self._layout, self._storage
-        adds: list[dict[str, Any]] = []
-        rows = 0
-        dirs: set[str] = set()
-        for seq, rel in enumerate(_spark_files(storage.path(staging))):
-            src = f"{staging}/{rel}"
-            meta = storage.parquet_metadata(src)
-            if meta.num_rows == 0:
-                continue  # Spark writes a schema-only file for an empty batch
-            values = _partition_values(layout, rel)
-            self._check_partitions(values, rel)
-            check_file_schema(meta, layout, f"{self._where}: a file of this batch")
-            dst = partition_path(layout.partition_by, list(values.values()))
-            dst += file_stem(txn, seq) + DATA_SUFFIX
-            storage.put(marker_path(dst), dst.encode())  # the marker first, as always
-            storage.move_new(src, dst)
-            moved.append(dst)
-            if len(moved) == 1:
-                _faults.hit("driver.mid_move", batch=batch_id, sink="delta")
-            dirs.add(dst.rsplit("/", 1)[0] if "/" in dst else "")
-            info = storage.info(dst)
-            if info is None:
-                raise OSError(f"staged file {dst} vanished right after it was moved")
-            stats = FileStats.from_footer(meta, layout.file_schema)
-            adds.append(
-                {
-                    "path": dst,
-                    "size": info[0],
-                    "partition_values": values,
-                    "modification_time": info[1],
-                    "stats": stats.to_json(),
-                }
-            )
-            rows += meta.num_rows
-        storage.sync_dirs(dirs)
-        storage.delete_tree(staging)
-        return adds, rows
+        src = f"{staging}/{rel}"
+        meta = storage.parquet_metadata(src)
+        if meta.num_rows == 0:
+            return None  # Spark writes a schema-only file for an empty batch
+        values = _partition_values(layout, rel)
+        self._check_partitions(values, rel)
+        check_file_schema(meta, layout, f"{self._where}: a file of this batch")
+        dst = partition_path(layout.partition_by, list(values.values()))
+        dst += file_stem(txn, seq) + DATA_SUFFIX
+        storage.put(marker_path(dst), dst.encode())  # the marker first, as always
+        storage.move_new(src, dst)
+        moved.append(dst)
+        _faults.hit("driver.mid_move", batch=batch_id, sink="delta")
+        info = storage.info(dst)
+        if info is None:
+            raise OSError(f"staged file {dst} vanished right after it was moved")
+        return {
+            "path": dst,
+            "size": info[0],
+            "partition_values": values,
+            "modification_time": info[1],
+            "stats": FileStats.from_footer(meta, layout.file_schema).to_json(),
+            "rows": meta.num_rows,
+        }
 
     def _check_partitions(self, values: dict[str, str | None], rel: str) -> None:
         for name, value in values.items():
