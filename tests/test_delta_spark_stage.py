@@ -55,12 +55,14 @@ def _row(i: int) -> tuple[object, ...]:
     )
 
 
-def _write(spark, tmp: Path, route: str, data: Path, rows: int) -> str:  # type: ignore[no-untyped-def]
+def _write(  # type: ignore[no-untyped-def]
+    spark, tmp: Path, route: str, data: Path, rows: int, schema: str = SCHEMA, by=("kind",)
+) -> str:
     uri = str(tmp / f"table-{route}")
-    src = spark.readStream.schema(SCHEMA).parquet(str(data))
+    src = spark.readStream.schema(schema).parquet(str(data))
     job = Job(spark, f"stage{route}", tmp / f"state-{route}", checkpoint_interval=0.0)
     job.add_pipeline(
-        "p", src, [DeltaSink(uri, partition_by=["kind"], write_with=route)], bounded=True
+        "p", src, [DeltaSink(uri, partition_by=list(by), write_with=route)], bounded=True
     )
     result = job.run(handle_signals=False)
     assert result.committed, result
@@ -110,6 +112,35 @@ def test_spark_and_arrow_routes_write_the_same_table(spark, tmp_path: Path) -> N
             assert kinds["ts"] == kinds["ntz"] == "INT64", (route, kinds)
             if route == "spark":
                 assert "parquet-mr" in (meta.created_by or ""), meta.created_by
+
+
+def test_both_routes_name_partitions_of_every_type_alike(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Partition values of integer, boolean, date and string columns (nulls and
+    characters Spark escapes included) are the same strings in both routes'
+    add actions, and the files lie in the same directories."""
+    schema = "id long, n short, flag boolean, day date, kind string"
+    kinds = ["a", "b c", "x:/y=%", None]
+    rows = [
+        (
+            i,
+            None if i % 5 == 4 else i % 3 - 1,
+            None if i % 7 == 6 else i % 2 == 0,
+            dt.date(1999, 12, 31) + dt.timedelta(days=i % 2),
+            kinds[i % 4],
+        )
+        for i in range(40)
+    ]
+    data = tmp_path / "in"
+    spark.createDataFrame(rows, schema).coalesce(1).write.parquet(str(data))
+    by = ("n", "flag", "day", "kind")
+    uris = {r: _write(spark, tmp_path, r, data, 40, schema, by) for r in ("spark", "arrow")}
+    assert _adds(uris["spark"]) == _adds(uris["arrow"])
+    dirs = {r: {f.rsplit("/", 1)[0] for f in deltacheck.data_files(u)} for r, u in uris.items()}
+    assert dirs["spark"] == dirs["arrow"]
+    assert any("__HIVE_DEFAULT_PARTITION__" in d for d in dirs["spark"])
+    tables = {r: DeltaTable(u).to_pyarrow_table().sort_by("id") for r, u in uris.items()}
+    assert tables["spark"].to_pylist() == tables["arrow"].to_pylist()
+    assert tables["spark"].to_pylist() == [dict(zip(("id", *by), r, strict=True)) for r in rows]
 
 
 def _equal_with_nan(a: list[dict[str, object]], b: list[dict[str, object]]) -> bool:
