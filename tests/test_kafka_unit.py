@@ -181,6 +181,20 @@ def test_reader_resolves_markers_per_producer(bootstrap: str) -> None:
     assert log.duplicates() == {}
 
 
+def test_a_fetch_answered_without_the_partition_is_empty_not_an_error(bootstrap: str) -> None:
+    """tansu answers a Fetch that may not wait (and, loaded, one that may wait 1 ms)
+    with no partition at all: that is an empty answer, which the log reader asks
+    again with a longer wait, not a protocol error that fails a sweep."""
+    topic = make_topic(bootstrap)
+    plain = KafkaProducer(bootstrap_servers=bootstrap)
+    plain.send(topic, partition=0, value=b"v").get(timeout=30)
+    plain.close()
+    with KafkaWire(bootstrap) as wire:
+        leader = (wire.partition_leaders(topic) or {})[0]
+        assert wire.fetch(leader, topic, 0, 1, max_wait_ms=0) is None  # nothing at offset 1
+        assert [b.base_offset for b in wire.batches(leader, topic, 0)] == [0]
+
+
 # -- encoding ------------------------------------------------------------------------------
 
 

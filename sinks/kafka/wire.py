@@ -239,8 +239,9 @@ class KafkaWire:
         offset: int,
         max_bytes: int = 4 << 20,
         max_wait_ms: int = 1,
-    ) -> RawPartition:
-        """One read_uncommitted Fetch of ``topic``/``partition`` from ``offset``.
+    ) -> RawPartition | None:
+        """One read_uncommitted Fetch of ``topic``/``partition`` from ``offset``;
+        ``None`` when the answer holds no such partition (an empty answer).
 
         ``max_wait_ms``: how long the broker may wait for records (see
         :meth:`batches`)."""
@@ -278,7 +279,7 @@ class KafkaWire:
                 raw = p.records
                 data = bytes(raw) if raw else b""
                 return RawPartition(data, p.high_watermark, p.log_start_offset)
-        raise Errors.KafkaProtocolError(f"fetch answer has no {topic}/{partition}")
+        return None  # tansu, loaded, has answered even a 1 ms wait with no partition
 
     def batches(
         self, leader: Any, topic: str, partition: int, start: int = 0, stop: int | None = None
@@ -293,6 +294,14 @@ class KafkaWire:
         empty = 0
         while stop is None or offset < stop:
             part = self.fetch(leader, topic, partition, offset, max_wait_ms=_WAITS[empty])
+            if part is None:  # an answer without the partition: ask again, waiting longer
+                empty += 1
+                if empty >= len(_WAITS):
+                    raise Errors.KafkaTimeoutError(
+                        f"{topic}/{partition}: {empty} fetches at offset {offset} answered "
+                        "without the partition"
+                    )
+                continue
             if stop is None:
                 stop = part.high_watermark
             if offset < part.log_start_offset:
