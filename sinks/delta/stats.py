@@ -102,9 +102,7 @@ class _Column:
         elif self.kind in ("timestamp", "timestamp_ntz"):
             arr = arr.cast(pa.int64())
         mm = pc.min_max(arr)
-        lo, hi = mm["min"].as_py(), mm["max"].as_py()
-        self.lo = lo if self.lo is None or lo < self.lo else self.lo
-        self.hi = hi if self.hi is None or hi > self.hi else self.hi
+        self._widen(mm["min"].as_py(), mm["max"].as_py())
 
     def update_bounds(self, nulls: int, bounds: tuple[Any, Any] | None, rows: int) -> None:
         """Account for one Parquet row group: its null count and its (min, max)
@@ -119,6 +117,10 @@ class _Column:
         if lo is None or hi is None:
             self.unbounded = True
             return
+        self._widen(lo, hi)
+
+    def _widen(self, lo: Any, hi: Any) -> None:
+        """Take in the bounds ``lo`` and ``hi`` of more values."""
         self.lo = lo if self.lo is None or lo < self.lo else self.lo
         self.hi = hi if self.hi is None or hi > self.hi else self.hi
 

@@ -150,12 +150,8 @@ class TableStorage:
         an object store's PUT is durable when it returns)."""
         if self.root is None:
             return
-        path = self.path(rel)
-        _fsync(path)
-        parent = os.path.dirname(path)
-        for _ in range(rel.count("/") + 1):
-            _fsync(parent)
-            parent = os.path.dirname(parent)
+        _fsync(self.path(rel))
+        self.sync_dirs({rel.rsplit("/", 1)[0] if "/" in rel else ""})
 
     # -- reading ---------------------------------------------------------------
 
