@@ -209,8 +209,6 @@ class SparkStage:
             raise
         if not adds:
             return None
-        for a in adds:
-            del a["rows"]  # an add action holds numRecords in its statistics
         return {"txn": str(txn), "rows": rows, "adds": adds}
 
     def _write(self, df: DataFrame, staging: str) -> None:
@@ -235,15 +233,17 @@ class SparkStage:
             functools.partial(self._place_one, staging, rel, txn, seq, moved, batch_id)
             for seq, rel in enumerate(files)
         ]
-        placed = [a for a in raise_first(run_all(calls, limit=PLACE_THREADS, name="place")) if a]
-        dirs = {a["path"].rsplit("/", 1)[0] if "/" in a["path"] else "" for a in placed}
+        done = raise_first(run_all(calls, limit=PLACE_THREADS, name="place"))
+        placed = [p for p in done if p is not None]
+        dirs = {add["path"].rsplit("/", 1)[0] if "/" in add["path"] else "" for add, _ in placed}
         self._storage.sync_dirs(dirs)
         self._storage.delete_tree(staging)
-        return placed, sum(a["rows"] for a in placed)
+        return [add for add, _ in placed], sum(rows for _, rows in placed)
 
     def _place_one(
         self, staging: str, rel: str, txn: str, seq: int, moved: list[str], batch_id: int
-    ) -> dict[str, Any] | None:
+    ) -> tuple[dict[str, Any], int] | None:
+        """One file's add action and rows (``None``: a file without rows)."""
         layout, storage = self._layout, self._storage
         src = f"{staging}/{rel}"
         meta = storage.parquet_metadata(src)
@@ -261,14 +261,14 @@ class SparkStage:
         info = storage.info(dst)
         if info is None:
             raise OSError(f"staged file {dst} vanished right after it was moved")
-        return {
+        add = {
             "path": dst,
             "size": info[0],
             "partition_values": values,
             "modification_time": info[1],
             "stats": FileStats.from_footer(meta, layout.file_schema).to_json(),
-            "rows": meta.num_rows,
         }
+        return add, meta.num_rows
 
     def _check_partitions(self, values: dict[str, str | None], rel: str) -> None:
         for name, value in values.items():
