@@ -93,7 +93,6 @@ from benchmarks._common import (  # noqa: E402
     bench_spark,
     make_input,
     parquet_stream,
-    time_foreach_batch,
     time_job,
 )
 from lifecycle.ledger import read_ledger  # noqa: E402
@@ -310,15 +309,6 @@ def run_sink(
     return secs, commit_latencies(state)
 
 
-def run_spark_parquet(src: DataFrame, path: str, ckpt: Path) -> float:
-    """Spark's own Parquet writer per micro-batch (appends, no table log)."""
-
-    def each(df: DataFrame, _batch: int) -> None:
-        df.write.mode("append").parquet(path)
-
-    return time_foreach_batch(src, each, ckpt)
-
-
 class Bench:
     """One sink's services and runs, in the script's SparkSession."""
 
@@ -440,7 +430,7 @@ class DeltaBench(Bench):
                 out = delta_throughput.run_baseline(src, uri, where / "spark", None), []
                 check_delta(uri, inp.rows, variant)
             else:
-                out = run_spark_parquet(src, uri, where / "spark"), []
+                out = delta_throughput.run_spark_parquet(src, uri, where / "spark", None), []
                 ids = ds.dataset(uri, format="parquet").to_table(columns=["id"]).column("id")
                 check_ids(ids, inp.rows, variant)
         finally:
