@@ -25,7 +25,7 @@ from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchB
 
 from sinks.errors import ConfigError
 from sinks.kafka.partitioner import murmur2, partition_indexes
-from sinks.kafka.records import HEADER_SIZE, EncodedBatch, record_batches
+from sinks.kafka.records import HEADER_SIZE, EncodedBatch, batches_by_partition, record_batches
 
 PRODUCER = {
     "producer_id": 4242,
@@ -509,6 +509,84 @@ def test_random_rows_match_kafka_python(
     )
     assert [(_with_epoch(b.data, 0), b.records) for b in out] == ref
     _check(out, keys, values, headers, n=len(rows), base_sequence=base_sequence, **params)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, 4),  # the partition index
+            st.none() | st.binary(max_size=20),
+            st.none() | st.binary(max_size=300),
+            st.none() | st.binary(max_size=10),
+        ),
+        min_size=1,
+        max_size=80,
+    ),
+    max_batch_bytes=st.integers(HEADER_SIZE + 1, 1500),
+    near_wrap=st.booleans(),
+    with_keys=st.booleans(),
+)
+def test_partitions_framed_together_match_kafka_python_per_partition(
+    rows: list[tuple[Any, ...]], max_batch_bytes: int, near_wrap: bool, with_keys: bool
+) -> None:
+    """batches_by_partition frames every partition's rows in one pass: each
+    partition gets exactly kafka-python's batches of its own rows, in row order,
+    from its own sequence (some near the 2**31 wrap), none spanning two."""
+    partitions = [3, 9, 0, 7, 5]
+    indexes = np.array([r[0] for r in rows], dtype=np.int64)
+    keys = [r[1] for r in rows] if with_keys else None
+    values = [r[2] for r in rows]
+    headers: Headers = [("h", [r[3] for r in rows])]
+    start = {p: (2**31 - 5 if near_wrap else 0) + 11 * i for i, p in enumerate(partitions)}
+    asked: list[int] = []
+
+    def sequence(p: int) -> int:
+        asked.append(p)
+        return start[p] % 2**31
+
+    out = batches_by_partition(
+        indexes,
+        partitions,
+        *_arrays(keys, values, headers),
+        sequence=sequence,
+        max_batch_bytes=max_batch_bytes,
+        **PRODUCER,
+    )
+    used = sorted(set(indexes.tolist()))
+    assert list(out) == [partitions[i] for i in used] == asked
+    for i in used:
+        p = partitions[i]
+        mine = [n for n, r in enumerate(rows) if r[0] == i]
+        ref = _reference(
+            None if keys is None else [keys[n] for n in mine],
+            [values[n] for n in mine],
+            [("h", [headers[0][1][n] for n in mine])],
+            n=len(mine),
+            base_sequence=start[p] % 2**31,
+            max_batch_bytes=max_batch_bytes,
+            **PRODUCER,
+        )
+        assert [(_with_epoch(b.data, 0), b.records) for b in out[p]] == ref
+
+
+def test_partitions_framed_together_bad_arguments() -> None:
+    values = pa.array([b"a", b"b"])
+    with pytest.raises(ValueError, match="3 partition indexes for 2 rows"):
+        batches_by_partition(
+            np.array([0, 1, 1]), [0, 1], None, values, [], sequence=lambda p: 0, **PRODUCER
+        )
+    with pytest.raises(ConfigError, match="compression"):
+        batches_by_partition(
+            np.array([0, 1]),
+            [0, 1],
+            None,
+            values,
+            [],
+            sequence=lambda p: 0,
+            compression="brotli",
+            **PRODUCER,
+        )
 
 
 # -- murmur2 and partitions ------------------------------------------------------

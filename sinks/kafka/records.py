@@ -266,6 +266,27 @@ def record_batches(
     kafka-python's ``kafka.codec`` exactly as its own builder does it (a batch
     that does not get smaller is sent uncompressed). Returns ``[]`` for no rows.
     """
+    _check_options(compression, max_batch_bytes)
+    if base_sequence < -1 or base_sequence > _INT32_MAX:
+        raise ValueError(f"base_sequence must be -1 or in [0, 2**31-1], not {base_sequence}")
+    n = _row_count(keys, values, headers)
+    (out,) = _encode(
+        keys,
+        values,
+        headers,
+        np.array([0, n], dtype=np.int64),
+        [base_sequence],
+        producer_id=producer_id,
+        producer_epoch=producer_epoch,
+        transactional=transactional,
+        timestamp_ms=timestamp_ms,
+        compression=compression,
+        max_batch_bytes=max_batch_bytes,
+    )
+    return out
+
+
+def _check_options(compression: str | None, max_batch_bytes: int) -> None:
     if compression is not None:
         if compression not in _ENCODERS:
             raise ConfigError(
@@ -278,13 +299,14 @@ def record_batches(
             )
     if max_batch_bytes <= HEADER_SIZE:
         raise ValueError(f"max_batch_bytes must be more than {HEADER_SIZE}")
-    if base_sequence < -1 or base_sequence > _INT32_MAX:
-        raise ValueError(f"base_sequence must be -1 or in [0, 2**31-1], not {base_sequence}")
 
-    keys = None if keys is None else _b.binary(keys, "keys")
-    values = None if values is None else _b.binary(values, "values")
-    named = [(name, _b.binary(arr, f"header {name!r}")) for name, arr in headers]
-    columns = [a for a in (keys, values) if a is not None] + [a for _, a in named]
+
+def _row_count(
+    keys: pa.Array | pa.ChunkedArray | None,
+    values: pa.Array | pa.ChunkedArray | None,
+    headers: Sequence[tuple[str, pa.Array | pa.ChunkedArray]],
+) -> int:
+    columns = [a for a in (keys, values) if a is not None] + [a for _, a in headers]
     if not columns:
         raise ValueError("record_batches needs keys, values or headers to count the rows")
     n = len(columns[0])
@@ -293,9 +315,34 @@ def record_batches(
             "keys, values and headers must have the same length, not "
             + ", ".join(str(len(a)) for a in columns)
         )
-    if n == 0:
-        return []
+    return n
 
+
+def _encode(
+    keys: pa.Array | pa.ChunkedArray | None,
+    values: pa.Array | pa.ChunkedArray | None,
+    headers: Sequence[tuple[str, pa.Array | pa.ChunkedArray]],
+    segments: np.ndarray,
+    base_sequences: Sequence[int],
+    *,
+    producer_id: int,
+    producer_epoch: int,
+    transactional: bool,
+    timestamp_ms: int,
+    compression: str | None,
+    max_batch_bytes: int,
+) -> list[list[EncodedBatch]]:
+    """The record batches of consecutive row ranges (``segments``: boundaries
+    ``[0, ..., n]``), each range its own batches starting at its own sequence:
+    one framing pass over all rows (several partitions' records at once), no
+    batch across a boundary. The caller checked the options (``_check_options``)."""
+    keys = None if keys is None else _b.binary(keys, "keys")
+    values = None if values is None else _b.binary(values, "values")
+    named = [(name, _b.binary(arr, f"header {name!r}")) for name, arr in headers]
+    n = int(segments[-1])
+    out: list[list[EncodedBatch]] = [[] for _ in base_sequences]
+    if n == 0:
+        return out
     # Sizes of every record's fields but its length prefix and offset delta.
     key_len = np.full(n, -1, dtype=np.int64) if keys is None else _b.lengths(keys)
     value_len = np.full(n, -1, dtype=np.int64) if values is None else _b.lengths(values)
@@ -316,7 +363,17 @@ def record_batches(
     count_varint = _varints(header_count)
     body += count_varint.size
 
-    batches = _split(body, max_batch_bytes - HEADER_SIZE)
+    limit = max_batch_bytes - HEADER_SIZE
+    batches = np.concatenate(
+        [[0]]
+        + [
+            _split(body[lo:hi], limit)[1:] + lo
+            for lo, hi in zip(segments[:-1].tolist(), segments[1:].tolist(), strict=True)
+            if hi > lo
+        ]
+    ).astype(np.int64)
+    # the segment of every batch, by its first row
+    segment_of = np.searchsorted(segments, batches[:-1], side="right") - 1
     counts = np.diff(batches)
     offset_delta = _varints(np.arange(n, dtype=np.int64) - np.repeat(batches[:-1], counts))
     record_len = _varints(body + offset_delta.size)
@@ -331,8 +388,7 @@ def record_batches(
     attributes = _TRANSACTIONAL if transactional else 0
     codec = 0 if compression is None else _CODECS[compression]
     encoder = None if compression is None else _ENCODERS[compression][1]
-    out: list[EncodedBatch] = []
-    sequence = base_sequence
+    sequences = list(base_sequences)
     group_start = 0
     nb = len(counts)
     while group_start < nb:
@@ -360,8 +416,10 @@ def record_batches(
         view = memoryview(data)
         for b in range(group_start, group_end):
             records = int(counts[b])
+            seg = int(segment_of[b])
+            sequence = sequences[seg]
             section = view[section_ends[b - group_start] : section_ends[b - group_start + 1]]
-            out.append(
+            out[seg].append(
                 _batch(
                     section,
                     records,
@@ -375,7 +433,7 @@ def record_batches(
                 )
             )
             if sequence >= 0:
-                sequence = (sequence + records) % (_INT32_MAX + 1)
+                sequences[seg] = (sequence + records) % (_INT32_MAX + 1)
         group_start = group_end
     return out
 
@@ -392,29 +450,40 @@ def batches_by_partition(
 ) -> dict[int, list[EncodedBatch]]:
     """The record batches of rows bound for several partitions: row ``i`` goes to
     ``partitions[indexes[i]]`` (see :mod:`sinks.kafka.partitioner`). Rows are
-    grouped by partition with one stable sort, keeping their order within each;
-    each partition's batches start at ``sequence(partition)``. ``batch`` holds
-    the other arguments of :func:`record_batches`."""
+    grouped by partition with one stable sort, keeping their order within each,
+    and framed in one pass; each partition's batches start at
+    ``sequence(partition)``. ``batch`` holds the other arguments of
+    :func:`record_batches`. The same bytes as :func:`record_batches` called per
+    partition on that partition's rows."""
+    n = _row_count(keys, values, headers)
+    if len(indexes) != n:
+        raise ValueError(f"{len(indexes)} partition indexes for {n} rows")
     counts = np.bincount(indexes, minlength=len(partitions))
-    if np.count_nonzero(counts) > 1:
+    used = np.flatnonzero(counts)
+    if len(used) > 1:
         order = pa.array(np.argsort(indexes, kind="stable"))
         keys = keys.take(order) if keys is not None else None
         values = values.take(order)
         headers = [(name, col.take(order)) for name, col in headers]
-    out: dict[int, list[EncodedBatch]] = {}
-    start = 0
-    for index in np.flatnonzero(counts):
-        count = int(counts[index])
-        partition = partitions[index]
-        out[partition] = record_batches(
-            keys.slice(start, count) if keys is not None else None,
-            values.slice(start, count),
-            [(name, col.slice(start, count)) for name, col in headers],
-            base_sequence=sequence(partition),
-            **batch,
-        )
-        start += count
-    return out
+    compression = batch.pop("compression", None)
+    max_batch_bytes = batch.pop("max_batch_bytes", 1 << 20)
+    _check_options(compression, max_batch_bytes)
+    if not len(used):
+        return {}
+    segments = np.zeros(len(used) + 1, dtype=np.int64)
+    np.cumsum(counts[used], out=segments[1:])
+    targets = [partitions[int(i)] for i in used]
+    encoded = _encode(
+        keys,
+        values,
+        headers,
+        segments,
+        [sequence(p) for p in targets],
+        compression=compression,
+        max_batch_bytes=max_batch_bytes,
+        **batch,
+    )
+    return dict(zip(targets, encoded, strict=True))
 
 
 def _field_size(length_varint: _Varints, lengths: np.ndarray) -> np.ndarray:
@@ -429,7 +498,8 @@ def _split(body: np.ndarray, limit: int) -> np.ndarray:
     n = len(body)
     bounds = [0]
     start = 0
-    window = 256
+    # a first window about one batch long: most calls then need one pass
+    window = max(256, int(limit / max(1.0, float(body.mean()) + 2)) + 16) if n else 256
     while start < n:
         while True:
             end = min(n, start + window)
