@@ -78,6 +78,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -89,7 +90,6 @@ _NO_TEXT = pa.scalar(None, _LS)
 _EMPTY = pa.scalar("", _LS)
 _QUOTE = pa.scalar('"', _LS)
 _COMMA = pa.scalar(",", _LS)
-_CONTROL = r"[\x00-\x1f]"
 
 _US_PER_UNIT = {"s": 1_000_000, "ms": 1_000, "us": 1, "ns": None}
 _UNITS_PER_S = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
@@ -300,14 +300,43 @@ def _where(arr: pa.Array, text: pa.Array) -> pa.Array:
 def _quoted_text(arr: pa.Array) -> pa.Array:
     """A JSON string literal per element (nulls stay null)."""
     s = pc.cast(arr, _LS)
-    if pc.any(pc.match_substring_regex(s, _CONTROL)).as_py():
+    control, specials = _escapes(s)
+    if control:
         dump = json.dumps
         return pa.array(
             [None if v is None else dump(v, ensure_ascii=False) for v in s.to_pylist()], _LS
         )
-    s = pc.replace_substring(s, "\\", "\\\\")
-    s = pc.replace_substring(s, '"', '\\"')
+    if specials:
+        s = pc.replace_substring(s, "\\", "\\\\")
+        s = pc.replace_substring(s, '"', '\\"')
     return _quote(s)
+
+
+def _escapes(s: pa.Array) -> tuple[bool, bool]:
+    """Whether the text of the ``large_string`` array ``s`` holds a control
+    character, and whether it holds a ``"`` or a ``\\``: one pass over its bytes
+    (UTF-8 continuation and lead bytes are all >= 0x80, so a byte below 0x20 or
+    equal to 0x22 or 0x5C is that ASCII character)."""
+    if len(s) == 0:
+        return False, False
+    offsets = np.frombuffer(s.buffers()[1], dtype=np.int64)
+    start, end = int(offsets[s.offset]), int(offsets[s.offset + len(s)])
+    data = s.buffers()[2]
+    if data is None or end == start:
+        return False, False
+    text = np.frombuffer(data, dtype=np.uint8)[start:end]
+    if (text < 0x20).any():
+        return True, True
+    return False, bool(((text == 0x22) | (text == 0x5C)).any())
+
+
+def _bare_text(arr: pa.Array) -> pa.Array | None:
+    """``arr`` as ``large_string`` when it is text with no nulls and nothing to
+    escape, so that its quotes can be joined with the text around it; else None."""
+    if arr.null_count or not _is_text(arr.type):
+        return None
+    s = pc.cast(arr, _LS)
+    return None if any(_escapes(s)) else s
 
 
 def _quote(s: pa.Array) -> pa.Array:
@@ -491,10 +520,18 @@ def _object(names: Sequence[str], children: Sequence[pa.Array], length: int, pat
         return pa.array(["{}"] * length, _LS)
     prefix = path + "." if path else ""
     parts: list[Any] = []
+    text = ""  # the literal text before the next column
     for i, (name, child) in enumerate(zip(names, children, strict=True)):
-        parts.append(_s(("{" if i == 0 else ",") + json.dumps(name, ensure_ascii=False) + ":"))
-        parts.append(_filled(child, prefix + name))
-    parts.append(_s("}"))
+        text += ("{" if i == 0 else ",") + json.dumps(name, ensure_ascii=False) + ":"
+        plain = _plain(child)
+        bare = _bare_text(plain)
+        if bare is not None:  # its quotes go into the literals around it
+            parts += [_s(text + '"'), bare]
+            text = '"'
+        else:
+            parts += [_s(text), _filled(plain, prefix + name)]
+            text = ""
+    parts.append(_s(text + "}"))
     return pc.binary_join_element_wise(*parts, _EMPTY)
 
 
