@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.streaming import StreamingQueryListener
 
 from lifecycle import control
 from lifecycle.binding import batch_handler
@@ -47,10 +46,11 @@ log = logging.getLogger("lifecycle.job")
 FINAL_MODES = ("shared", "per-pipeline")
 
 # After a batch handler returns, Spark writes ``commits/N`` within tens of
-# milliseconds and an available-now query that has consumed its input ends soon
-# after; its listener reports either 100-150 ms later (measured on 2 cores). For
-# this long after a handler returns, the run loop looks every _QUICK_POLL_S
-# instead of waiting for the listener.
+# milliseconds, and an available-now query that has consumed its input ends soon
+# after. For this long after a handler returns, the run loop looks every
+# _QUICK_POLL_S; otherwise at least every 0.5 s. (A StreamingQueryListener
+# reported both 100-150 ms late, and its Python callbacks slowed every batch by
+# about 20 ms on 2 cores: the loop does not use one.)
 _QUICK_WINDOW_S = 0.5
 _QUICK_POLL_S = 0.01
 
@@ -79,25 +79,6 @@ class JobResult:
     """seconds from the moment the last pipeline had consumed its input to the end
     of the run (final checkpoint committed)"""
     checkpoint_ids: list[int] = field(default_factory=list)
-
-
-class _Wakeup(StreamingQueryListener):
-    """Wakes the run loop when Spark finishes a batch (after ``commits/N``)."""
-
-    def __init__(self, event: threading.Event) -> None:
-        self._event = event
-
-    def onQueryStarted(self, event: object) -> None:
-        pass
-
-    def onQueryProgress(self, event: object) -> None:
-        self._event.set()
-
-    def onQueryIdle(self, event: object) -> None:
-        pass
-
-    def onQueryTerminated(self, event: object) -> None:
-        self._event.set()
 
 
 class Job:
@@ -408,8 +389,6 @@ class Job:
                 p.state = PipelineState.ENDING_INPUT
             else:
                 p.state = PipelineState.RUNNING
-        listener = _Wakeup(self._wake)
-        self.spark.streams.addListener(listener)
         try:
             for p in self._live():
                 self._start(coord, p)
@@ -417,8 +396,6 @@ class Job:
         except BaseException:
             self._stop_queries()
             raise
-        finally:
-            self.spark.streams.removeListener(listener)
         return self._result(coord, ledger, end_of_input)
 
     def _start_over_choice(self, ledger: Ledger) -> str | None:
