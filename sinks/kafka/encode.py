@@ -78,10 +78,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sinks import _binaries as _b
 from sinks.errors import DataError, PreflightError
 
 _LS = pa.large_string()
@@ -313,18 +313,11 @@ def _quoted_text(arr: pa.Array) -> pa.Array:
 
 
 def _escapes(s: pa.Array) -> tuple[bool, bool]:
-    """Whether the text of the ``large_string`` array ``s`` holds a control
-    character, and whether it holds a ``"`` or a ``\\``: one pass over its bytes
-    (UTF-8 continuation and lead bytes are all >= 0x80, so a byte below 0x20 or
-    equal to 0x22 or 0x5C is that ASCII character)."""
-    if len(s) == 0:
-        return False, False
-    offsets = np.frombuffer(s.buffers()[1], dtype=np.int64)
-    start, end = int(offsets[s.offset]), int(offsets[s.offset + len(s)])
-    data = s.buffers()[2]
-    if data is None or end == start:
-        return False, False
-    text = np.frombuffer(data, dtype=np.uint8)[start:end]
+    """Whether the text of ``s`` holds a control character, and whether it holds
+    a ``"`` or a ``\\``: one pass over its bytes (UTF-8 continuation and lead bytes
+    are all >= 0x80, so a byte below 0x20 or equal to 0x22 or 0x5C is that ASCII
+    character). Bytes behind nulls count too: at worst a needless escape pass."""
+    text = _b.used_bytes(s)
     if (text < 0x20).any():
         return True, True
     return False, bool(((text == 0x22) | (text == 0x5C)).any())

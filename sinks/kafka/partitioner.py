@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from sinks.kafka import _binaries as _b
+from sinks import _binaries as _b
 
 __all__ = ["murmur2", "partition_indexes"]
 

@@ -53,8 +53,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sinks import _binaries as _b
 from sinks.errors import ConfigError, DataError
-from sinks.kafka import _binaries as _b
 
 __all__ = ["EncodedBatch", "batches_by_partition", "record_batches"]
 

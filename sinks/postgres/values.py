@@ -27,6 +27,7 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sinks import _binaries as _b
 from sinks.errors import DataError
 
 PG_TYPE_KEY = b"pg"
@@ -74,7 +75,8 @@ def _column(arr: pa.Array, field: pa.Field, where: str) -> pa.Array:
     bad: pa.Array | None = None
     why = ""
     if pa.types.is_string(t):
-        bad = pc.match_substring(out, "\0")
+        if (_b.used_bytes(out) == 0).any():  # one pass over the bytes; then find the row
+            bad = pc.match_substring(out, "\0")
         why = "holds NUL (\\x00), which PostgreSQL text cannot store"
     elif pa.types.is_date32(t):
         days = out.view(pa.int32())

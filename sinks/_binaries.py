@@ -1,5 +1,7 @@
-"""Byte-level views of Arrow binary arrays, shared by the record encoder and the
-partitioner: offsets, validity, data buffer and lengths without copies."""
+"""Byte-level views of Arrow binary and string arrays, without copies: offsets,
+validity, data buffer, lengths (the Kafka record encoder and partitioner), and
+the bytes a column's values span (scans for characters by the Kafka JSON
+encoder and the PostgreSQL value checks)."""
 
 from __future__ import annotations
 
@@ -55,3 +57,12 @@ def lengths(arr: pa.Array) -> np.ndarray:
     if mask is not None:
         sizes[~mask] = -1
     return sizes
+
+
+def used_bytes(arr: pa.Array) -> np.ndarray:
+    """The bytes the values of a (possibly sliced) binary or string array span in
+    its data buffer, as uint8: the text of every row back to back (the bytes
+    behind a null included, if any)."""
+    arr = binary(arr, "values")
+    off = offsets(arr)
+    return data(arr)[int(off[0]) : int(off[-1])]
