@@ -356,11 +356,7 @@ class Coordinator:
         done = self.ledger.complete(cp, rows)
         self.checkpoints_taken.append(done)
         log.info("checkpoint %d (%s) committed: cut %s, rows %s", cp.id, cp.kind, cp.cut, rows)
-        if groups or cp.cut:
-            # a checkpoint that commits no batch (a final one after the last
-            # batch's, a savepoint with nothing new) sweeps nothing new: its
-            # orphans would be of earlier runs, which recovery swept
-            self._forget_and_sweep(groups, cp.cut)
+        self._forget_and_sweep(groups, cp.cut)
         return done
 
     def _commit_sinks(
