@@ -36,7 +36,7 @@ from lifecycle.ledger import (
 )
 from lifecycle.pipeline import Pipeline, PipelineState, Transform
 from lifecycle.spark_log import SparkCommitLog
-from lifecycle.state.store import StateStore, open_store
+from lifecycle.state.store import LocalStore, StateStore, open_store
 from sinks.base import ExpectedLoad, Sink
 from sinks.errors import ConfigError, PreflightError, TwoPhaseError
 from sinks.naming import check_id, check_incarnation
@@ -48,11 +48,15 @@ FINAL_MODES = ("shared", "per-pipeline")
 # After a batch handler returns, Spark writes ``commits/N`` within tens of
 # milliseconds, and an available-now query that has consumed its input ends soon
 # after. For this long after a handler returns, the run loop looks every
-# _QUICK_POLL_S; otherwise at least every 0.5 s. (A StreamingQueryListener
+# _QUICK_POLL_S (a local state_dir; _QUICK_POLL_REMOTE_S for a URI, where a look
+# is a Hadoop call); otherwise at least every 0.5 s. (A StreamingQueryListener
 # reported both 100-150 ms late, and its Python callbacks slowed every batch by
-# about 20 ms on 2 cores: the loop does not use one.)
+# about 20 ms on 2 cores: the loop does not use one.) Stop requests made with
+# files (``twophase stop``) are read every _REQUEST_POLL_S.
 _QUICK_WINDOW_S = 0.5
 _QUICK_POLL_S = 0.01
+_QUICK_POLL_REMOTE_S = 0.05
+_REQUEST_POLL_S = 0.2
 
 __all__ = ["Job", "JobFailedError", "JobResult"]
 
@@ -174,6 +178,9 @@ class Job:
         self._running = False
         self._failures: dict[str, TaskFailure] = {}  # pipeline -> its failed batch
         self._quick_until = 0.0  # monotonic time until which the run loop polls quickly
+        self._quick_poll = (
+            _QUICK_POLL_S if isinstance(self.store, LocalStore) else _QUICK_POLL_REMOTE_S
+        )
 
     def add_pipeline(
         self,
@@ -477,14 +484,18 @@ class Job:
         (None when no pipeline consumed input in this run)."""
         interval = self.checkpoint_interval
         last = time.monotonic()
+        next_request_check = 0.0
         while True:
             now = time.monotonic()
             wait = 0.2 if interval == 0 else max(0.05, min(0.5, last + interval - now))
             if now < self._quick_until:
-                wait = _QUICK_POLL_S
+                wait = self._quick_poll
             self._wake.wait(wait)
             self._wake.clear()
-            request = control.take_request(self.store)
+            request = None
+            if time.monotonic() >= next_request_check:
+                next_request_check = time.monotonic() + _REQUEST_POLL_S
+                request = control.take_request(self.store)
             if request is not None:
                 log.warning("stop requested by %s (drain=%s)", request.source, request.drain)
                 self.stop(drain=request.drain)
