@@ -576,6 +576,17 @@ def test_partitions_framed_together_bad_arguments() -> None:
         batches_by_partition(
             np.array([0, 1, 1]), [0, 1], None, values, [], sequence=lambda p: 0, **PRODUCER
         )
+    for bad in (2**31, -5):
+        with pytest.raises(ValueError, match="partition 1: base sequence"):
+            batches_by_partition(
+                np.array([0, 1]),
+                [0, 1],
+                None,
+                values,
+                [],
+                sequence=lambda p, bad=bad: bad if p == 1 else 0,
+                **PRODUCER,
+            )
     with pytest.raises(ConfigError, match="compression"):
         batches_by_partition(
             np.array([0, 1]),

@@ -473,12 +473,18 @@ def batches_by_partition(
     segments = np.zeros(len(used) + 1, dtype=np.int64)
     np.cumsum(counts[used], out=segments[1:])
     targets = [partitions[int(i)] for i in used]
+    sequences = [sequence(p) for p in targets]
+    for p, seq in zip(targets, sequences, strict=True):
+        if seq < -1 or seq > _INT32_MAX:
+            raise ValueError(
+                f"partition {p}: base sequence must be -1 or in [0, 2**31-1], not {seq}"
+            )
     encoded = _encode(
         keys,
         values,
         headers,
         segments,
-        [sequence(p) for p in targets],
+        sequences,
         compression=compression,
         max_batch_bytes=max_batch_bytes,
         **batch,
