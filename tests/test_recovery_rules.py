@@ -178,6 +178,27 @@ def test_checkpoint_sweeps_only_at_or_below_its_cut(world: World) -> None:
     assert failed in sink.aborted and in_flight in sink.prepared
 
 
+def test_a_final_checkpoint_with_nothing_to_commit_still_sweeps_earlier_runs(
+    world: World,
+) -> None:
+    """A zombie task of an earlier run that prepares after this run's last batch
+    was committed is swept by the final checkpoint (whose cut is empty), not
+    left until the next start."""
+    ledger, sink = world.ledger, world.sink
+    ledger.begin_run()  # this is run 2 of the state
+    coord = world.coordinator()
+    coord.recover()
+    sink.prepared.add(own := txn(0, 0, run=ledger.run))
+    ledger.record_batch("p", 0, {"s": [{"txn": own, "rows": 1}]})
+    world.spark_completed(0)
+    assert coord.checkpoint("periodic").cut == {"p": 0}
+    zombie = txn(3, 0, run=ledger.run - 1)
+    sink.prepared.add(zombie)
+    final = coord.checkpoint("final", finished=["p"])
+    assert final is not None and final.cut == {}
+    assert zombie in sink.aborted and sink.prepared == set()
+
+
 def test_nothing_to_commit_records_no_periodic_checkpoint(world: World) -> None:
     ledger = world.ledger
     world.register(0)
