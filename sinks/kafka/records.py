@@ -267,8 +267,7 @@ def record_batches(
     that does not get smaller is sent uncompressed). Returns ``[]`` for no rows.
     """
     _check_options(compression, max_batch_bytes)
-    if base_sequence < -1 or base_sequence > _INT32_MAX:
-        raise ValueError(f"base_sequence must be -1 or in [0, 2**31-1], not {base_sequence}")
+    _check_sequence(base_sequence, "base_sequence")
     n = _row_count(keys, values, headers)
     (out,) = _encode(
         keys,
@@ -299,6 +298,11 @@ def _check_options(compression: str | None, max_batch_bytes: int) -> None:
             )
     if max_batch_bytes <= HEADER_SIZE:
         raise ValueError(f"max_batch_bytes must be more than {HEADER_SIZE}")
+
+
+def _check_sequence(sequence: int, what: str) -> None:
+    if sequence < -1 or sequence > _INT32_MAX:
+        raise ValueError(f"{what} must be -1 or in [0, 2**31-1], not {sequence}")
 
 
 def _row_count(
@@ -475,10 +479,7 @@ def batches_by_partition(
     targets = [partitions[int(i)] for i in used]
     sequences = [sequence(p) for p in targets]
     for p, seq in zip(targets, sequences, strict=True):
-        if seq < -1 or seq > _INT32_MAX:
-            raise ValueError(
-                f"partition {p}: base sequence must be -1 or in [0, 2**31-1], not {seq}"
-            )
+        _check_sequence(seq, f"partition {p}: base sequence")
     encoded = _encode(
         keys,
         values,
