@@ -60,6 +60,7 @@ from sinks.delta.storage import (
     TableStorage,
     file_stem,
     marker_path,
+    parent_dir,
 )
 from sinks.naming import TxnName
 
@@ -235,7 +236,7 @@ class SparkStage:
         ]
         done = raise_first(run_all(calls, limit=PLACE_THREADS, name="place"))
         placed = [p for p in done if p is not None]
-        dirs = {add["path"].rsplit("/", 1)[0] if "/" in add["path"] else "" for add, _ in placed}
+        dirs = {parent_dir(add["path"]) for add, _ in placed}
         self._storage.sync_dirs(dirs)
         self._storage.delete_tree(staging)
         return [add for add, _ in placed], sum(rows for _, rows in placed)

@@ -70,6 +70,11 @@ def local_root(table_uri: str) -> str | None:
     return os.path.abspath(os.path.expanduser(table_uri))
 
 
+def parent_dir(rel: str) -> str:
+    """The directory of the table-relative path ``rel`` (``""``: the table's root)."""
+    return rel.rsplit("/", 1)[0] if "/" in rel else ""
+
+
 class TableStorage:
     """Reads, writes, lists and deletes files by path relative to the table root.
 
@@ -151,7 +156,7 @@ class TableStorage:
         if self.root is None:
             return
         _fsync(self.path(rel))
-        self.sync_dirs({rel.rsplit("/", 1)[0] if "/" in rel else ""})
+        self.sync_dirs({parent_dir(rel)})
 
     # -- reading ---------------------------------------------------------------
 
@@ -214,7 +219,7 @@ class TableStorage:
                 todo.add(d)
                 if not d:
                     break
-                d = d.rsplit("/", 1)[0] if "/" in d else ""
+                d = parent_dir(d)
         for d in sorted(todo, key=lambda x: -x.count("/")):
             _fsync(self.path(d) if d else self.root)
 
