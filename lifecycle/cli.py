@@ -1,6 +1,8 @@
 """The ``twophase`` console command.
 
-    twophase status STATE_DIR [--json]               what a job's ledger holds
+    twophase status STATE_DIR [--json] [--watch [S]] [--stuck-after S]
+                                                     whether the job runs, and what
+                                                     its ledger holds
     twophase stop [--drain] [--timeout S] STATE_DIR  stop a running job, wait for it
     twophase start-over STATE_DIR --from ID          the next run takes the sinks over
                                                      from incarnation ID (state lost)
@@ -33,6 +35,13 @@ job's session gets (``HADOOP_CONF_DIR``, the ``spark.hadoop.*`` settings of
 A URI STATE_DIR holds no file ledger: without a ``ledger.location`` the
 commands need ``--ledger``.
 
+``twophase status`` exits 0 when the job is healthy (running, or ended with
+nothing pending), 1 when it runs but is stuck (pending work or a decided
+checkpoint older than ``--stuck-after``), 2 when there is no ledger, 3 when it
+is not running and pending work waits for its next start, 4 when its last run
+failed (see :mod:`lifecycle.status`; ``--json`` prints that document, and
+``--raw`` the ledger's own).
+
 ``twophase stop`` exits 0 when the job stopped with its final (``--drain``) or
 savepoint checkpoint committed and nothing left undecided, 1 when it did not,
 2 when no job is running on STATE_DIR or it did not stop within the timeout.
@@ -57,7 +66,8 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, NoReturn
 
-from lifecycle import control, operations
+from lifecycle import control, heartbeat, operations
+from lifecycle import status as status_view
 from lifecycle._exit import leave
 from lifecycle.errors import CheckpointCommitError
 from lifecycle.ledger import (
@@ -74,64 +84,9 @@ from sinks.errors import ConfigError, TransactionLostError, TwoPhaseError
 from sinks.naming import check_incarnation
 
 
-def _when(ts: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
-
-
 def format_status(doc: dict[str, Any]) -> str:
-    """A readable view of a ledger document."""
-    inc = doc.get("incarnation") or "-"
-    out = [
-        f"job {doc['job']}  incarnation {inc}  (run {doc['run']}, next checkpoint "
-        f"{doc['next_checkpoint']})"
-    ]
-    finished = doc.get("finished") or []
-    out.append(f"finished pipelines: {', '.join(finished) if finished else '-'}")
-    decided = doc.get("decided")
-    if decided:
-        out.append(
-            f"COMMIT IN PROGRESS: checkpoint {decided['id']} ({decided['kind']}) decided "
-            f"{_when(decided['decided_at'])}, cut {decided['cut']}; the next start finishes it"
-        )
-    pending = doc.get("pending") or {}
-    out.append("pending (pre-committed, awaiting a checkpoint):")
-    if not pending:
-        out.append("  none")
-    for p, batches in sorted(pending.items()):
-        per_sink: dict[str, list[int]] = {}
-        for _b, sinks in batches.items():
-            for sid, cs in sinks.items():
-                acc = per_sink.setdefault(sid, [0, 0])
-                acc[0] += len(cs)
-                acc[1] += sum(int(c.get("rows", 0)) for c in cs)
-        ids = sorted(int(b) for b in batches)
-        out.append(f"  {p}: batches {ids[0]}..{ids[-1]} ({len(ids)})")
-        for sid, (txns, rows) in sorted(per_sink.items()):
-            out.append(f"    {sid}: {txns} transaction(s), {rows} row(s)")
-    history = doc.get("history") or []
-    out.append(f"checkpoints (last {len(history)}):")
-    for cp in history[-10:]:
-        rows = sum(cp.get("rows", {}).values())
-        fin = f" finished {cp['finished']}" if cp.get("finished") else ""
-        out.append(
-            f"  #{cp['id']:<5} {cp['kind']:<9} {_when(cp['committed_at'])}  "
-            f"cut {cp['cut']}{fin}  {rows} row(s)"
-        )
-    totals = doc.get("totals") or {}
-    out.append("rows committed per sink:")
-    out.extend(f"  {k}: {v}" for k, v in sorted(totals.items()))
-    if not totals:
-        out.append("  none")
-    abandoned = doc.get("abandoned") or []
-    if abandoned:
-        out.append("abandoned (an operator gave these transactions up):")
-        for a in abandoned:
-            out.append(
-                f"  checkpoint {a['checkpoint']}  {_when(a['at'])}  {len(a['txns'])} "
-                f"transaction(s): {a['note']}"
-            )
-            out.extend(f"    {t}" for t in a["txns"])
-    return "\n".join(out)
+    """A readable view of a ledger document (no heartbeat: as a stopped job)."""
+    return status_view.format_text(status_view.job_status(doc, None), doc)
 
 
 def _fail(message: object, code: int) -> int:
@@ -374,7 +329,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     st = sub.add_parser("status", help="show a job's checkpoints and pending transactions")
     st.add_argument("state_dir", nargs="?")
     st.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
-    st.add_argument("--json", action="store_true", help="print the raw ledger document")
+    st.add_argument(
+        "--json",
+        action="store_true",
+        help=f"print the status as JSON (schema {status_view.SCHEMA}, see lifecycle.status)",
+    )
+    st.add_argument("--raw", action="store_true", help="print the ledger document itself (JSON)")
+    st.add_argument(
+        "--watch",
+        nargs="?",
+        const=2.0,
+        type=float,
+        metavar="S",
+        help="refresh every S seconds (2) until interrupted",
+    )
+    st.add_argument(
+        "--stuck-after",
+        type=float,
+        metavar="S",
+        help="pending work older than S seconds makes a running job stuck (exit 1); "
+        f"default max({status_view.DEFAULT_STUCK_AFTER_S:.0f}, 10 checkpoint intervals)",
+    )
     sp = sub.add_parser("stop", help="stop a running job (a savepoint, or --drain)")
     sp.add_argument("state_dir")
     sp.add_argument(
@@ -448,13 +423,65 @@ def _command(args: argparse.Namespace) -> int:
     if args.state_dir is None and args.ledger is None:
         print("twophase: status needs a STATE_DIR or --ledger URI (or DIR)", file=sys.stderr)
         return 2
-    doc = read_ledger(args.state_dir, args.ledger)
+    if args.watch is None:
+        return status(
+            args.state_dir,
+            args.ledger,
+            as_json=args.json,
+            raw=args.raw,
+            stuck_after=args.stuck_after,
+        )
+    code = 2
+    try:
+        while True:
+            if sys.stdout.isatty():
+                print("\x1b[H\x1b[2J", end="")
+            code = status(
+                args.state_dir,
+                args.ledger,
+                as_json=args.json,
+                raw=args.raw,
+                stuck_after=args.stuck_after,
+            )
+            print(
+                f"(every {args.watch:g}s, Ctrl-C to stop; {time.strftime('%H:%M:%S')})", flush=True
+            )
+            time.sleep(max(0.1, args.watch))
+    except KeyboardInterrupt:
+        return code
+
+
+def status(
+    state_dir: str | None,
+    ledger: str | None,
+    *,
+    as_json: bool = False,
+    raw: bool = False,
+    stuck_after: float | None = None,
+) -> int:
+    """Print whether the job runs and what its ledger holds; return the exit
+    code (module docstring)."""
+    doc = read_ledger(state_dir, ledger)
     if doc is None:
-        where = _shown(args.ledger) if args.ledger else args.state_dir
+        where = _shown(ledger) if ledger else str(state_dir)
+        if as_json:
+            print(json.dumps(status_view.not_found(where), indent=2, sort_keys=True))
         print(f"twophase: no ledger in {where}", file=sys.stderr)
         return 2
-    print(json.dumps(doc, indent=2, sort_keys=True) if args.json else format_status(doc))
-    return 0
+    if raw:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    beat = heartbeat.read(open_store(state_dir, None)) if state_dir is not None else None
+    try:
+        locked = is_locked(state_dir, ledger)
+    except Exception:  # a ledger this command cannot lock-test (e.g. on another host)
+        locked = False
+    found = status_view.job_status(doc, beat, locked=locked, stuck_after=stuck_after)
+    if as_json:
+        print(json.dumps(found, indent=2, sort_keys=True))
+    else:
+        print(status_view.format_text(found, doc))
+    return int(found["exit_code"])
 
 
 def entry() -> NoReturn:

@@ -48,14 +48,16 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from lifecycle.errors import CheckpointCommitError, RecoveryRefusedError
 from lifecycle.failures import cause_of, full_trace
 from lifecycle.ledger import Checkpoint, Ledger
+from lifecycle.metrics import JobMetrics
 from lifecycle.spark_log import SparkCommitLog
-from sinks import _faults
+from sinks import _faults, _retry
 from sinks._parallel import raise_first, run_all
 from sinks.base import Committable, JobScope, Sink
 from sinks.naming import TxnName
@@ -89,6 +91,10 @@ def sink_label(pipeline: str, sink_id: str) -> str:
     return f"{pipeline}/{sink_id}"
 
 
+_RULES = {"aborted": "abort_replayed", "swept": "sweep_orphans", "skipped": "skip_abandoned"}
+"""The recovery rule a move on a sink follows (see :mod:`lifecycle.metrics`);
+commits follow one during recovery only (``Coordinator._commit_rule``)."""
+
 Observer = Callable[[str, str, list[str]], None]
 """Told ``(what, sink label, transaction names)`` of every move the coordinator
 makes on a sink: ``committed``, ``aborted`` (pending work dropped),
@@ -100,7 +106,8 @@ class Coordinator:
     sink (see :data:`Observer`). ``new_state``: how the job gets a new state, for
     refusals that suggest one (see :func:`lifecycle.ledger.new_state_advice`).
     ``commit_parallelism``: how many sinks (of different targets) a checkpoint
-    commits at once."""
+    commits at once. ``metrics``: told of registrations, checkpoints, retries and
+    recovery actions."""
 
     def __init__(
         self,
@@ -111,6 +118,7 @@ class Coordinator:
         observer: Observer | None = None,
         new_state: str = "a new state_dir",
         commit_parallelism: int = 4,
+        metrics: JobMetrics | None = None,
     ) -> None:
         self.job = job
         self.commit_parallelism = commit_parallelism
@@ -123,11 +131,26 @@ class Coordinator:
         self.checkpoints_taken: list[Checkpoint] = []
         self._observer = observer
         self._early: str | None = None  # why the next checkpoint should not wait
+        self.metrics = metrics or JobMetrics(job)
+        self._commit_rule: str | None = None  # the recovery rule commits follow now
 
-    def _tell(self, what: str, pipeline: str, sink_id: str, txns: Iterable[str]) -> None:
+    def _tell(
+        self,
+        what: str,
+        pipeline: str,
+        sink_id: str,
+        txns: Iterable[str],
+        rule: str | None = None,
+    ) -> None:
         names = sorted(txns)
-        if self._observer is not None and names:
+        if not names:
+            return
+        if self._observer is not None:
             self._observer(what, sink_label(pipeline, sink_id), names)
+        if rule is None:
+            rule = self._commit_rule if what == "committed" else _RULES.get(what)
+        if rule is not None:
+            self.metrics.recovery_action(rule, pipeline, sink_id, len(names))
 
     def scope(self, pipeline: str, sink_id: str) -> JobScope:
         """The scope of a sink of this job, in this incarnation."""
@@ -241,9 +264,15 @@ class Coordinator:
             log.warning(
                 "batch %d of %s re-run by Spark: aborting its earlier attempt", batch_id, pipeline
             )
-            self._abort_batch(pipeline, stale)
+            self._abort_batch(pipeline, stale, rule="abort_rerun")
         digest = self._pipeline(pipeline).commit_log.offsets_digest(batch_id)
+        at = round(time.time(), 3)
+        for cs in committables.values():
+            for c in cs:
+                c["registered_at"] = at  # the age of pending work (status, metrics)
         self.ledger.record_batch(pipeline, batch_id, committables, digest)
+        self.metrics.prepared(pipeline, committables)
+        self._pending_changed()
         for sid, cs in committables.items():
             reason = self._sink(pipeline, sid).checkpoint_pressure(cs)
             if reason is not None:
@@ -300,8 +329,9 @@ class Coordinator:
             cut = self.completed_cut(only)
             if not cut and not finished and kind in ("periodic", "recovery"):
                 return None
+            started = time.monotonic()
             cp = self.ledger.decide(kind, cut, finished)
-            return self._commit(cp)
+            return self._commit(cp, started)
 
     def committables_of(
         self, cp: Checkpoint, *, abandoned: bool = False
@@ -320,7 +350,7 @@ class Coordinator:
                     group.extend(c for c in cs if (c.get("txn") in skip) == abandoned)
         return groups
 
-    def _commit(self, cp: Checkpoint) -> Checkpoint:
+    def _commit(self, cp: Checkpoint, started: float | None = None) -> Checkpoint:
         """Commit a decided checkpoint. Safe to call again after a crash.
 
         Every sink is committed even when one fails (the decision is final, so
@@ -343,6 +373,7 @@ class Coordinator:
                     [c["txn"] for c in cs][:5],
                 )
                 self._tell("skipped", p, sid, (c["txn"] for c in cs))
+        started = time.monotonic() if started is None else started
         sinks = {key: self._sink(*key) for key in groups}
         _faults.hit("driver.before_commit", batch=max(cp.cut.values(), default=None))
         failed = self._commit_sinks(groups, sinks)
@@ -352,9 +383,14 @@ class Coordinator:
                 rows[sink_label(p, sid)] = sum(int(c.get("rows", 0)) for c in cs)
                 self._tell("committed", p, sid, (c["txn"] for c in cs))
         if failed:
+            self.metrics.checkpoint_failed(cp.kind, time.monotonic() - started)
             raise self._commit_error(cp, failed, sinks)
         done = self.ledger.complete(cp, rows)
         self.checkpoints_taken.append(done)
+        self.metrics.checkpoint_committed(
+            cp.kind, time.monotonic() - started, groups, done.committed_at or time.time()
+        )
+        self._pending_changed()
         log.info("checkpoint %d (%s) committed: cut %s, rows %s", cp.id, cp.kind, cp.cut, rows)
         self._forget_and_sweep(groups, cp.cut)
         return done
@@ -373,10 +409,13 @@ class Coordinator:
         def lane(keys: list[tuple[str, str]]) -> dict[tuple[str, str], Exception]:
             failed: dict[tuple[str, str], Exception] = {}
             for key in keys:
+                counting = _retry.on_retry.set(self.metrics.retried(*key))
                 try:
                     sinks[key].commit(groups[key])
                 except Exception as e:
                     failed[key] = e
+                finally:
+                    _retry.on_retry.reset(counting)
             return failed
 
         failed: dict[tuple[str, str], Exception] = {}
@@ -442,7 +481,11 @@ class Coordinator:
                 decided.kind,
             )
             with self._checkpointing:
-                self._commit(decided)
+                self._commit_rule = "commit_decided"
+                try:
+                    self._commit(decided)
+                finally:
+                    self._commit_rule = None
         self.settle(kind="recovery")
 
     def settle(self, kind: str) -> None:
@@ -454,7 +497,11 @@ class Coordinator:
                 f"the ledger holds uncommitted work of pipeline(s) {sorted(unknown)} that "
                 "this job does not define; add them back so their work can be committed"
             )
-        self.checkpoint(kind)
+        self._commit_rule = "commit_completed" if kind == "recovery" else None
+        try:
+            self.checkpoint(kind)
+        finally:
+            self._commit_rule = None
         self._abort_uncompleted(self.pipelines, "Spark did not complete it and replays it")
 
     def reset_pipeline(self, pipeline: str) -> None:
@@ -480,6 +527,7 @@ class Coordinator:
                     log.info("aborting batch %d of %s: %s", b, p, why)
                     self._abort_batch(p, sinks)
                     self.ledger.drop_batches(p, [b])
+                    self._pending_changed()
         owned = self.ledger.is_owned
         for p in pipelines:
             for sid, sink in self._pipeline(p).sinks.items():
@@ -487,6 +535,10 @@ class Coordinator:
                 self._tell("swept", p, sid, swept)
 
     # -- helpers ----------------------------------------------------------------------
+
+    def _pending_changed(self) -> None:
+        """Tell the metrics what the ledger holds pending now."""
+        self.ledger.read_pending(self.metrics.pending_changed)
 
     def _spark_completed(self, p: str) -> int:
         """The highest batch of ``p`` Spark completed: its commit log, or what the
@@ -515,8 +567,10 @@ class Coordinator:
             )
         return sinks[sid]
 
-    def _abort_batch(self, p: str, sinks: dict[str, list[Committable]]) -> None:
+    def _abort_batch(
+        self, p: str, sinks: dict[str, list[Committable]], rule: str | None = None
+    ) -> None:
         for sid, cs in sinks.items():
             if cs:
                 self._sink(p, sid).abort(cs)
-                self._tell("aborted", p, sid, (c["txn"] for c in cs))
+                self._tell("aborted", p, sid, (c["txn"] for c in cs), rule)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
 from pyspark.sql import DataFrame, SparkSession
 
 from lifecycle import control
@@ -34,9 +35,12 @@ from lifecycle.ledger import (
     new_state_advice,
     open_ledger,
 )
+from lifecycle.metrics import MetricSample
 from lifecycle.pipeline import Pipeline, PipelineState, Transform
+from lifecycle.progress import Tracked
 from lifecycle.spark_log import SparkCommitLog
 from lifecycle.state.store import LocalStore, StateStore, open_store
+from lifecycle.watch import RunWatch
 from sinks.base import ExpectedLoad, Sink
 from sinks.errors import ConfigError, PreflightError, TwoPhaseError
 from sinks.naming import check_id, check_incarnation
@@ -134,6 +138,19 @@ class Job:
             that is a URI needs one of the two: the file ledger needs a local
             directory (``fsync``, ``flock``). A state_dir keeps the kind of
             ledger it started with; one job name has one ledger per schema.
+        metrics_port: serve the job's Prometheus metrics at
+            ``http://metrics_host:PORT/metrics`` while it runs (0: any free port,
+            see :attr:`metrics_address`); None (default): no endpoint. The
+            figures are always kept: :meth:`metrics` reads them in Python, and
+            :attr:`metrics_registry` is the job's own registry (for
+            ``prometheus_client.push_to_gateway``). What each metric is:
+            :mod:`lifecycle.metrics`.
+        metrics_host: the address the endpoint binds to (loopback by default;
+            ``"0.0.0.0"`` for a scraper on another host).
+        progress: how bounded pipelines show their progress: ``"auto"`` (a bar
+            per pipeline when standard error is a terminal, a log line per
+            checkpoint otherwise), ``"bar"``, ``"log"`` or ``"off"`` (see
+            :mod:`lifecycle.progress`).
     """
 
     def __init__(
@@ -147,6 +164,9 @@ class Job:
         stop_grace: float = 10.0,
         start_over_from: str | None = None,
         ledger: str | os.PathLike[str] | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        progress: str = "auto",
     ) -> None:
         if checkpoint_interval < 0:
             raise ConfigError("checkpoint_interval must be >= 0 seconds")
@@ -181,6 +201,10 @@ class Job:
         self._quick_poll = (
             _QUICK_POLL_S if isinstance(self.store, LocalStore) else _QUICK_POLL_REMOTE_S
         )
+        self._watch = RunWatch(
+            self.name, metrics_port=metrics_port, metrics_host=metrics_host, progress=progress
+        )
+        self._error: str | None = None  # the first line of the failure that ended the run
 
     def add_pipeline(
         self,
@@ -193,6 +217,7 @@ class Job:
         output_mode: str = "append",
         transform: Transform | None = None,
         event_time: str | None = None,
+        expected_rows: int | None = None,
     ) -> None:
         """Add a pipeline: a streaming DataFrame written to ``sinks``.
 
@@ -217,6 +242,9 @@ class Job:
                 itself never reaches a sink. Only in ``append`` mode: ``update``
                 and ``complete`` emit every window as data arrives and hold
                 nothing back, so no marker is fed there.
+            expected_rows: how many rows a bounded pipeline writes, when known:
+                its progress shows the share done and an ETA (Spark's sources do
+                not tell it).
         """
         check_id("pipeline name", name)
         if self._running:
@@ -255,6 +283,7 @@ class Job:
             location=f"pipelines/{name}",
             transform=transform,
             event_time=event_time,
+            expected_rows=expected_rows,
         )
 
     def stop(self, drain: bool = False) -> None:
@@ -271,6 +300,23 @@ class Job:
         if self._stop is None or (self._stop and not drain):
             self._stop = drain  # a stop without drain overrides a drain in progress
         self._wake.set()
+
+    # -- observing --------------------------------------------------------------------
+
+    def metrics(self) -> list[MetricSample]:
+        """Every metric sample of this job now (what the endpoint serves), for
+        pushing them elsewhere. Kept across runs of this ``Job`` object."""
+        return self._watch.metrics.samples()
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        """The job's own ``prometheus_client`` registry."""
+        return self._watch.metrics.registry
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of the metrics endpoint while the job runs, else None."""
+        return self._watch.metrics.address
 
     # -- running ----------------------------------------------------------------------
 
@@ -301,23 +347,34 @@ class Job:
         ledger = open_ledger(self.ledger_location, self.store, self.name)
         self._running = True
         self._outcome = ""  # a stop() that came before run() is honoured
+        self._error = None
+        ended = "failed"
         signals = control.SignalHandlers(self.stop) if handle_signals else contextlib.nullcontext()
         try:
             with signals:
-                return self._run(ledger)
+                result = self._run(ledger)
+            ended = "stopped" if result.stopped else "finished"
+            return result
         except JobFailedError as e:
+            self._error = str(e)
             self._log_failure(e)
             raise
-        except (ConfigError, PreflightError):
+        except (ConfigError, PreflightError) as e:
+            self._error = str(e)
             raise
         except TwoPhaseError as e:
             error = JobFailedError(f"job {self.name!r} failed: {e}", trace=full_trace(e))
+            self._error = str(error)
             self._log_failure(error)
             raise error from e
+        except BaseException as e:
+            self._error = f"{type(e).__name__}: {e}"
+            raise
         finally:
             self._running = False
             self._stop = None
             self._warn_undecided(ledger)
+            self._watch.end(ended, self._error)
             ledger.close()
             for p in self._pipelines.values():
                 for s in p.sinks:
@@ -349,6 +406,7 @@ class Job:
 
     def _run(self, ledger: Ledger) -> JobResult:
         ledger.begin_run()
+        self._begin_watch(ledger)
         coord = Coordinator(
             self.name,
             ledger,
@@ -361,6 +419,7 @@ class Job:
                 for p in self._pipelines.values()
             ],
             new_state=new_state_advice(self.ledger_location),
+            metrics=self._watch.metrics,
         )
         self._check_spark_state(ledger)
         for p in self._pipelines.values():
@@ -399,11 +458,40 @@ class Job:
         try:
             for p in self._live():
                 self._start(coord, p)
+            self._watch.set_state("running")
             end_of_input = self._loop(coord)
         except BaseException:
             self._stop_queries()
             raise
         return self._result(coord, ledger, end_of_input)
+
+    def _begin_watch(self, ledger: Ledger) -> None:
+        """Start the run's metrics endpoint, heartbeat and progress view."""
+        pipelines = list(self._pipelines.values())
+        finished = ledger.finished()
+        self._watch.begin(
+            self.store,
+            {
+                "job": self.name,
+                "incarnation": ledger.incarnation,
+                "run": ledger.run,
+                "checkpoint_interval": self.checkpoint_interval,
+            },
+            lambda: {p.name: p.state.value for p in pipelines},
+            [s.value for s in PipelineState],
+            [(p.name, s.sink_id) for p in pipelines for s in p.sinks],
+            {
+                (p.name, s.sink_id): t
+                for p in pipelines
+                for s in p.sinks
+                if (t := s.prepared_work_timeout()) is not None
+            },
+            [
+                Tracked(p.name, p.expected_rows)
+                for p in pipelines
+                if p.bounded and p.name not in finished
+            ],
+        )
 
     def _start_over_choice(self, ledger: Ledger) -> str | None:
         """The incarnation to start over from: the argument, or a ``twophase
@@ -492,6 +580,7 @@ class Job:
                 wait = self._quick_poll
             self._wake.wait(wait)
             self._wake.clear()
+            self._watch.tick()
             request = None
             if time.monotonic() >= next_request_check:
                 next_request_check = time.monotonic() + _REQUEST_POLL_S
@@ -501,6 +590,7 @@ class Job:
                 self.stop(drain=request.drain)
             self._advance(coord)
             if self._stop is False:  # savepoint
+                self._watch.set_state("stopping")
                 self._stop_queries(self.stop_grace)
                 coord.settle(kind="savepoint")
                 for p in self._live():
@@ -532,16 +622,17 @@ class Job:
                 coord.checkpoint("periodic", finished=[p.name for p in done_logic])
                 self._finished(done_logic)
 
-    @staticmethod
-    def _finished(pipelines: list[Pipeline]) -> None:
+    def _finished(self, pipelines: list[Pipeline]) -> None:
         """Their data is committed by the checkpoint just taken: FINISHED."""
         for p in pipelines:
             p.state = PipelineState.FINISHED
+            self._watch.pipeline_finished(p.name)
             log.info("pipeline %s finished: its data is committed", p.name)
 
     def _drain(self, coord: Coordinator) -> None:
         """Unbounded pipelines end their input: stop, then run available-now."""
         self._outcome = "drained"
+        self._watch.set_state("draining")
         for p in self._pipelines.values():
             if p.state is PipelineState.RUNNING and not p.bounded:
                 p.stop_query(self.stop_grace)
@@ -560,6 +651,8 @@ class Job:
                 p.state = PipelineState.FAILED
                 self._fail(coord, p, exc)
             now = time.monotonic()
+            if p.input_done_at is None:
+                self._watch.metrics.input_consumed(p.name)
             if p.state is PipelineState.RUNNING and p.event_time:
                 log.info("pipeline %s consumed its input; flushing event-time state", p.name)
                 p.input_done_at = now
@@ -603,9 +696,15 @@ class Job:
         for cp in coord.checkpoints_taken:
             for k, n in cp.rows.items():
                 rows[k] = rows.get(k, 0) + n
-        final = next(
-            (cp.id for cp in reversed(coord.checkpoints_taken) if cp.kind == "final"), None
+        last_final = next(
+            (cp for cp in reversed(coord.checkpoints_taken) if cp.kind == "final"), None
         )
+        final = last_final.id if last_final is not None else None
+        if last_final is not None:
+            self._watch.metrics.final_committed(
+                last_final.committed_at or time.time(),
+                (time.monotonic() - end) if end is not None else None,
+            )
         states = {p.name: p.state for p in self._pipelines.values()}
         all_finished = all(s is PipelineState.FINISHED for s in states.values())
         return JobResult(

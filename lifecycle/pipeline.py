@@ -81,6 +81,7 @@ class Pipeline:
     location: str  # "pipelines/<name>" in the store
     transform: Transform | None = None
     event_time: str | None = None
+    expected_rows: int | None = None  # the total its progress is shown against
     state: PipelineState = PipelineState.RUNNING
     query: StreamingQuery | None = None
     schema: pa.Schema = field(init=False)

@@ -10,6 +10,7 @@ would do anyway. The caller then sees every outcome and decides what to raise.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -43,11 +44,13 @@ class Outcome(Generic[T]):
 def run_all(calls: Sequence[Callable[[], T]], *, limit: int, name: str) -> list[Outcome[T]]:
     """Run every call, at most ``limit`` at once, and return their outcomes in
     order. One call (or ``limit`` 1) runs in the caller's thread. Threads are
-    named ``name`` (they show in stack dumps of a hung commit)."""
+    named ``name`` (they show in stack dumps of a hung commit); each call runs in
+    a copy of the caller's context variables (what counts retries goes along)."""
     if len(calls) <= 1 or limit <= 1:
         return [_call(c) for c in calls]
+    contexts = [contextvars.copy_context() for _ in calls]
     with ThreadPoolExecutor(max_workers=min(limit, len(calls)), thread_name_prefix=name) as pool:
-        return list(pool.map(_call, calls))
+        return list(pool.map(lambda ctx, c: ctx.run(_call, c), contexts, calls))
 
 
 def run_parts(

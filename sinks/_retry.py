@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import threading
@@ -15,6 +16,13 @@ from sinks.errors import CommitError
 
 T = TypeVar("T")
 log = logging.getLogger("sinks.retry")
+
+on_retry: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "twophase_on_retry", default=None
+)
+"""Called at every retry of :func:`retry_transient` in this context (the
+coordinator counts a sink's commit retries with it; :func:`sinks._parallel.run_all`
+carries it into its threads)."""
 
 
 def retry_transient(
@@ -52,6 +60,9 @@ def retry_transient(
             state.seconds_since_start or 0.0,
             exc,
         )
+        counted = on_retry.get()
+        if counted is not None:
+            counted()
 
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception_type(transient),

@@ -215,6 +215,11 @@ class Sink(abc.ABC):
     #: their pipeline, so that their work waits as briefly as possible
     prepared_work_expires: bool = False
 
+    def prepared_work_timeout(self) -> float | None:
+        """Seconds after which the target aborts prepared work by itself, counted
+        from its first write (a Kafka transaction's timeout); None: never."""
+        return None
+
     @property
     @abc.abstractmethod
     def sink_id(self) -> str:

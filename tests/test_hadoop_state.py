@@ -304,7 +304,7 @@ def test_a_killed_driver_restarts_elsewhere_with_its_state_on_viewfs_and_the_led
     assert deltacheck.runs_of_batch(ours, 2) == {2}  # Spark replayed batch 2
     commits = shared / "job" / "pipelines" / "load" / "spark" / "commits"
     assert sorted(int(f) for f in os.listdir(commits) if f.isdigit()) == [0, 1, 2]
-    after = twophase("status", "--json", state, env=vfs)
+    after = twophase("status", "--raw", state, env=vfs)
     assert after.returncode == 0, after.stderr
     doc = json.loads(after.stdout)
     assert doc["job"] == run.job and doc["pending"] == {} and doc["decided"] is None

@@ -357,7 +357,7 @@ def test_twophase_finds_the_ledger_without_its_password(
     assert is_locked(state)
     assert twophase(["status", str(state)]) == 0
     assert "job orders" in capsys.readouterr().out
-    assert twophase(["status", "--json", "--ledger", uri]) == 0  # the schema's only job
+    assert twophase(["status", "--raw", "--ledger", uri]) == 0  # the schema's only job
     assert json.loads(capsys.readouterr().out) == read_ledger(state)
     assert twophase(["start-over", str(state), "--from", led.incarnation]) == 2
     assert "another ledger schema" in capsys.readouterr().err

@@ -15,12 +15,15 @@ import copy
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 from lifecycle.state.model import KINDS, Batch, Checkpoint, LedgerState, Op, Pending
 from lifecycle.state.protocol import check_batch
 from sinks.base import Committable
+
+T = TypeVar("T")
 
 
 class StateLedger:
@@ -62,6 +65,13 @@ class StateLedger:
         :meth:`pending_batch`)."""
         with self._mutex:
             return copy.deepcopy(self._state.pending)
+
+    def read_pending(self, read: Callable[[Pending], T]) -> T:
+        """``read(pending)`` on the pending committables themselves, without a
+        copy, while no operation changes them; ``read`` must not keep or change
+        them."""
+        with self._mutex:
+            return read(self._state.pending)
 
     def pending_pipelines(self) -> list[str]:
         """Pipelines with pending batches, sorted."""

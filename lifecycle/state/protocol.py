@@ -11,11 +11,14 @@ changes as operations of :mod:`lifecycle.state.model`).
 from __future__ import annotations
 
 import secrets
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from lifecycle.state.model import Batch, Checkpoint, Pending
 from sinks.base import Committable
 from sinks.errors import ConfigError, TwoPhaseError
+
+T = TypeVar("T")
 
 
 class LedgerLockedError(ConfigError):
@@ -58,6 +61,8 @@ class Ledger(Protocol):
     def incarnation(self) -> str: ...
 
     def pending(self) -> Pending: ...
+
+    def read_pending(self, read: Callable[[Pending], T]) -> T: ...
 
     def pending_pipelines(self) -> list[str]: ...
 

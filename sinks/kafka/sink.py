@@ -174,6 +174,9 @@ class KafkaSink(Sink):
     _driver_only = ("_conns", "_store")
     prepared_work_expires = True
 
+    def prepared_work_timeout(self) -> float | None:
+        return self.transaction_timeout_ms / 1000
+
     def __init__(
         self,
         bootstrap_servers: str | list[str],

@@ -93,6 +93,7 @@ class KafkaWriter(SinkWriter):
         self._partitions: list[int] = []
         self._round_robin = 0
         self._rows = 0
+        self._bytes = 0  # record batches sent, as framed on the wire
         self._prepared = False
         self._opened_at: float | None = None
 
@@ -175,6 +176,7 @@ class KafkaWriter(SinkWriter):
         )
         producer.send(topic, by_partition)
         self._rows += batch.num_rows
+        self._bytes += sum(len(b.data) for bs in by_partition.values() for b in bs)
 
     def _json(self, batch: pa.RecordBatch) -> pa.Array:
         try:
@@ -245,6 +247,7 @@ class KafkaWriter(SinkWriter):
             "producer_id": producer.producer_id,
             "epoch": producer.epoch,
             "rows": self._rows,
+            "bytes": self._bytes,
             "topic": topic,
             "partitions": offsets,
             "opened_at": round(self._opened_at or time.time(), 3),

@@ -80,6 +80,7 @@ class PostgresWriter(SinkWriter):
         self._copy: Any = None
         self._encoder: pgpq.ArrowToPostgresBinaryEncoder | None = None
         self._rows = 0
+        self._bytes = 0  # COPY data sent, the header and trailer included
         self._prepared = False
         self._upsert: Upsert | None = None
 
@@ -111,7 +112,9 @@ class PostgresWriter(SinkWriter):
             sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(target, self._columns())
         )
         self._copy = self._copy_cm.__enter__()
-        self._copy.write(self._encoder.write_header())
+        header = self._encoder.write_header()
+        self._bytes += len(header)
+        self._copy.write(header)
 
     def _abort_earlier_attempts(self, conn: psycopg.Connection) -> None:
         """Roll back prepared work of earlier executions of this partition (same
@@ -146,7 +149,9 @@ class PostgresWriter(SinkWriter):
         if self._conn is None:
             self._begin()
         assert self._encoder is not None
-        self._copy.write(self._encoder.write_batch(wire))
+        data = self._encoder.write_batch(wire)
+        self._bytes += len(data)
+        self._copy.write(data)
         self._rows += batch.num_rows
 
     def prepare(self) -> Committable | None:
@@ -169,7 +174,9 @@ class PostgresWriter(SinkWriter):
     def _prepare(self) -> Committable:
         assert self._encoder is not None
         conn, cfg = self._conn, self._settings
-        self._copy.write(self._encoder.finish())
+        trailer = self._encoder.finish()
+        self._bytes += len(trailer)
+        self._copy.write(trailer)
         cm, self._copy_cm = self._copy_cm, None
         cm.__exit__(None, None, None)
         if self._upsert is not None:
@@ -192,7 +199,7 @@ class PostgresWriter(SinkWriter):
                 "early when it sees the server close to the limit"
             ) from e
         self._prepared = True
-        return {"txn": self._gid, "rows": self._rows}
+        return {"txn": self._gid, "rows": self._rows, "bytes": self._bytes}
 
     def close(self, failed: bool = False) -> None:
         conn, self._conn = self._conn, None

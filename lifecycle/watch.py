@@ -1,0 +1,107 @@
+"""What a running job shows of itself: its metrics (and their HTTP endpoint), its
+heartbeat, and the progress of its bounded pipelines. One :class:`RunWatch`
+per :class:`~lifecycle.job.Job`; the job tells it when a run begins, changes
+state and ends, and calls :meth:`RunWatch.tick` from its run loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+from lifecycle import heartbeat
+from lifecycle.metrics import JOB_STATES, JobMetrics
+from lifecycle.progress import ProgressView, Tracked, check_mode
+from lifecycle.state.store import StateStore
+from sinks.errors import ConfigError
+
+log = logging.getLogger("lifecycle.watch")
+
+
+class RunWatch:
+    """Metrics, heartbeat and progress of one job (module docstring)."""
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        metrics_port: int | None,
+        metrics_host: str,
+        progress: str,
+    ) -> None:
+        if metrics_port is not None and not 0 <= metrics_port <= 65535:
+            raise ConfigError(
+                f"metrics_port must be a TCP port (0: any free one), not {metrics_port}"
+            )
+        self.metrics = JobMetrics(job)
+        self._port = metrics_port
+        self._host = metrics_host
+        self._progress_mode = check_mode(progress)
+        self._progress: ProgressView | None = None
+        self._heartbeat: heartbeat.Heartbeat | None = None
+        self._seen_checkpoints = 0
+
+    @property
+    def state(self) -> str:
+        return self.metrics.state
+
+    def set_state(self, state: str) -> None:
+        assert state in JOB_STATES, state
+        self.metrics.state = state
+
+    def begin(
+        self,
+        store: StateStore,
+        identity: dict[str, object],
+        pipeline_states: Callable[[], Mapping[str, str]],
+        state_names: list[str],
+        sinks: list[tuple[str, str]],
+        timeouts: Mapping[tuple[str, str], float],
+        tracked: list[Tracked],
+    ) -> None:
+        """A run begins (its ledger is open): serve metrics, start the heartbeat
+        and the progress view."""
+        self.set_state("recovering")
+        self.metrics.began(
+            str(identity.get("incarnation") or ""),
+            int(str(identity.get("run") or 0)),
+            pipeline_states,
+            state_names,
+            sinks,
+            timeouts,
+        )
+        if self._port is not None:
+            host, port = self.metrics.serve(self._port, self._host)
+            log.info("metrics of job %s at http://%s:%d/metrics", self.metrics.job, host, port)
+        self._heartbeat = heartbeat.Heartbeat(store, dict(identity), lambda: self.metrics.state)
+        self._heartbeat.start()
+        self._seen_checkpoints = self.metrics.checkpoints
+        self._progress = ProgressView(self._progress_mode, tracked)
+
+    def tick(self) -> None:
+        """From the run loop: redraw progress, and log it after a checkpoint."""
+        view = self._progress
+        if view is None or view.mode == "off":
+            return
+        done = self.metrics.checkpoints
+        if done != self._seen_checkpoints:
+            self._seen_checkpoints = done
+            view.checkpoint(self.metrics.counts())
+        elif view.mode == "bar":
+            view.update(self.metrics.counts())
+
+    def pipeline_finished(self, pipeline: str) -> None:
+        if self._progress is not None:
+            self._progress.finished(pipeline)
+
+    def end(self, state: str, error: str | None = None) -> None:
+        """The run ended in ``state`` (``finished``, ``stopped`` or ``failed``)."""
+        self.set_state(state)
+        if self._progress is not None:
+            self.tick()
+            self._progress.close()
+            self._progress = None
+        if self._heartbeat is not None:
+            self._heartbeat.end(state, error)
+            self._heartbeat = None
+        self.metrics.stop_serving()
