@@ -133,6 +133,8 @@ class Coordinator:
         self._early: str | None = None  # why the next checkpoint should not wait
         self.metrics = metrics or JobMetrics(job)
         self._commit_rule: str | None = None  # the recovery rule commits follow now
+        self.progress_note: Callable[[], str] | None = None
+        """what the checkpoint log line adds (the progress of bounded pipelines)"""
 
     def _tell(
         self,
@@ -391,7 +393,15 @@ class Coordinator:
             cp.kind, time.monotonic() - started, groups, done.committed_at or time.time()
         )
         self._pending_changed()
-        log.info("checkpoint %d (%s) committed: cut %s, rows %s", cp.id, cp.kind, cp.cut, rows)
+        note = self.progress_note() if self.progress_note is not None else ""
+        log.info(
+            "checkpoint %d (%s) committed: cut %s, rows %s%s",
+            cp.id,
+            cp.kind,
+            cp.cut,
+            rows,
+            f"; {note}" if note else "",
+        )
         self._forget_and_sweep(groups, cp.cut)
         return done
 

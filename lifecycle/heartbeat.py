@@ -67,15 +67,21 @@ class Heartbeat:
             "every_s": every,
         }
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="twophase-heartbeat", daemon=True)
 
     def start(self) -> None:
         self._write(self._state())
         self._thread.start()
 
+    def beat(self) -> None:
+        """Renew now (the state changed), from the heartbeat's own thread."""
+        self._wake.set()
+
     def end(self, state: str, error: str | None = None) -> None:
         """The run ended in ``state`` (one of :data:`ENDED`): stop renewing and say so."""
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(self._every + 5)
         extra = {"ended_at": round(time.time(), 3)}
@@ -85,7 +91,11 @@ class Heartbeat:
             self._write(state, extra)
 
     def _renew(self) -> None:
-        while not self._stop.wait(self._every):
+        while True:
+            self._wake.wait(self._every)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._write(self._state())
             except Exception as e:  # a store that fails now may work at the next beat

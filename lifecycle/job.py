@@ -421,6 +421,7 @@ class Job:
             new_state=new_state_advice(self.ledger_location),
             metrics=self._watch.metrics,
         )
+        coord.progress_note = self._watch.progress_note
         self._check_spark_state(ledger)
         for p in self._pipelines.values():
             for s in p.sinks:

@@ -6,9 +6,10 @@ line per checkpoint otherwise.
 * ``"auto"`` (default): bars when standard error is a terminal, log lines
   otherwise;
 * ``"bar"``: bars (``tqdm``) on standard error;
-* ``"log"``: at each checkpoint, one INFO line (logger ``lifecycle.progress``)
-  per bounded pipeline still working: rows pre-committed and committed,
-  batches, rows per second, and the share done when the total is known;
+* ``"log"``: the INFO line each checkpoint logs (``checkpoint N (kind)
+  committed: ...``) ends with the progress of every bounded pipeline still
+  working: rows committed (of the total, when known), batches, rows per
+  second; no line of its own;
 * ``"off"``: nothing.
 
 A pipeline's total is known when ``add_pipeline(..., expected_rows=N)`` gives it
@@ -19,7 +20,6 @@ first sink (every sink gets the same rows).
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from collections.abc import Mapping
@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from sinks.errors import ConfigError
-
-log = logging.getLogger("lifecycle.progress")
 
 MODES = ("auto", "bar", "log", "off")
 
@@ -92,32 +90,26 @@ class ProgressView:
                 bar.update(c.rows_prepared - bar.n)
             bar.set_postfix(batches=c.batches, committed=c.rows_committed, refresh=False)
 
-    def checkpoint(self, counts: Mapping[str, Counts]) -> None:
-        """A checkpoint committed: the log line (``log`` mode), or the bars."""
-        if self.mode == "bar":
-            self.update(counts)
-            return
-        if self.mode != "log":
-            return
+    def note(self, counts: Mapping[str, Counts]) -> str:
+        """The progress of the bounded pipelines still working, for the
+        checkpoint's log line: ``progress: load 1,200 of 2,000 rows (60%), 7
+        batches, 412 rows/s``."""
         elapsed = max(1e-9, time.monotonic() - self._began)
+        parts = []
         for p in self._pipelines:
             if p.name in self._done:
                 continue
             c = counts.get(p.name, Counts())
-            share = (
-                f", {100.0 * c.rows_committed / p.expected_rows:.0f}% of {p.expected_rows:,}"
+            done = (
+                f"{c.rows_committed:,} of {p.expected_rows:,} rows "
+                f"({100.0 * c.rows_committed / p.expected_rows:.0f}%)"
                 if p.expected_rows
-                else ""
+                else f"{c.rows_committed:,} rows"
             )
-            log.info(
-                "%s: %s rows committed, %s pre-committed, %d batch(es), %s rows/s%s",
-                p.name,
-                f"{c.rows_committed:,}",
-                f"{c.rows_prepared - c.rows_committed:,}",
-                c.batches,
-                f"{c.rows_prepared / elapsed:,.0f}",
-                share,
+            parts.append(
+                f"{p.name} {done}, {c.batches} batch(es), {c.rows_prepared / elapsed:,.0f} rows/s"
             )
+        return "progress: " + "; ".join(parts) if parts else ""
 
     def finished(self, pipeline: str) -> None:
         """``pipeline`` is done: no more lines for it."""

@@ -39,7 +39,6 @@ class RunWatch:
         self._progress_mode = check_mode(progress)
         self._progress: ProgressView | None = None
         self._heartbeat: heartbeat.Heartbeat | None = None
-        self._seen_checkpoints = 0
 
     @property
     def state(self) -> str:
@@ -47,7 +46,10 @@ class RunWatch:
 
     def set_state(self, state: str) -> None:
         assert state in JOB_STATES, state
+        changed = state != self.metrics.state
         self.metrics.state = state
+        if changed and self._heartbeat is not None:
+            self._heartbeat.beat()
 
     def begin(
         self,
@@ -75,20 +77,20 @@ class RunWatch:
             log.info("metrics of job %s at http://%s:%d/metrics", self.metrics.job, host, port)
         self._heartbeat = heartbeat.Heartbeat(store, dict(identity), lambda: self.metrics.state)
         self._heartbeat.start()
-        self._seen_checkpoints = self.metrics.checkpoints
         self._progress = ProgressView(self._progress_mode, tracked)
 
     def tick(self) -> None:
-        """From the run loop: redraw progress, and log it after a checkpoint."""
+        """From the run loop: redraw the progress bars."""
         view = self._progress
-        if view is None or view.mode == "off":
-            return
-        done = self.metrics.checkpoints
-        if done != self._seen_checkpoints:
-            self._seen_checkpoints = done
-            view.checkpoint(self.metrics.counts())
-        elif view.mode == "bar":
+        if view is not None and view.mode == "bar":
             view.update(self.metrics.counts())
+
+    def progress_note(self) -> str:
+        """What the checkpoint log line says of the progress (``log`` mode), or ""."""
+        view = self._progress
+        if view is None or view.mode != "log":
+            return ""
+        return view.note(self.metrics.counts())
 
     def pipeline_finished(self, pipeline: str) -> None:
         if self._progress is not None:

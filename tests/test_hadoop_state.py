@@ -154,7 +154,10 @@ def test_a_job_with_its_state_on_viewfs(tmp_path: Path) -> None:
     # the state is where the mount puts it; the ledger is not in it
     job_dir = shared / "job"
     assert sorted(os.listdir(job_dir)) == ["control", "pipelines"]
-    assert os.listdir(job_dir / "control") == []  # the stop request was consumed
+    # the stop request was consumed; the heartbeat, renewed through Hadoop, says stopped
+    control = job_dir / "control"
+    assert [f for f in os.listdir(control) if not f.endswith(".crc")] == ["heartbeat.json"]
+    assert json.loads((control / "heartbeat.json").read_text())["state"] == "stopped"
     for p in ("load", "live"):
         assert (job_dir / "pipelines" / p / "spark" / "commits").is_dir()
     assert (ledger / "ledger").is_dir()
@@ -292,7 +295,10 @@ def test_a_killed_driver_restarts_elsewhere_with_its_state_on_viewfs_and_the_led
     assert recorded.startswith("postgresql://") and f"job={run.job}" in recorded
     assert "ledger" not in os.listdir(shared / "job")  # no file ledger on the URI
     status = twophase("status", state, env=vfs)  # no --ledger: the URI's ledger.location
-    assert status.returncode == 0, status.stderr
+    # exit 3: the killed driver's heartbeat (read through Hadoop) names a pid that is
+    # gone, and pending work waits for the next start
+    assert status.returncode == 3, status.stdout + status.stderr
+    assert "state: LOST" in status.stdout, status.stdout
     assert f"job {run.job}" in status.stdout
     assert re.search(r"load: batches \d+\.\.2 ", status.stdout), status.stdout  # batch 2
 

@@ -280,23 +280,25 @@ def test_status_of_no_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert json.loads(capsys.readouterr().out)["health"] == "not_found"
 
 
-def test_progress_is_logged_per_checkpoint_off_a_terminal(  # type: ignore[no-untyped-def]
+def test_progress_is_in_the_checkpoint_lines_off_a_terminal(  # type: ignore[no-untyped-def]
     spark, pg_dsn, tmp_path, caplog
 ):
-    """Not on a terminal, ``progress="auto"`` logs a line per checkpoint for each
-    bounded pipeline, with the share of ``expected_rows`` done."""
+    """Not on a terminal, ``progress="auto"`` adds the progress of each bounded
+    pipeline, with the share of ``expected_rows`` done, to the one line each
+    checkpoint logs."""
     create_tables(pg_dsn, "out")
     src_dir = tmp_path / "in"
     n = write_input(src_dir, 4, 25)
-    caplog.set_level(logging.INFO, logger="lifecycle.progress")
+    caplog.set_level(logging.INFO, logger="lifecycle")
     job = Job(spark, "progress", tmp_path / "state", checkpoint_interval=0)
     src = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).json(str(src_dir))
     job.add_pipeline("load", src, [PostgresSink(pg_dsn, "out")], bounded=True, expected_rows=n)
     assert job.run(handle_signals=False).committed
-    lines = [r.getMessage() for r in caplog.records if r.name == "lifecycle.progress"]
-    assert lines, "no progress line"
-    assert any("load: 25 rows committed" in line and "25% of 100" in line for line in lines), lines
-    assert "100% of 100" in lines[-1] or "75% of 100" in lines[-1], lines
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint ")]
+    assert lines, "no checkpoint line"
+    assert "progress: load 25 of 100 rows (25%), 1 batch(es)" in lines[0], lines
+    assert any("load 75 of 100 rows (75%)" in line for line in lines), lines
+    assert "load 100 of 100 rows (100%)" in lines[-1], lines  # the final checkpoint
 
 
 def test_progress_bars_on_a_stream(tmp_path: Path) -> None:
