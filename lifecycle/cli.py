@@ -7,6 +7,9 @@
     twophase start-over STATE_DIR --from ID          the next run takes the sinks over
                                                      from incarnation ID (state lost)
     twophase lingering STATE_DIR                     unfinished work the sinks hold
+    twophase audit STATE_DIR [--last N | --all] [--json]
+                                                     check the sinks' own records of
+                                                     the last checkpoints (evidence)
     twophase recover STATE_DIR                       the recovery rules, without the job
     twophase abandon STATE_DIR --checkpoint N [--yes]
                                                      give up the lost transactions of
@@ -53,6 +56,10 @@ not done (``lingering``: something lingers; ``recover``: recovery failed;
 ``abandon``: refused or not confirmed) and 2 when they cannot start (no
 ledger, a job holds it, a sink cannot be rebuilt or reached).
 What they do is in :mod:`lifecycle.operations`; this module parses and prints.
+
+``twophase audit`` (see :mod:`lifecycle.audit`) exits 0 when every checked
+transaction is in its sink as the ledger says (``expired`` ones, which the sink
+no longer keeps, do not fail it), 1 on any mismatch, 2 when it cannot start.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, NoReturn
 
+from lifecycle import audit as audit_view
 from lifecycle import control, heartbeat, operations
 from lifecycle import status as status_view
 from lifecycle._exit import leave
@@ -194,6 +202,28 @@ def _confirm(question: str) -> bool:
     except EOFError:
         return False
     return answer.strip().lower() in ("y", "yes")
+
+
+def audit(
+    state_dir: str | None, *, last: int | None, as_json: bool, ledger: str | None = None
+) -> int:
+    """Check the ledger's evidence of the last checkpoints against the sinks."""
+    if state_dir is None and ledger is None:
+        return _fail("audit needs a STATE_DIR or --ledger URI (or DIR)", 2)
+    try:
+        doc, _where = operations.read_state(state_dir, ledger)
+        sinks = operations.rebuild_sinks(doc.get("sinks") or {})
+    except (TwoPhaseError, NotImplementedError) as e:
+        return _fail(e, 2)
+    try:
+        report = audit_view.audit(doc, sinks, last=last)
+    finally:
+        operations.close_sinks(sinks)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2, sort_keys=True))
+    else:
+        print(audit_view.format_report(report))
+    return 0 if report.ok else 1
 
 
 def abandon(
@@ -392,6 +422,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ab.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     ab.add_argument("--note", default="", help="why, kept in the ledger with the record")
     ab.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
+    au = sub.add_parser(
+        "audit",
+        help="check each sink's own records of the last checkpoints against the ledger",
+    )
+    au.add_argument("state_dir", nargs="?")
+    au.add_argument(
+        "--last",
+        type=int,
+        default=audit_view.DEFAULT_LAST,
+        metavar="N",
+        help=f"the N newest checkpoints ({audit_view.DEFAULT_LAST})",
+    )
+    au.add_argument(
+        "--all", action="store_true", help="every checkpoint whose evidence the ledger keeps"
+    )
+    au.add_argument("--json", action="store_true", help="print the report as JSON")
+    au.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
     sub.add_parser("version", help="print the version")
     args = ap.parse_args(argv)
     if args.cmd == "version":
@@ -410,6 +457,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _command(args: argparse.Namespace) -> int:
     if args.cmd == "lingering":
         return lingering(args.state_dir, ledger=args.ledger)
+    if args.cmd == "audit":
+        return audit(
+            args.state_dir,
+            last=None if args.all else args.last,
+            as_json=args.json,
+            ledger=args.ledger,
+        )
     if args.cmd == "recover":
         return recover(args.state_dir, ledger=args.ledger)
     if args.cmd == "abandon":

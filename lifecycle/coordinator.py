@@ -134,6 +134,7 @@ class Coordinator:
         self.metrics = metrics or JobMetrics(job)
         self._commit_rule: str | None = None  # the recovery rule commits follow now
         self.progress_note: Callable[[], str] | None = None
+        self._retired: dict[str, int] = {}  # sink label -> the last floor told (retire)
         """what the checkpoint log line adds (the progress of bounded pipelines)"""
 
     def _tell(
@@ -387,7 +388,12 @@ class Coordinator:
         if failed:
             self.metrics.checkpoint_failed(cp.kind, time.monotonic() - started)
             raise self._commit_error(cp, failed, sinks)
-        done = self.ledger.complete(cp, rows)
+        evidence = {
+            sink_label(p, sid): [sinks[(p, sid)].evidence(c) for c in cs]
+            for (p, sid), cs in groups.items()
+            if cs
+        }
+        done = self.ledger.complete(cp, rows, evidence)
         self.checkpoints_taken.append(done)
         self.metrics.checkpoint_committed(
             cp.kind, time.monotonic() - started, groups, done.committed_at or time.time()
@@ -461,6 +467,7 @@ class Coordinator:
             p, sid = key
             if key in groups:
                 sinks[key].forget(groups[key])
+            self._retire_evidence(p, sid, sinks[key])
             last = cut.get(p, -1)
 
             def is_orphan(n: TxnName) -> bool:
@@ -478,6 +485,16 @@ class Coordinator:
             for (p, sid), swept in zip(keys, done.value or [], strict=False):
                 self._tell("swept", p, sid, swept)
         raise_first(outcomes)
+
+    def _retire_evidence(self, p: str, sid: str, sink: Sink) -> None:
+        """Tell ``sink`` which of its batches the ledger no longer keeps audit
+        evidence of (once per change of that floor)."""
+        label = sink_label(p, sid)
+        floor = self.ledger.evidence_floor(label)
+        kept_from = floor if floor is not None else self.ledger.committed_cut(p) + 1
+        if self._retired.get(label) != kept_from:
+            sink.retire_evidence(self.scope(p, sid), kept_from)
+            self._retired[label] = kept_from
 
     # -- recovery ---------------------------------------------------------------------
 

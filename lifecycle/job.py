@@ -147,6 +147,9 @@ class Job:
             :mod:`lifecycle.metrics`.
         metrics_host: the address the endpoint binds to (loopback by default;
             ``"0.0.0.0"`` for a scraper on another host).
+        audit_checkpoints: how many of the newest checkpoints the ledger keeps,
+            with the evidence ``twophase audit`` checks each sink's records
+            against (50); a PostgreSQL sink keeps its commit markers as long.
         progress: how bounded pipelines show their progress: ``"auto"`` (a bar
             per pipeline when standard error is a terminal, a log line per
             checkpoint otherwise), ``"bar"``, ``"log"`` or ``"off"`` (see
@@ -166,12 +169,15 @@ class Job:
         ledger: str | os.PathLike[str] | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        audit_checkpoints: int = 50,
         progress: str = "auto",
     ) -> None:
         if checkpoint_interval < 0:
             raise ConfigError("checkpoint_interval must be >= 0 seconds")
         if stop_grace < 0:
             raise ConfigError("stop_grace must be >= 0 seconds")
+        if audit_checkpoints < 1:
+            raise ConfigError("audit_checkpoints must be >= 1")
         if final_checkpoint not in FINAL_MODES:
             raise ConfigError(f"final_checkpoint must be one of {FINAL_MODES}")
         self.spark = spark
@@ -188,6 +194,7 @@ class Job:
         self.checkpoint_interval = float(checkpoint_interval)
         self.final_checkpoint = final_checkpoint
         self.stop_grace = float(stop_grace)
+        self.audit_checkpoints = int(audit_checkpoints)
         self.start_over_from = (
             check_incarnation(start_over_from) if start_over_from is not None else None
         )
@@ -344,7 +351,9 @@ class Job:
                 "a speculative one still running, so exactly-once sinks refuse it; set "
                 "spark.speculation=false for this job"
             )
-        ledger = open_ledger(self.ledger_location, self.store, self.name)
+        ledger = open_ledger(
+            self.ledger_location, self.store, self.name, history=self.audit_checkpoints
+        )
         self._running = True
         self._outcome = ""  # a stop() that came before run() is honoured
         self._error = None

@@ -110,7 +110,12 @@ def _check_recorded(doc: Mapping[str, Any], where: str) -> None:
         )
 
 
-def _close(sinks: dict[str, dict[str, Sink]]) -> None:
+def close_sinks(sinks: Mapping[str, Mapping[str, Sink]]) -> None:
+    """Close every sink of :func:`rebuild_sinks`, whatever happens."""
+    _close(sinks)
+
+
+def _close(sinks: Mapping[str, Mapping[str, Sink]]) -> None:
     for by_id in sinks.values():
         for sink in by_id.values():
             with contextlib.suppress(Exception):

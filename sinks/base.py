@@ -31,6 +31,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from sinks.audit import CheckpointEvidence, Finding, Verdict
 from sinks.naming import TxnName, scope_prefix
 from sinks.progress import SinkProgress
 
@@ -321,6 +322,25 @@ class Sink(abc.ABC):
         """``{txn: COMMITTED | PREPARED | LOST}`` for ``committables``, by the
         checks of the commit path, without committing anything."""
         raise NotImplementedError(f"{self.describe()} cannot classify its transactions")
+
+    def evidence(self, committable: Committable) -> dict[str, Any]:
+        """What the ledger keeps of a committed ``committable`` for an audit
+        (:mod:`sinks.audit`): at least its ``txn`` and ``rows``."""
+        return {"txn": committable["txn"], "rows": int(committable.get("rows", 0))}
+
+    def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
+        """Check the evidence of ``checkpoints`` (committed by ``scope``)
+        against the target's own records, one :class:`~sinks.audit.Finding` per
+        transaction. The default cannot: every one is unverifiable."""
+        return [
+            Finding(cp.checkpoint, str(c["txn"]), Verdict.UNVERIFIABLE, "not auditable", 0)
+            for cp in checkpoints
+            for c in cp.committed
+        ]
+
+    def retire_evidence(self, scope: JobScope, before_batch: int) -> None:  # noqa: B027
+        """The ledger no longer keeps the audit evidence of ``scope``'s batches
+        below ``before_batch``: records kept only for audits may go."""
 
     def forget(self, committables: Sequence[Committable]) -> None:  # noqa: B027
         """Drop bookkeeping kept only to make ``commit`` idempotent (called after

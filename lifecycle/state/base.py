@@ -73,6 +73,11 @@ class StateLedger:
         with self._mutex:
             return read(self._state.pending)
 
+    def evidence_floor(self, label: str) -> int | None:
+        """The lowest batch of sink ``label`` whose audit evidence is kept (None: none)."""
+        with self._mutex:
+            return self._state.evidence_floor(label)
+
     def pending_pipelines(self) -> list[str]:
         """Pipelines with pending batches, sorted."""
         with self._mutex:
@@ -193,16 +198,34 @@ class StateLedger:
             self._change({"op": "decide", "cp": asdict(cp)})
             return cp
 
-    def complete(self, cp: Checkpoint, rows: dict[str, int]) -> Checkpoint:
-        """Record that ``cp`` committed: its batches leave ``pending``."""
+    def complete(
+        self,
+        cp: Checkpoint,
+        rows: dict[str, int],
+        evidence: dict[str, list[dict[str, Any]]] | None = None,
+    ) -> Checkpoint:
+        """Record that ``cp`` committed: its batches leave ``pending``; the
+        history keeps ``evidence`` (sink label -> what each committed transaction
+        left for an audit) with it."""
         with self._mutex:
             decided = self._state.decided
             if decided is None or decided["id"] != cp.id:
                 raise RuntimeError(f"checkpoint {cp.id} is not the decided one")
             done = Checkpoint.from_json(
-                {**copy.deepcopy(decided), "committed_at": time.time(), "rows": dict(rows)}
+                {
+                    **copy.deepcopy(decided),
+                    "committed_at": time.time(),
+                    "rows": dict(rows),
+                    "evidence": evidence or {},
+                }
             )
-            op = {"op": "complete", "id": cp.id, "at": done.committed_at, "rows": done.rows}
+            op = {
+                "op": "complete",
+                "id": cp.id,
+                "at": done.committed_at,
+                "rows": done.rows,
+                "evidence": done.evidence,
+            }
             self._change(op)
             return done
 

@@ -17,7 +17,8 @@ Operations:
                             replaces an earlier registration of the batch
 ``drop p bs``               pending batches ``bs`` of ``p`` leave without a commit
 ``decide cp``               checkpoint ``cp`` is decided
-``complete id at rows``     the decided checkpoint ``id`` committed at ``at``
+``complete id at rows ev``  the decided checkpoint ``id`` committed at ``at``, with
+                            the audit evidence ``ev`` (sink -> list) kept in the history
 ``spark p b``               Spark reported batch ``b`` of ``p`` complete
 ``abandon checkpoint txns note at``  an abandonment, kept for the record
 ``sinks s``                 the settings of every sink of the job (label -> the
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sinks.base import Committable
+from sinks.naming import TxnName
 
 FORMAT = 2
 HISTORY = 50
@@ -61,10 +63,16 @@ class Checkpoint:
     decided_at: float = 0.0
     committed_at: float | None = None
     rows: dict[str, int] = field(default_factory=dict)
+    evidence: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """per sink label, what each committed transaction left for an audit
+    (see :mod:`lifecycle.audit`); empty before the commit"""
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Checkpoint:
-        return cls(**d)
+        return cls(**{k: v for k, v in d.items() if k in _CHECKPOINT_FIELDS})
+
+
+_CHECKPOINT_FIELDS = frozenset(Checkpoint.__dataclass_fields__)
 
 
 class LedgerState:
@@ -171,7 +179,14 @@ class LedgerState:
             del ids[:k]
             self._tidy(p)
             self.committed_cut[p] = max(self.committed_cut.get(p, -1), last)
-        self.history.append({**cp, "committed_at": op["at"], "rows": dict(op["rows"])})
+        self.history.append(
+            {
+                **cp,
+                "committed_at": op["at"],
+                "rows": dict(op["rows"]),
+                "evidence": op.get("evidence") or {},
+            }
+        )
         self._trim_history()
         self.finished = sorted(set(self.finished) | set(cp["finished"]))
         for sink, n in op["rows"].items():
@@ -247,6 +262,17 @@ class LedgerState:
             del self.history[:extra]
 
     # -- queries ------------------------------------------------------------------------
+
+    def evidence_floor(self, label: str) -> int | None:
+        """The lowest batch of sink ``label`` whose evidence the history keeps
+        (None: it keeps none of that sink). Batches only grow from checkpoint to
+        checkpoint, so the oldest checkpoint holding the sink's evidence has it."""
+        for cp in self.history:
+            found = (cp.get("evidence") or {}).get(label)
+            if found:
+                names = (TxnName.parse(str(c.get("txn"))) for c in found)
+                return min((n.batch_id for n in names if n is not None), default=None)
+        return None
 
     def batch(self, p: str, b: int) -> Batch | None:
         """A copy of the committables of pending batch ``b`` of ``p``."""

@@ -38,7 +38,7 @@ def load_doc(conn: psycopg.Connection, st: Statements, job: str) -> dict[str, An
             pending_digests.setdefault(p, {})[str(b)] = digest
     decided = None
     history = []
-    for cid, kind, cut, finished, decided_at, committed_at, rows in conn.execute(
+    for cid, kind, cut, finished, decided_at, committed_at, rows, evidence in conn.execute(
         st.load_checkpoints, (job,)
     ):
         cp = {
@@ -50,6 +50,8 @@ def load_doc(conn: psycopg.Connection, st: Statements, job: str) -> dict[str, An
             "committed_at": committed_at,
             "rows": rows,
         }
+        if committed_at is not None:
+            cp["evidence"] = evidence or {}
         if committed_at is None:
             decided = cp
         else:
@@ -127,7 +129,10 @@ def write_op(
 def _complete(
     conn: psycopg.Connection, st: Statements, job: str, op: Op, state: LedgerState
 ) -> None:
-    found = conn.execute(st.commit_checkpoint, (op["at"], Jsonb(op["rows"]), job, op["id"]))
+    found = conn.execute(
+        st.commit_checkpoint,
+        (op["at"], Jsonb(op["rows"]), Jsonb(op.get("evidence") or {}), job, op["id"]),
+    )
     row = found.fetchone()
     if row is None:
         raise RuntimeError(f"checkpoint {op['id']} of job {job!r} is not decided in the database")

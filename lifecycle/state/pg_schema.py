@@ -63,6 +63,7 @@ DDL = [
         decided_at double precision NOT NULL,
         committed_at double precision,
         row_counts jsonb NOT NULL DEFAULT '{{{{}}}}',
+        evidence jsonb,
         PRIMARY KEY (job, id)
     )""",
     """CREATE UNIQUE INDEX IF NOT EXISTS checkpoints_decided
@@ -123,11 +124,34 @@ def ensure_schema(conn: psycopg.Connection, schema: str) -> None:
     last = sql.Identifier(schema, LAST_TABLE).as_string(conn)
     with conn.transaction():
         if conn.execute("SELECT to_regclass(%s)", (last,)).fetchone() != (None,):
+            _add_later_columns(conn, schema)
             return
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_key(schema),))
         s = sql.Identifier(schema)
         for statement in DDL:
             conn.execute(sql.SQL(statement).format(s=s))  # type: ignore[arg-type]
+
+
+_LATER_COLUMNS = (("checkpoints", "evidence", "jsonb"),)
+"""Columns added after a schema was first created: (table, column, type)."""
+
+
+def _add_later_columns(conn: psycopg.Connection, schema: str) -> None:
+    """Add the columns of :data:`_LATER_COLUMNS` that a schema created by an
+    earlier version lacks (under the DDL lock; nothing when none is missing)."""
+    for table, column, kind in _LATER_COLUMNS:
+        found = conn.execute(
+            "SELECT 1 FROM information_schema.columns WHERE table_schema = %s AND "
+            "table_name = %s AND column_name = %s",
+            (schema, table, column),
+        ).fetchone()
+        if found is None:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_key(schema),))
+            conn.execute(
+                sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
+                    sql.Identifier(schema, table), sql.Identifier(column), sql.SQL(kind)
+                )
+            )
 
 
 class Statements:
@@ -168,7 +192,7 @@ class Statements:
             "SELECT pipeline, batch_id, committables, digest FROM {s}.pending WHERE job = %s"
         )
         self.load_checkpoints = q(
-            "SELECT id, kind, cut, finished, decided_at, committed_at, row_counts "
+            "SELECT id, kind, cut, finished, decided_at, committed_at, row_counts, evidence "
             "FROM {s}.checkpoints WHERE job = %s ORDER BY id"
         )
         self.load_pipelines = q(
@@ -204,7 +228,7 @@ class Statements:
             "VALUES (%s, %s, %s, %s, %s, %s)"
         )
         self.commit_checkpoint = q(
-            "UPDATE {s}.checkpoints SET committed_at = %s, row_counts = %s "
+            "UPDATE {s}.checkpoints SET committed_at = %s, row_counts = %s, evidence = %s "
             "WHERE job = %s AND id = %s AND committed_at IS NULL RETURNING cut, finished"
         )
         # the committed batches leave ``pending``; their digests are remembered in

@@ -56,6 +56,7 @@ from deltalake.transaction import AddAction
 
 from sinks import _faults, settings
 from sinks._retry import retry_transient
+from sinks.audit import CheckpointEvidence, Finding
 from sinks.base import (
     COMMITTED,
     LOST,
@@ -69,6 +70,7 @@ from sinks.base import (
     SinkWriter,
     WriteContext,
 )
+from sinks.delta import audit as delta_audit
 from sinks.delta import progress, table
 from sinks.delta.layout import DeltaSchemaError, Layout, check_file_schema
 from sinks.delta.spark_stage import SparkStage, nested_not_null
@@ -504,6 +506,12 @@ class DeltaSink(Sink):
             else:
                 self._storage.delete(rel)
             self._storage.delete(marker_path(rel))
+
+    def evidence(self, committable: Committable) -> dict[str, Any]:
+        return delta_audit.evidence(committable)
+
+    def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
+        return delta_audit.audit(self._storage, self._load(), app_id(scope), checkpoints)
 
     def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
         """Delete the staged files of every transaction of ``scope`` that has a

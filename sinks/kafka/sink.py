@@ -93,6 +93,7 @@ from sinks._parallel import (
     slices,
 )
 from sinks._retry import retry_transient
+from sinks.audit import CheckpointEvidence, Finding
 from sinks.base import (
     Committable,
     JobScope,
@@ -103,6 +104,7 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.errors import ConfigError, PreflightError
+from sinks.kafka import audit as kafka_audit
 from sinks.kafka import checks, encode, outcome, txn, txn_age
 from sinks.kafka.connections import DriverConnections
 from sinks.kafka.produce import ProducerOptions
@@ -704,6 +706,13 @@ class KafkaSink(Sink):
         if aborted:
             log.info("aborted %d lingering Kafka transaction(s): %s", len(aborted), aborted)
         return aborted
+
+    def evidence(self, committable: Committable) -> dict[str, Any]:
+        return kafka_audit.evidence(committable)
+
+    def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
+        with self._conns.wire() as wire:
+            return kafka_audit.audit(wire, checkpoints)
 
     def forget(self, committables: Sequence[Committable]) -> None:
         """Record the committed batches in a progress record, then tombstone

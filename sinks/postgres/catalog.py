@@ -13,9 +13,14 @@ MARKER_DDL = """
 CREATE TABLE IF NOT EXISTS {marker} (
     gid text PRIMARY KEY,
     job text NOT NULL,
-    prepared_at timestamptz NOT NULL DEFAULT now()
+    prepared_at timestamptz NOT NULL DEFAULT now(),
+    batch bigint,
+    rows bigint
 )
 """
+
+MARKER_LATER_COLUMNS = ("batch", "rows")
+"""marker columns an earlier version did not create (both bigint)"""
 
 
 def table_columns(conn: psycopg.Connection, schema: str, table: str) -> list[PgColumn] | None:

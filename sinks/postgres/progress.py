@@ -4,12 +4,14 @@ Two tables in the marker schema hold it:
 
 * ``committed_txns`` (the commit markers): one row per transaction, written
   *inside* the prepared transaction, so it becomes visible exactly when the
-  transaction commits. Its gid names the incarnation and the batch. Markers are
-  deleted once the ledger has recorded the commit (``forget``);
+  transaction commits. Its gid names the incarnation and the batch, and it
+  holds the batch and the rows written (the audit's evidence, see
+  :mod:`sinks.postgres.audit`). Markers are kept while the ledger keeps the
+  audit evidence of their checkpoint and deleted after (``retire``);
 * ``progress``: one row per (job, pipeline, sink, table): the owner incarnation,
   the incarnation a start-over took the claim from, and ``batch``, the highest
-  batch whose commit the ledger has recorded; raised by ``forget`` in the same
-  transaction that deletes the markers, so a crash leaves the markers or the row.
+  batch whose commit the ledger has recorded; raised by ``forget`` (the
+  markers of those batches are still there, so a crash loses nothing).
 
 What the sink holds committed is therefore ``max(progress.batch, batch of every
 committed marker of the owner)``: it survives any crash, because both parts are
@@ -48,9 +50,19 @@ _KEY = "job = %s AND pipeline = %s AND sink = %s AND target = %s"
 class ProgressTable:
     """Reads and writes the progress of one PostgreSQL sink (one target table)."""
 
-    def __init__(self, progress: sql.Composable, markers: sql.Composable, target: str, where: str):
+    def __init__(
+        self,
+        progress: sql.Composable,
+        markers: sql.Composable,
+        target: str,
+        where: str,
+        *,
+        audit_columns: bool = False,
+    ):
         self.progress = progress
         self.markers = markers
+        self.audit_columns = audit_columns
+        """whether the marker table has the batch column (else: batches from gids)"""
         self.target = target
         self.where = where
 
@@ -59,12 +71,24 @@ class ProgressTable:
 
     def _committed_marker_batch(self, conn: psycopg.Connection, scope: JobScope, owner: str) -> int:
         prefix = scope_prefix(scope.job, scope.pipeline, scope.sink_id, owner)
-        rows = conn.execute(
-            sql.SQL("SELECT gid FROM {} WHERE starts_with(gid, %s)").format(self.markers),
+        recorded = -1
+        legacy_only = sql.SQL("")
+        if self.audit_columns:
+            row = conn.execute(
+                sql.SQL("SELECT max(batch) FROM {} WHERE starts_with(gid, %s)").format(
+                    self.markers
+                ),
+                (prefix,),
+            ).fetchone()
+            recorded = int(row[0]) if row is not None and row[0] is not None else -1
+            legacy_only = sql.SQL(" AND batch IS NULL")
+        legacy = conn.execute(  # markers that do not record their batch: from the gid
+            sql.SQL("SELECT gid FROM {} WHERE starts_with(gid, %s)").format(self.markers)
+            + legacy_only,
             (prefix,),
         ).fetchall()
-        names = [TxnName.parse(r[0]) for r in rows]
-        return max((n.batch_id for n in names if n is not None), default=-1)
+        names = [TxnName.parse(r[0]) for r in legacy]
+        return max([recorded, *(n.batch_id for n in names if n is not None)])
 
     def read(
         self, conn: psycopg.Connection, scope: JobScope, *, lock: bool = False
@@ -127,11 +151,8 @@ class ProgressTable:
         if found.owner is not None and found.owner != ours:
             raise conflict(self.where, scope.key(), found, ours, at_commit=True)
 
-    def settle(
-        self, conn: psycopg.Connection, scope: JobScope, batch: int, gids: list[str]
-    ) -> None:
-        """Raise the recorded batch of the owner and delete the markers of
-        ``gids``, in one transaction."""
+    def settle(self, conn: psycopg.Connection, scope: JobScope, batch: int) -> None:
+        """Raise the recorded batch of the owner (its markers stay for audits)."""
         with conn.transaction():
             conn.execute(
                 sql.SQL(
@@ -139,6 +160,36 @@ class ProgressTable:
                 ).format(self.progress),
                 (batch, *self._key(scope), scope.incarnation),
             )
-            conn.execute(
-                sql.SQL("DELETE FROM {} WHERE gid = ANY(%s)").format(self.markers), (gids,)
-            )
+
+    def retire(self, conn: psycopg.Connection, scope: JobScope, before_batch: int) -> int:
+        """Delete the markers of ``scope`` below ``before_batch`` whose batch the
+        progress row records (the ledger keeps no audit evidence of them any
+        more); a marker of a version that did not record its batch goes by the
+        batch its gid names. Returns how many went."""
+        prefix = scope_prefix(scope.job, scope.pipeline, scope.sink_id, scope.incarnation)
+        settled = self.settled_batch(conn, scope)
+        below = min(before_batch, settled + 1)
+        with conn.transaction():
+            gone = 0
+            legacy_only = sql.SQL("")
+            if self.audit_columns:
+                gone = conn.execute(
+                    sql.SQL("DELETE FROM {} WHERE starts_with(gid, %s) AND batch < %s").format(
+                        self.markers
+                    ),
+                    (prefix, below),
+                ).rowcount
+                legacy_only = sql.SQL(" AND batch IS NULL")
+            legacy = conn.execute(
+                sql.SQL("SELECT gid FROM {} WHERE starts_with(gid, %s)").format(self.markers)
+                + legacy_only,
+                (prefix,),
+            ).fetchall()
+            old = [
+                g for (g,) in legacy if (n := TxnName.parse(g)) is not None and n.batch_id < below
+            ]
+            if old:
+                conn.execute(
+                    sql.SQL("DELETE FROM {} WHERE gid = ANY(%s)").format(self.markers), (old,)
+                )
+        return gone + len(old)

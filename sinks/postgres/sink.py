@@ -33,6 +33,7 @@ from sinks._parallel import (
     slices,
 )
 from sinks._retry import retry_transient
+from sinks.audit import CheckpointEvidence, Finding
 from sinks.base import (
     COMMITTED,
     LOST,
@@ -49,6 +50,7 @@ from sinks.base import (
 )
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
 from sinks.naming import TxnName, check_id, scope_prefixes
+from sinks.postgres import audit as pg_audit
 from sinks.postgres import catalog, liveness
 from sinks.postgres.progress import PROGRESS_DDL, ProgressTable
 from sinks.postgres.types import wire_type
@@ -153,6 +155,8 @@ class PostgresSink(Sink):
         self._init_driver_state()
         self.max_prepared: int | None = None
         """the server's ``max_prepared_transactions``, read at preflight"""
+        self._audit_columns: bool | None = None
+        """whether the marker table has the audit columns, seen at preflight"""
 
     # -- driver-side state (never pickled to executors) ----------------------------
 
@@ -194,6 +198,7 @@ class PostgresSink(Sink):
             self.marker_ident,
             f"{self.schema}.{self.table}",
             self.describe(),
+            audit_columns=bool(self._audit_columns),
         )
 
     def settings(self) -> dict[str, Any]:
@@ -346,6 +351,53 @@ class PostgresSink(Sink):
                     f"{self.marker_schema}.{self.marker_name} ({e}); create it as an admin "
                     "or grant CREATE, or pass marker_table= naming a schema you may write"
                 ) from e
+        self._audit_columns = self._add_audit_columns(conn)
+
+    def _add_audit_columns(self, conn: psycopg.Connection) -> bool:
+        """Whether the marker table has the audit columns (``batch``, ``rows``),
+        adding them to a table an earlier version created. The ALTER waits at
+        most 2 s for its lock: prepared transactions of a crashed run hold the
+        table until recovery settles them, and then the markers stay without the
+        columns (legacy paths) until a later start adds them."""
+        have = {
+            c.name for c in catalog.table_columns(conn, self.marker_schema, self.marker_name) or []
+        }
+        missing = [c for c in catalog.MARKER_LATER_COLUMNS if c not in have]
+        if not missing:
+            return True
+        alter = sql.SQL("ALTER TABLE {} ").format(self.marker_ident) + sql.SQL(", ").join(
+            sql.SQL("ADD COLUMN IF NOT EXISTS {} bigint").format(sql.Identifier(c)) for c in missing
+        )
+        try:
+            with conn.transaction():
+                conn.execute("SET LOCAL lock_timeout = '2s'")
+                conn.execute(alter)
+        except psycopg.errors.LockNotAvailable:
+            log.warning(
+                "%s: the commit-marker table %s.%s was created by an earlier version and "
+                "lacks columns %s for audits; prepared transactions hold it now, so they are "
+                "added at a later start (its markers are audited as unverifiable until then)",
+                self.describe(),
+                self.marker_schema,
+                self.marker_name,
+                missing,
+            )
+            return False
+        except psycopg.errors.InsufficientPrivilege as e:
+            log.warning(
+                "%s: the commit-marker table %s.%s lacks columns %s for audits and this role "
+                "cannot add them (%s): run ALTER TABLE %s.%s ADD COLUMN batch bigint, ADD "
+                "COLUMN rows bigint as its owner",
+                self.describe(),
+                self.marker_schema,
+                self.marker_name,
+                missing,
+                e,
+                self.marker_schema,
+                self.marker_name,
+            )
+            return False
+        return True
 
     # -- prepared transactions: the server's limit -----------------------------------
 
@@ -418,6 +470,7 @@ class PostgresSink(Sink):
             lock_timeout=self.lock_timeout,
             table=self.table_ident,
             markers=self.marker_ident,
+            marker_audit=bool(self._audit_columns),
             marker_schema=self.marker_schema,
             key=tuple(self.key),
             order_by=self.order_by,
@@ -632,8 +685,29 @@ class PostgresSink(Sink):
             log.info("rolled back %d lingering prepared transaction(s): %s", len(aborted), aborted)
         return aborted
 
+    def evidence(self, committable: Committable) -> dict[str, Any]:
+        return pg_audit.evidence(committable)
+
+    def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
+        with self.connect(application_name="twophase-audit") as conn:
+            have = {
+                c.name
+                for c in catalog.table_columns(conn, self.marker_schema, self.marker_name) or []
+            }
+            complete = set(catalog.MARKER_LATER_COLUMNS) <= have
+            return pg_audit.audit(conn, self.marker_ident, checkpoints, columns=complete)
+
+    def retire_evidence(self, scope: JobScope, before_batch: int) -> None:
+        """Delete the commit markers of ``scope`` below ``before_batch``."""
+        try:
+            with self.connect(application_name="twophase-cleanup") as conn:
+                self.progress_table.retire(conn, scope, before_batch)
+        except psycopg.OperationalError as e:  # harmless: the next retirement deletes them
+            log.warning("could not delete old commit markers of %s: %s", self.describe(), e)
+
     def forget(self, committables: Sequence[Committable]) -> None:
-        """Record the committed batches in the progress row and delete their markers."""
+        """Record the committed batches in the progress row (their markers stay
+        while the ledger keeps their audit evidence: :meth:`retire_evidence`)."""
         gids = [c["txn"] for c in committables]
         if not gids:
             return
@@ -641,7 +715,7 @@ class PostgresSink(Sink):
             with self.connect(application_name="twophase-cleanup") as conn:
                 for scope, names in self._claims.group(map(TxnName.require, gids)).items():
                     batch = max(n.batch_id for n in names)
-                    self.progress_table.settle(conn, scope, batch, [str(n) for n in names])
+                    self.progress_table.settle(conn, scope, batch)
         except psycopg.OperationalError as e:  # harmless: the markers still say it
             log.warning(
                 "could not record the progress of %d committed transactions (%s); their "

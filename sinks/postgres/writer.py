@@ -45,6 +45,8 @@ class WriterSettings:
     """the target table, quoted"""
     markers: sql.Composable
     """the commit-marker table, quoted"""
+    marker_audit: bool
+    """whether the marker table has the audit columns (batch, rows)"""
     marker_schema: str
     key: tuple[str, ...]
     order_by: str | None
@@ -182,8 +184,19 @@ class PostgresWriter(SinkWriter):
         if self._upsert is not None:
             self._upsert.merge(conn)
         conn.execute(
-            sql.SQL("INSERT INTO {} (gid, job) VALUES (%s, %s)").format(cfg.markers),
-            (self._gid, self._job),
+            *(
+                (
+                    sql.SQL(
+                        "INSERT INTO {} (gid, job, batch, rows) VALUES (%s, %s, %s, %s)"
+                    ).format(cfg.markers),
+                    (self._gid, self._job, self._batch_id, self._rows),
+                )
+                if cfg.marker_audit
+                else (
+                    sql.SQL("INSERT INTO {} (gid, job) VALUES (%s, %s)").format(cfg.markers),
+                    (self._gid, self._job),
+                )
+            ),
         )
         try:
             conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(self._gid)))

@@ -1,0 +1,138 @@
+"""Audit of the Delta sink: each checkpoint's commit, found again in the table's log.
+
+A checkpoint commits a sink's staged files as one Delta version whose
+``commitInfo`` names the sink's application id and the highest batch id
+(``twophaseApp``, ``twophaseBatch``) and which carries the app transaction
+``txn(appId, version)``. The audit finds that version in the table's history,
+reads its commit file, and checks that it adds exactly the files the ledger
+kept for each transaction, with ``numRecords`` (the add action's statistics)
+summing to the transaction's rows.
+
+Verdicts (:class:`sinks.audit.Verdict`): ``ok``; ``expired`` when no version
+names the commit and the log no longer reaches back to the checkpoint's time
+(log cleanup after a Delta checkpoint removed it); ``mismatch`` otherwise (no
+such version, a file missing from it, rows that differ). Later versions that
+remove the files (OPTIMIZE, VACUUM, a delete) do not matter: the commit's own
+version is the evidence.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import unquote
+
+from deltalake import DeltaTable
+
+from sinks.audit import CheckpointEvidence, Finding, Verdict
+from sinks.delta.storage import TableStorage
+from sinks.naming import TxnName
+
+
+def evidence(c: Mapping[str, Any]) -> dict[str, Any]:
+    """What the ledger keeps of a committed Delta committable for an audit."""
+    return {
+        "txn": c["txn"],
+        "rows": int(c.get("rows", 0)),
+        "files": [a["path"] for a in c.get("adds", ())],
+    }
+
+
+def audit(
+    storage: TableStorage,
+    dt: DeltaTable | None,
+    app: str,
+    checkpoints: Sequence[CheckpointEvidence],
+) -> list[Finding]:
+    """Check every committable of ``checkpoints`` against the table's log (module
+    docstring); ``dt``: the table (None: it does not exist)."""
+    history = dt.history() if dt is not None else []
+    versions = {
+        int(h["twophaseBatch"]): int(h["version"])
+        for h in history
+        if h.get("twophaseApp") == app and h.get("twophaseBatch") is not None
+    }
+    oldest_ms = min((int(h.get("timestamp", 0)) for h in history), default=None)
+    starts_at_zero = any(int(h.get("version", -1)) == 0 for h in history)
+    found: list[Finding] = []
+    for cp in checkpoints:
+        batches = [TxnName.require(str(c["txn"])).batch_id for c in cp.committed]
+        if not batches:
+            continue
+        batch = max(batches)
+        version = versions.get(batch)
+        if version is None:
+            gone = not starts_at_zero and (oldest_ms is None or oldest_ms > cp.committed_at * 1000)
+            verdict = Verdict.EXPIRED if gone else Verdict.MISMATCH
+            detail = (
+                f"the log no longer reaches back to it (its oldest version is newer than "
+                f"checkpoint {cp.checkpoint})"
+                if gone
+                else f"no version of the table carries app transaction {app} v{batch}"
+            )
+            found.extend(
+                Finding(cp.checkpoint, str(c["txn"]), verdict, detail, int(c.get("rows", 0)))
+                for c in cp.committed
+            )
+            continue
+        adds = _adds(storage, version)
+        for c in cp.committed:
+            found.append(_check(cp.checkpoint, c, version, adds))
+    return found
+
+
+def _adds(storage: TableStorage, version: int) -> dict[str, int | None] | None:
+    """The files version ``version`` adds, with their ``numRecords`` (None when
+    the add carries no statistics); None when its commit file is gone."""
+    data = storage.read(f"_delta_log/{version:020d}.json")
+    if data is None:
+        return None
+    adds: dict[str, int | None] = {}
+    for line in data.decode().splitlines():
+        if not line.strip():
+            continue
+        action = json.loads(line)
+        add = action.get("add")
+        if add is None:
+            continue
+        stats = json.loads(add["stats"]) if add.get("stats") else {}
+        n = stats.get("numRecords")
+        adds[unquote(add["path"])] = None if n is None else int(n)
+    return adds
+
+
+def _check(
+    checkpoint: int, c: Mapping[str, Any], version: int, adds: dict[str, int | None] | None
+) -> Finding:
+    txn, rows = str(c["txn"]), int(c.get("rows", 0))
+    if adds is None:
+        return Finding(
+            checkpoint, txn, Verdict.EXPIRED, f"the commit file of version {version} is gone", rows
+        )
+    files = [unquote(f) for f in c.get("files", ())]
+    missing = [f for f in files if f not in adds]
+    if missing:
+        return Finding(
+            checkpoint,
+            txn,
+            Verdict.MISMATCH,
+            f"version {version} does not add {len(missing)} of its {len(files)} file(s), "
+            f"e.g. {missing[0]}",
+            rows,
+        )
+    counts = [adds[f] for f in files]
+    if any(n is None for n in counts):
+        return Finding(
+            checkpoint, txn, Verdict.UNVERIFIABLE, f"version {version} has no numRecords", rows
+        )
+    total = sum(n for n in counts if n is not None)
+    if total != rows:
+        return Finding(
+            checkpoint,
+            txn,
+            Verdict.MISMATCH,
+            f"version {version} adds {total} record(s) in its files, the ledger says {rows}",
+            rows,
+        )
+    return Finding(checkpoint, txn, Verdict.OK, f"version {version}", rows)
