@@ -48,8 +48,8 @@ class Services:
 def services(max_prepared: int = 2000) -> Iterator[Services]:
     """PostgreSQL (``max_prepared_transactions`` = ``max_prepared``) and tansu,
     started here and stopped afterwards, and a temporary directory."""
-    from tests.kafkabroker import KafkaBroker
-    from tests.pgserver import PostgresServer
+    from lifecycle.testing.kafka_broker import KafkaBroker
+    from lifecycle.testing.postgres_server import PostgresServer
 
     pg = PostgresServer(
         settings={

@@ -56,8 +56,8 @@ def main() -> int:
     ap.add_argument("--scale", type=int, default=1, help="multiplies the input sizes")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from tests.kafkabroker import KafkaBroker
-    from tests.pgserver import PostgresServer
+    from lifecycle.testing.kafka_broker import KafkaBroker
+    from lifecycle.testing.postgres_server import PostgresServer
 
     work = Path(tempfile.mkdtemp(prefix="twophase-final-"))
     sizes = {"small": (1, 100), "medium": (4, 2000), "large": (8, 10000)}

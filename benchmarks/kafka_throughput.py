@@ -197,7 +197,7 @@ def run_twin(src: DataFrame, bootstrap: str, topic: str, ckpt: Path) -> float:
 
 def count_records(bootstrap: str, topic: str) -> tuple[int, int, int]:
     """(committed, aborted, open) data records of ``topic``, resolved from the
-    control markers in the raw log like ``tests/kafkalog.py``, but counting
+    control markers in the raw log like ``sinks/kafka/log.py``, but counting
     record batches instead of decoding every record."""
     committed = aborted = 0
     still_open = 0
@@ -245,7 +245,7 @@ def main() -> int:
     broker = None
     bootstrap = args.bootstrap
     if bootstrap is None:
-        from tests.kafkabroker import KafkaBroker
+        from lifecycle.testing.kafka_broker import KafkaBroker
 
         broker = KafkaBroker()
         broker.start()

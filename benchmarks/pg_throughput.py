@@ -91,7 +91,7 @@ def main() -> int:
     server = None
     dsn = args.dsn
     if dsn is None:
-        from tests.pgserver import PostgresServer
+        from lifecycle.testing.postgres_server import PostgresServer
 
         server = PostgresServer()
         server.start()

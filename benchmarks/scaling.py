@@ -339,7 +339,7 @@ class PgBench(Bench):
 
     @contextlib.contextmanager
     def service(self) -> Iterator[None]:
-        from tests.pgserver import PostgresServer
+        from lifecycle.testing.postgres_server import PostgresServer
 
         server = PostgresServer(
             settings={"max_prepared_transactions": "300", "max_connections": "300"}
@@ -377,7 +377,7 @@ class KafkaBench(Bench):
     def service(self) -> Iterator[None]:
         from kafka import KafkaAdminClient
 
-        from tests.kafkabroker import KafkaBroker
+        from lifecycle.testing.kafka_broker import KafkaBroker
 
         logging.getLogger("sinks.kafka").setLevel(logging.ERROR)  # tansu's missing config
         broker = KafkaBroker()

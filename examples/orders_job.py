@@ -3,7 +3,7 @@
 It writes sample order files, then runs a Job with two pipelines into
 PostgreSQL: ``orders`` (bounded, upsert by order id) and ``audit`` (bounded,
 append). With no ``--dsn`` it starts a throwaway PostgreSQL server on loopback
-(``tests/pgserver.py``). Run it twice with the same ``--state-dir`` to see
+(``lifecycle/testing/postgres_server.py``). Run it twice with the same ``--state-dir`` to see
 recovery: the second run finds every pipeline finished and writes nothing.
 
     python examples/orders_job.py [--dsn DSN] [--state-dir DIR] [--orders N]
@@ -72,7 +72,7 @@ def main() -> int:
     server = None
     dsn = args.dsn
     if dsn is None:
-        from tests.pgserver import PostgresServer
+        from lifecycle.testing.postgres_server import PostgresServer
 
         server = PostgresServer()
         server.start()

@@ -1,29 +1,30 @@
-"""Shared fixtures: a real PostgreSQL server, a real SparkSession, input files.
+"""Shared fixtures: a real PostgreSQL server, a Kafka broker, a real SparkSession,
+input files.
 
-Services:
+The services are the test kit's (``lifecycle.testing.plugin``, loaded by its
+``pytest11`` entry point: the project's tests are its first user):
 * PostgreSQL: a private cluster started on a free loopback port for the test
-  session (``tests/pgserver.py``), or an existing server when
-  ``TWOPHASE_PG_DSN`` is set (a superuser DSN; tests that restart the server
-  are then skipped).
+  session, or an existing server when ``TWOPHASE_PG_DSN`` is set (a superuser
+  DSN; tests that restart the server are then skipped);
+* Kafka: tansu on a free loopback port, or ``TWOPHASE_KAFKA_BOOTSTRAP``.
+The names the tests use (``pg_dsn``, ``kafka_bootstrap``, ``kafka_topic``) are
+the kit's fixtures under the names the tests grew up with.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
 
 from lifecycle._exit import leave
+from lifecycle.testing.plugin import PostgresService, fresh_database
+from lifecycle.testing.postgres_server import PostgresServer
 from tests.ledgers import LedgerBackend, pg_uri
-from tests.pgserver import PostgresServer
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -31,41 +32,15 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 
 @pytest.fixture(scope="session")
-def pg_server() -> Iterator[PostgresServer | None]:
-    if os.environ.get("TWOPHASE_PG_DSN"):
-        yield None
-        return
-    server = PostgresServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+def pg_server(twophase_postgres: PostgresService) -> PostgresServer | None:
+    """The embedded server of the test kit (None for ``TWOPHASE_PG_DSN``)."""
+    server: PostgresServer | None = twophase_postgres.server
+    return server
 
 
 @pytest.fixture(scope="session")
-def pg_admin_dsn(pg_server: PostgresServer | None) -> str:
-    return os.environ.get("TWOPHASE_PG_DSN") or pg_server.dsn()  # type: ignore[union-attr]
-
-
-@contextlib.contextmanager
-def fresh_database(admin_dsn: str) -> Iterator[str]:
-    """A new, empty database on the server of ``admin_dsn``; dropped afterwards,
-    with any transaction still prepared in it rolled back."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    info = psycopg.conninfo.conninfo_to_dict(admin_dsn)
-    info["dbname"] = name
-    yield psycopg.conninfo.make_conninfo(**info)
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        for (gid,) in conn.execute(
-            "SELECT gid FROM pg_prepared_xacts WHERE database = %s", (name,)
-        ).fetchall():
-            # leave the server clean for later tests (the test already asserted)
-            with psycopg.connect(psycopg.conninfo.make_conninfo(**info), autocommit=True) as c:
-                c.execute(f"ROLLBACK PREPARED '{gid}'")
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+def pg_admin_dsn(twophase_postgres: PostgresService) -> str:
+    return twophase_postgres.dsn
 
 
 @pytest.fixture
@@ -124,64 +99,21 @@ def write_input(directory: Path, files: int, rows_per_file: int, start: int = 0)
 
 # -- Kafka ---------------------------------------------------------------------------------
 # A Kafka-protocol broker for the Spark-level Kafka tests: tansu on a free loopback
-# port for the test session (``tests/kafkabroker.py``), or an existing cluster when
+# port for the test session (``lifecycle/testing/kafka_broker.py``), or an existing cluster when
 # ``TWOPHASE_KAFKA_BOOTSTRAP`` is set (e.g. Apache Kafka from docker-compose.yml).
 # Every test writes to fresh topics, so a shared cluster needs no cleaning.
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap() -> Iterator[str]:
+def kafka_bootstrap(twophase_kafka: str) -> str:
     """``host:port`` of the test session's Kafka broker."""
-    given = os.environ.get("TWOPHASE_KAFKA_BOOTSTRAP")
-    if given:
-        yield given
-        return
-    from tests.kafkabroker import KafkaBroker
-
-    broker = KafkaBroker()
-    broker.start()
-    try:
-        yield broker.bootstrap
-    finally:
-        broker.cleanup()
-
-
-def wait_for_topic(bootstrap: str, topic: str, partitions: int, timeout: float = 30.0) -> None:
-    """Wait until every partition of a new topic has a leader (Apache Kafka
-    creates topics asynchronously; tansu at once)."""
-    from sinks.kafka.wire import KafkaWire
-
-    deadline = time.monotonic() + timeout
-    with KafkaWire(bootstrap) as wire:
-        while True:
-            leaders: dict[int, int] | None = None
-            with contextlib.suppress(Exception):  # LEADER_NOT_AVAILABLE while created
-                leaders = wire.partition_leaders(topic)
-            if leaders and len(leaders) == partitions and min(leaders.values()) >= 0:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"topic {topic} has no leaders after {timeout}s: {leaders}")
-            time.sleep(0.1)
+    return twophase_kafka
 
 
 @pytest.fixture
-def kafka_topic(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
+def kafka_topic(twophase_kafka_topic: Callable[..., str]) -> Callable[..., str]:
     """``kafka_topic(partitions=3)`` creates a fresh topic and returns its name."""
-    from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
-
-    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-
-    def make(partitions: int = 3) -> str:
-        name = f"t-{uuid.uuid4().hex[:12]}"
-        admin.create_topics([NewTopic(name, partitions, 1)])
-        wait_for_topic(kafka_bootstrap, name, partitions)
-        return name
-
-    try:
-        yield make
-    finally:
-        admin.close()
+    return twophase_kafka_topic
 
 
 # -- leaving ----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 from deltalake import DeltaTable
 
+from lifecycle.testing import verify
 from sinks.delta.storage import SPARK_STAGING_DIR, STAGING_DIR
 from sinks.naming import TxnName
 
@@ -58,17 +59,8 @@ def assert_exactly_once(uri: str | Path, n: int, start: int = 0) -> pa.Table:
 # -- files -------------------------------------------------------------------------------
 
 
-def data_files(uri: str | Path) -> set[str]:
-    """Every file of the table directory outside ``_delta_log`` and the sink's
-    ``_twophase`` directory (relative paths, as on disk)."""
-    root = Path(uri)
-    out = set()
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = Path(dirpath).relative_to(root)
-        if rel_dir == Path("."):
-            dirnames[:] = [d for d in dirnames if d not in (_LOG, "_twophase")]
-        out.update(str(rel_dir / f) if rel_dir != Path(".") else f for f in filenames)
-    return out
+data_files = verify.data_files_delta
+"""Every file of the table directory outside ``_delta_log`` and ``_twophase``."""
 
 
 def snapshot_files(uri: str | Path) -> set[str]:
@@ -85,15 +77,9 @@ def markers(uri: str | Path) -> list[str]:
 
 def assert_nothing_staged(uri: str | Path) -> None:
     """No data file outside the snapshot, no staging marker: nothing was left behind."""
-    on_disk = data_files(uri)
-    committed = snapshot_files(uri)
-    assert committed <= on_disk, f"snapshot files missing from disk: {sorted(committed - on_disk)}"
-    assert on_disk == committed, (
-        f"{len(on_disk - committed)} file(s) in {uri} are not in the table: "
-        f"{sorted(on_disk - committed)[:10]}"
-    )
-    assert markers(uri) == [], f"staging markers left in {uri}: {markers(uri)[:10]}"
-    assert spark_staging(uri) == [], f"Spark staging directories left: {spark_staging(uri)}"
+    missing = snapshot_files(uri) - data_files(uri)
+    assert not missing, f"snapshot files missing from disk: {sorted(missing)}"
+    verify.assert_nothing_left_delta(uri)
 
 
 def spark_staging(uri: str | Path) -> list[str]:

@@ -1,6 +1,7 @@
 """Assertions on Kafka topics shared by the Spark-level Kafka tests (like pgcheck.py).
 
-Everything is decided from the raw log with :mod:`tests.kafkalog`, which
+Everything is decided from the raw log with :mod:`sinks.kafka.log` (through the
+test kit, :mod:`lifecycle.testing.verify`), which
 resolves each transactional record from the control markers (COMMIT / ABORT /
 none yet), never with a ``read_committed`` consumer (tansu does not send the
 aborted-transactions list such a consumer relies on). So the same assertions
@@ -19,33 +20,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 
 from kafka.partitioner.default import murmur2
 
+from lifecycle.testing import verify
+from sinks.kafka.log import Record, TopicLog, read_topic
 from sinks.kafka.registry import DEFAULT_TOPIC
 from sinks.kafka.wire import KafkaWire
 from sinks.naming import TxnName
-from tests.kafkalog import Record, TopicLog, read_topic
 
-SETTLE_S = 15.0
-"""How long a check waits for the markers of decided transactions to land.
-
-tansu writes COMMIT/ABORT markers before it answers EndTxn; Apache Kafka
-answers once the decision is in its transaction log and writes the markers
-right after, so a check made the moment a job returns can see the last
-transaction still open for a few milliseconds. A transaction really left open
-still fails the check, only later."""
-
-
-def read_settled(bootstrap: str, topic: str, timeout: float = SETTLE_S) -> TopicLog:
-    """``read_topic``, re-read until no record is open or ``timeout`` passed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        log = read_topic(bootstrap, topic)
-        if log.n_open == 0 or time.monotonic() > deadline:
-            return log
-        time.sleep(0.2)
+SETTLE_S = verify.SETTLE_S
+read_settled = verify.read_settled
 
 
 def row_id(record: Record) -> int:
@@ -67,20 +52,7 @@ def assert_exactly_once(
 
     With ``keyed``, each record's key is its id and it sits in the partition
     Kafka's default partitioner (murmur2) gives that key. Returns the log."""
-    log = read_settled(bootstrap, topic)
-    assert log.n_open == 0, (
-        f"{log.n_open} record(s) of {topic} are in transactions that were never "
-        f"committed or aborted, e.g. ids {sorted(row_id(r) for r in log.open)[:10]}"
-    )
-    ids = [row_id(r) for r in log.committed]
-    dups = sorted((i, c) for i, c in Counter(ids).items() if c > 1)
-    assert dups == [], f"ids committed more than once (id, copies): {dups[:10]}"
-    expected = set(range(start, start + n))
-    got = set(ids)
-    assert got == expected, (
-        f"{len(ids)} committed records in {topic}, expected {n}; missing "
-        f"{sorted(expected - got)[:10]}, unexpected {sorted(got - expected)[:10]}"
-    )
+    log = verify.assert_exactly_once_kafka(bootstrap, topic, range(start, start + n), key_of=row_id)
     assert all(r.transactional for r in log.committed), "a record was written outside a txn"
     if keyed:
         with KafkaWire(bootstrap) as wire:
@@ -130,13 +102,12 @@ def open_txns(
 ) -> list[str]:
     """Transactional ids of ``job`` whose transaction is still open (neither
     committed nor aborted), from their announcements in the registry topic."""
+    if registry == DEFAULT_TOPIC:
+        return verify.open_transactions_kafka(bootstrap, job, settle=settle)
     outcomes = txn_outcomes(bootstrap, job, registry, settle=settle)
     return sorted(t for t, v in outcomes.items() if v == "open")
 
 
 def assert_nothing_open(bootstrap: str, topic: str, job: str) -> None:
     """No record of ``topic`` and no transaction of ``job`` is left open."""
-    log = read_settled(bootstrap, topic)
-    assert log.n_open == 0, f"{log.n_open} record(s) of {topic} left in open transactions"
-    left = open_txns(bootstrap, job, settle=SETTLE_S)
-    assert left == [], f"open transactions of job {job} left behind: {left}"
+    verify.assert_nothing_left_kafka(bootstrap, topic, job)

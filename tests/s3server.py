@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from tests.services import NativeService, free_port
+from lifecycle.testing.services import NativeService, free_port
 
 ACCESS_KEY = "test"
 SECRET_KEY = "test"

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pyspark
 
-from tests.services import NativeService, free_port, serve
+from lifecycle.testing.services import NativeService, free_port, serve
 
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 MASTER = "org.apache.spark.deploy.master.Master"

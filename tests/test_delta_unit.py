@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
+from lifecycle.testing.services import free_port
 from sinks import _faults
 from sinks.base import Committable, JobScope, WriteContext
 from sinks.delta import DeltaSchemaError, DeltaSink
@@ -35,7 +36,6 @@ from sinks.delta.storage import STAGING_DIR, TableStorage
 from sinks.errors import PreflightError, TransactionLostError
 from sinks.naming import TxnName
 from sinks.progress import IncarnationConflictError
-from tests.services import free_port
 
 UTC = dt.timezone.utc
 INCARNATION = "0123456789ab"

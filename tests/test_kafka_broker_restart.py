@@ -50,13 +50,13 @@ from pathlib import Path
 import pytest
 
 from lifecycle.ledger import read_ledger
+from lifecycle.testing.kafka_broker import KafkaBroker
 from sinks.errors import CommitError, TransactionLostError, UnconfirmedWriteError
 from sinks.kafka import KafkaSink
+from sinks.kafka.log import read_topic
 from sinks.kafka.wire import KafkaWire
 from tests.conftest import write_input
-from tests.kafkabroker import KafkaBroker
 from tests.kafkacheck import txn_outcomes
-from tests.kafkalog import read_topic
 from tests.multisink import LABELS, Run
 from tests.procs import JobProcess, wait_for
 from tests.s3server import S3Server

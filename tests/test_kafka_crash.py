@@ -21,10 +21,10 @@ import psycopg
 import pytest
 
 from lifecycle.ledger import read_ledger
+from sinks.kafka.log import TopicLog
 from sinks.naming import TxnName
 from tests.conftest import write_input
 from tests.kafkacheck import assert_exactly_once, assert_nothing_open, row_id, txn_outcomes
-from tests.kafkalog import TopicLog
 from tests.pgcheck import assert_exactly_once as pg_exactly_once
 from tests.pgcheck import job_prepared
 from tests.procs import JobProcess, run_job

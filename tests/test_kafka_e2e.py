@@ -19,9 +19,9 @@ from lifecycle import Job, PipelineState
 from lifecycle.coordinator import sink_label
 from lifecycle.ledger import read_ledger
 from sinks import KafkaSink, PostgresSink, _faults
+from sinks.kafka.log import read_topic
 from tests.conftest import write_input
 from tests.kafkacheck import assert_exactly_once, assert_nothing_open, committed_ids, open_txns
-from tests.kafkalog import read_topic
 from tests.pgcheck import assert_exactly_once as pg_exactly_once
 from tests.pgcheck import job_prepared
 from tests.sparkutil import INPUT_SCHEMA

@@ -20,9 +20,9 @@ from kafka.partitioner.default import murmur2
 
 from sinks.base import JobScope, WriteContext
 from sinks.kafka import KafkaSink, encode
+from sinks.kafka.log import read_topic
 from sinks.kafka.produce import ProduceError
 from sinks.kafka.wire import KafkaWire
-from tests.kafkalog import read_topic
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
 

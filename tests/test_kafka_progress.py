@@ -1,9 +1,9 @@
 """What the Kafka sink remembers of its progress, and its claim, against a real broker.
 
-tansu, the test session's broker (``tests/conftest.py``, ``tests/kafkabroker.py``); nothing is
-mocked. Every test uses fresh topics and job names; all share the default
+tansu, the test session's broker (the test kit's, :mod:`lifecycle.testing.kafka_broker`);
+nothing is mocked. Every test uses fresh topics and job names; all share the default
 registry topic, as jobs on one cluster do. What is committed is checked from
-the raw log with the control markers (``tests/kafkalog.py``).
+the raw log with the control markers (``sinks/kafka/log.py``).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from kafka import KafkaProducer
 
 from sinks.base import Committable, JobScope
 from sinks.kafka import KafkaSink
+from sinks.kafka.log import read_topic
 from sinks.kafka.progress import PARTITION, ProgressBook, claim_key
 from sinks.kafka.registry import DEFAULT_TOPIC, RegistryView
 from sinks.kafka.wire import KafkaWire
 from sinks.progress import IncarnationConflictError, SinkProgress
-from tests.kafkalog import read_topic
 from tests.test_kafka_unit import (
     SCHEMA,
     committed_ids,

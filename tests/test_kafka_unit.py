@@ -1,8 +1,8 @@
 """The Kafka sink and the log checker against a real broker (tansu), without Spark.
 
-A session-wide tansu broker is started from ``tests/kafkabroker.py``; every test
+A session-wide tansu broker is started from ``lifecycle/testing/kafka_broker.py``; every test
 uses fresh topics. Nothing is mocked: transactions, markers and fencing are the
-broker's; the checker (``tests/kafkalog.py``) resolves every transactional
+broker's; the checker (``sinks/kafka/log.py``) resolves every transactional
 record from the control markers in the raw log.
 """
 
@@ -20,6 +20,8 @@ from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.partitioner.default import murmur2
 
+from lifecycle.testing.kafka_broker import KafkaBroker
+from lifecycle.testing.services import free_port
 from sinks.base import Committable, JobScope, WriteContext
 from sinks.errors import (
     CommitError,
@@ -30,12 +32,10 @@ from sinks.errors import (
 )
 from sinks.kafka import KafkaSink
 from sinks.kafka.encode import json_rows
+from sinks.kafka.log import TopicLog, read_topic
 from sinks.kafka.produce import TxnProducer
 from sinks.kafka.registry import DEFAULT_TOPIC, RegistryView
 from sinks.kafka.wire import KafkaWire
-from tests.kafkabroker import KafkaBroker
-from tests.kafkalog import TopicLog, read_topic
-from tests.services import free_port
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string()), ("amount", pa.float64())])
 INC = "a1b2c3d4e5f6"

@@ -34,11 +34,11 @@ from lifecycle.spark_log import SparkCommitLog
 from sinks import DeltaSink, KafkaSink, PostgresSink, from_settings
 from sinks.base import Committable, JobScope, Sink, WriteContext
 from sinks.errors import ConfigError, TransactionLostError
+from sinks.kafka.log import read_topic
 from sinks.settings import env_name
 from tests import deltacheck
 from tests.kafkacheck import assert_exactly_once as kafka_exactly_once
 from tests.kafkacheck import assert_nothing_open, open_txns
-from tests.kafkalog import read_topic
 from tests.ledgers import pg_uri
 from tests.pgcheck import assert_exactly_once as pg_exactly_once
 from tests.pgcheck import job_prepared, rollback_prepared

@@ -28,8 +28,8 @@ from sinks import KafkaSink, PostgresSink, _faults
 from sinks._parallel import slices
 from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
 from sinks.errors import ConfigError, TransactionLostError
+from sinks.kafka.log import read_topic
 from sinks.naming import TxnName
-from tests.kafkalog import read_topic
 from tests.pgcheck import job_prepared
 
 SCHEMA = pa.schema([("id", pa.int64())])

@@ -16,10 +16,10 @@ from pyspark.sql.pandas.types import to_arrow_schema
 
 from lifecycle import CheckpointCommitError, Job, JobFailedError
 from lifecycle.ledger import read_ledger
+from lifecycle.testing.postgres_server import PostgresServer
 from sinks import LockWaitError, PostgresSink, PreflightError, TransactionLostError, _faults
 from tests.conftest import write_input
 from tests.pgcheck import assert_exactly_once, job_prepared, rollback_prepared
-from tests.pgserver import PostgresServer
 from tests.procs import JobProcess, wait_for
 from tests.sparkutil import INPUT_SCHEMA
 

@@ -11,11 +11,11 @@ import pyarrow as pa
 import pytest
 
 from lifecycle import Job
+from lifecycle.testing.postgres_server import PostgresServer
 from sinks import PostgresSink, PreparedLimitError
 from sinks.base import ExpectedLoad, JobScope, WriteContext
 from tests.conftest import write_input
 from tests.pgcheck import assert_exactly_once, job_prepared
-from tests.pgserver import PostgresServer
 from tests.sparkutil import INPUT_SCHEMA
 
 LIMIT = 12

@@ -22,9 +22,9 @@ import time
 import psycopg
 import pyarrow as pa
 
+from lifecycle.testing.postgres_server import PostgresServer
 from sinks import PostgresSink, _faults
 from sinks.base import JobScope, WriteContext
-from tests.pgserver import PostgresServer
 
 
 def _loopback(state: str) -> None:

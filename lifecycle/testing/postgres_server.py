@@ -1,4 +1,4 @@
-"""A private, throwaway PostgreSQL cluster for tests (no mocks).
+"""A private, throwaway PostgreSQL cluster for tests and demos (no mocks).
 
 ``PostgresServer`` runs ``initdb`` into a fresh directory and starts a real
 server that listens only on 127.0.0.1, on a free TCP port, with its unix
@@ -13,7 +13,8 @@ binary is run as that user; otherwise they run as the current user.
 The binaries are taken from ``$TWOPHASE_PG_BIN`` if set, else from
 ``pg_config --bindir``, else from the newest ``/usr/lib/postgresql/*/bin``.
 
-Run as a program (``python -m tests.pgserver [--datadir DIR] [--port N]``) it
+Run as a program (``python -m lifecycle.testing.postgres_server [--datadir DIR]
+[--port N]``) it
 starts a server, prints its DSN and waits for Ctrl-C or SIGTERM.
 """
 
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import quote
 
-from tests.services import NativeService, free_port, serve
+from lifecycle.testing.services import NativeService, free_port, serve
 
 StopMode = Literal["smart", "fast", "immediate"]
 

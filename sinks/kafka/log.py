@@ -1,4 +1,4 @@
-"""Exactly-once checks on a Kafka topic, resolved from the raw log.
+"""A Kafka topic read raw and resolved by its control markers.
 
 A ``read_committed`` consumer relies on the broker's aborted-transactions list,
 which tansu does not send; this reader instead applies the control markers
@@ -12,14 +12,16 @@ itself, as the consumer's record-batch logic does:
   that partition: COMMIT makes them committed, ABORT aborted;
 * what is still open at the end has no marker yet.
 
-Nothing here is specific to tansu, so the same checks run unchanged against
-Apache Kafka.
+Nothing here is specific to tansu, so the same reads work unchanged against
+Apache Kafka. Used by the audit (:mod:`sinks.kafka.audit`) and by the test
+kit's verifiers (:mod:`lifecycle.testing`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from sinks.kafka.wire import KafkaWire
 
@@ -65,18 +67,18 @@ class TopicLog:
         return {v: n for v, n in Counter(self.values()).items() if n > 1}
 
 
-def _record(partition: int, batch: object, rec: object) -> Record:
-    headers = tuple((k, None if v is None else bytes(v)) for k, v in rec.headers)  # type: ignore[attr-defined]
-    key = rec.key  # type: ignore[attr-defined]
-    value = rec.value  # type: ignore[attr-defined]
+def _record(partition: int, batch: Any, rec: Any) -> Record:
+    headers = tuple((k, None if v is None else bytes(v)) for k, v in rec.headers)
+    key = rec.key
+    value = rec.value
     return Record(
         partition=partition,
-        offset=rec.offset,  # type: ignore[attr-defined]
+        offset=rec.offset,
         key=None if key is None else bytes(key),
         value=None if value is None else bytes(value),
         headers=headers,
-        producer_id=batch.producer_id,  # type: ignore[attr-defined]
-        transactional=batch.is_transactional,  # type: ignore[attr-defined]
+        producer_id=batch.producer_id,
+        transactional=batch.is_transactional,
     )
 
 
@@ -94,7 +96,7 @@ def read_topic(bootstrap_servers: str, topic: str) -> TopicLog:
 
 
 def _read_partition(
-    wire: KafkaWire, leader: object, topic: str, partition: int, out: TopicLog
+    wire: KafkaWire, leader: Any, topic: str, partition: int, out: TopicLog
 ) -> None:
     pending: dict[int, list[Record]] = {}
     for batch in wire.batches(leader, topic, partition):

@@ -1,0 +1,191 @@
+"""``crash_test``: SIGKILL a user's job again and again, restart it until it is done,
+then verify its sinks.
+
+The job runs in a child process of its own (its own Spark driver JVM and
+Python workers), as in production: ``job`` is the path of a script, or
+``"package.module:function"`` (the function is called with no arguments; its
+return value, if an int, is the exit status). It must end by itself (bounded
+pipelines, or a drain once its input is consumed) and exit 0 when its run
+committed (``JobResult.committed``), and it must use the same ``state_dir``
+every time, so that each start recovers what the last one left.
+
+Each of the ``kills`` runs is SIGKILLed, alternately:
+
+* at a random instant (``min_delay`` to ``max_delay`` seconds after it started),
+* at a named point of the commit protocol (:data:`FAULT_POINTS`, in turn): the
+  driver kills itself there (``TWOPHASE_FAULT``; see :mod:`sinks._faults`),
+  where a crash is the most dangerous: after a batch is recorded but before
+  Spark knows it, between a checkpoint's decision and its commit, in the
+  middle of a commit.
+
+A run that ends before its kill counts as done. Then the job runs once more
+without faults until it exits (``timeout`` each run); ``verify()``, when given,
+checks the sinks (see :mod:`lifecycle.testing.verify`). The random choices come
+from ``seed`` (printed in the report, so a failure can be replayed).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FAULT_POINTS = (
+    "driver.after_record",
+    "driver.before_commit",
+    "driver.mid_commit",
+    "driver.before_record",
+)
+"""Where a named kill strikes (the first time the driver reaches the point)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One start of the job."""
+
+    how: str  # "random 3.2s", "at driver.before_commit", "to completion"
+    exit_code: int
+    seconds: float
+    killed: bool
+
+
+@dataclass
+class CrashReport:
+    """What :func:`crash_test` did."""
+
+    seed: int
+    runs: list[Run] = field(default_factory=list)
+    log: Path | None = None
+
+    @property
+    def kills(self) -> int:
+        return sum(1 for r in self.runs if r.killed)
+
+    def __str__(self) -> str:
+        lines = [f"crash test, seed {self.seed}: {self.kills} kill(s), log {self.log}"]
+        lines += [
+            f"  run {i}: {r.how}: {'SIGKILL' if r.killed else f'exit {r.exit_code}'} after "
+            f"{r.seconds:.1f}s"
+            for i, r in enumerate(self.runs, 1)
+        ]
+        return "\n".join(lines)
+
+
+class CrashTestError(AssertionError):
+    """The job did not finish cleanly after its kills (the message has the log tail)."""
+
+
+def crash_test(
+    job: str | os.PathLike[str],
+    *,
+    kills: int = 3,
+    seed: int | None = None,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    verify: Callable[[], object] | None = None,
+    fault_points: Sequence[str] = FAULT_POINTS,
+    min_delay: float = 2.0,
+    max_delay: float = 12.0,
+    timeout: float = 300.0,
+    log: str | os.PathLike[str] | None = None,
+) -> CrashReport:
+    """Kill ``job`` ``kills`` times, run it to completion, then ``verify()``
+    (module docstring). ``args`` and ``env`` go to every run; ``log`` collects
+    every run's output (default: a temporary file, named in the report).
+    Raises :class:`CrashTestError` when the last run fails or does not end."""
+    seed = random.randrange(1 << 30) if seed is None else seed
+    rng = random.Random(seed)
+    out = (
+        Path(log)
+        if log is not None
+        else Path(tempfile.mkstemp(prefix="crash-test-", suffix=".log")[1])
+    )
+    report = CrashReport(seed, log=out)
+    command = _command(job, args)
+    base = {**os.environ, **(env or {})}
+    base.pop("TWOPHASE_FAULT", None)
+    points = list(fault_points)
+    for k in range(kills):
+        named = bool(points) and k % 2 == 1
+        if named:
+            point = points[(k // 2) % len(points)]
+            run = _run(
+                command,
+                {**base, "TWOPHASE_FAULT": f"{point}=kill"},
+                out,
+                timeout,
+                None,
+                f"at {point}",
+            )
+        else:
+            delay = rng.uniform(min_delay, max_delay)
+            run = _run(command, base, out, timeout, delay, f"random {delay:.1f}s")
+        report.runs.append(run)
+        if not run.killed and run.exit_code == 0:
+            break  # it finished before the kill
+    final = _run(command, base, out, timeout, None, "to completion")
+    report.runs.append(final)
+    if final.exit_code != 0:
+        raise CrashTestError(f"{report}\nthe last run exited {final.exit_code}:\n{_tail(out)}")
+    if verify is not None:
+        verify()
+    return report
+
+
+def _command(job: str | os.PathLike[str], args: Sequence[str]) -> list[str]:
+    text = os.fspath(job)
+    if ":" in text and not Path(text).exists():
+        module, _, function = text.partition(":")
+        code = (
+            "import importlib, sys\n"
+            f"result = getattr(importlib.import_module({module!r}), {function!r})()\n"
+            "sys.exit(result if isinstance(result, int) else 0)\n"
+        )
+        return [sys.executable, "-c", code, *args]
+    return [sys.executable, text, *args]
+
+
+def _run(
+    command: list[str],
+    env: dict[str, str],
+    log: Path,
+    timeout: float,
+    kill_after: float | None,
+    how: str,
+) -> Run:
+    began = time.monotonic()
+    with open(log, "ab") as out:
+        out.write(f"\n===== {how}: {' '.join(command[:2])} ...\n".encode())
+        out.flush()
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        killed = False
+        try:
+            if kill_after is not None:
+                try:
+                    proc.wait(kill_after)
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGKILL)
+                    killed = True
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise CrashTestError(
+                f"the job ({how}) did not end within {timeout:.0f}s:\n{_tail(log)}"
+            ) from None
+    killed = killed or proc.returncode == -signal.SIGKILL
+    return Run(how, code, time.monotonic() - began, killed)
+
+
+def _tail(log: Path, n: int = 4000) -> str:
+    try:
+        return log.read_text(errors="replace")[-n:]
+    except OSError:
+        return "(no log)"

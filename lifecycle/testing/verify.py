@@ -1,0 +1,316 @@
+"""Verifiers: does a sink hold every expected row exactly once, and nothing unfinished?
+
+Each reads the target itself, never the job's own bookkeeping:
+
+* PostgreSQL: the table's rows, and ``pg_prepared_xacts`` for prepared
+  transactions left behind;
+* Kafka: the topic read raw and resolved by its control markers
+  (:mod:`sinks.kafka.log`: what a ``read_committed`` consumer sees, without
+  trusting the broker's aborted-transactions list), and the sink's registry
+  topic for the job's transactions still open;
+* Delta: the table's latest snapshot, and the table directory for staged files
+  and staging markers left behind.
+
+``assert_exactly_once_*(…, expected_keys, …)``: every expected key is there
+exactly once and nothing else is (append writes). ``assert_final_state_*(…,
+expected, …)``: after keyed writes (upserts, deletes), the rows are exactly
+``expected`` (key -> row, or for Kafka key -> last value, ``None`` for a
+tombstone). Both also assert that nothing is left prepared, open or staged
+(pass ``job=`` to look at one job's transactions only where a sink shares its
+target with others). Failures say what is missing, duplicated or unexpected,
+with examples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from sinks.kafka.log import Record, TopicLog, read_topic
+from sinks.naming import TxnName
+
+SETTLE_S = 15.0
+"""How long a Kafka check waits for the markers of decided transactions to land
+(Apache Kafka writes them just after it answers EndTxn)."""
+
+
+def assert_keys_once(where: str, got: Iterable[Any], expected_keys: Iterable[Any]) -> None:
+    """``got`` holds every key of ``expected_keys`` once and nothing else; the
+    message names ``where``, duplicates, missing and unexpected keys."""
+    _compare(where, list(got), expected_keys)
+
+
+def _compare(where: str, got: list[Any], expected_keys: Iterable[Any]) -> None:
+    dups = sorted(((k, n) for k, n in Counter(got).items() if n > 1), key=repr)
+    assert not dups, f"{where}: keys written more than once (key, copies): {dups[:10]}"
+    expected = set(expected_keys)
+    have = set(got)
+    missing = sorted(expected - have, key=repr)
+    extra = sorted(have - expected, key=repr)
+    assert not missing and not extra, (
+        f"{where}: {len(got)} row(s), expected {len(expected)}; missing {len(missing)} "
+        f"(e.g. {missing[:10]}), unexpected {len(extra)} (e.g. {extra[:10]})"
+    )
+
+
+# -- PostgreSQL -------------------------------------------------------------------------
+
+
+def prepared_postgres(dsn: str, job: str | None = None) -> list[str]:
+    """Prepared transactions left in the database of ``dsn`` (of ``job`` only, if given)."""
+    import psycopg
+
+    with psycopg.connect(dsn) as c:
+        if job is None:
+            rows = c.execute(
+                "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+            ).fetchall()
+        else:
+            rows = c.execute(
+                "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+                " AND (starts_with(gid, %s) OR starts_with(gid, %s))",
+                TxnName.job_prefixes(job),
+            ).fetchall()
+    return sorted(r[0] for r in rows)
+
+
+def assert_nothing_left_postgres(dsn: str, job: str | None = None) -> None:
+    left = prepared_postgres(dsn, job)
+    assert not left, f"{len(left)} prepared transaction(s) left in PostgreSQL: {left[:5]}"
+
+
+def _pg_rows(
+    dsn: str, table: str, columns: list[str] | None
+) -> tuple[list[str], list[tuple[Any, ...]]]:
+    import psycopg
+    from psycopg import sql
+
+    schema, _, name = table.rpartition(".")
+    ident = sql.Identifier(schema, name) if schema else sql.Identifier(name)
+    cols = sql.SQL("*") if columns is None else sql.SQL(", ").join(map(sql.Identifier, columns))
+    with psycopg.connect(dsn) as c:
+        cur = c.execute(sql.SQL("SELECT {} FROM {}").format(cols, ident))
+        names = [d.name for d in cur.description or ()]
+        return names, cur.fetchall()
+
+
+def assert_exactly_once_postgres(
+    dsn: str, table: str, expected_keys: Iterable[Any], *, key: str = "id", job: str | None = None
+) -> None:
+    """Every key of ``expected_keys`` is in column ``key`` of ``table`` exactly
+    once, nothing else is, and no prepared transaction is left."""
+    _names, rows = _pg_rows(dsn, table, [key])
+    _compare(f"PostgreSQL table {table}", [r[0] for r in rows], expected_keys)
+    assert_nothing_left_postgres(dsn, job)
+
+
+def assert_final_state_postgres(
+    dsn: str,
+    table: str,
+    expected: Mapping[Any, Mapping[str, Any]],
+    *,
+    key: str = "id",
+    job: str | None = None,
+) -> None:
+    """``table`` holds exactly the rows of ``expected`` (key -> {column: value}, the
+    columns to compare), and no prepared transaction is left."""
+    names, rows = _pg_rows(dsn, table, None)
+    got = [dict(zip(names, r, strict=True)) for r in rows]
+    _compare(f"PostgreSQL table {table}", [r[key] for r in got], expected)
+    _same_rows(f"PostgreSQL table {table}", {r[key]: r for r in got}, expected)
+    assert_nothing_left_postgres(dsn, job)
+
+
+def _same_rows(
+    where: str, got: Mapping[Any, Mapping[str, Any]], expected: Mapping[Any, Mapping[str, Any]]
+) -> None:
+    wrong = [
+        (k, {c: got[k].get(c) for c in want}, dict(want))
+        for k, want in expected.items()
+        if any(got[k].get(c) != v for c, v in want.items())
+    ]
+    assert not wrong, f"{where}: {len(wrong)} row(s) differ (key, got, expected): {wrong[:5]}"
+
+
+# -- Kafka ----------------------------------------------------------------------------
+
+
+def read_settled(bootstrap: str, topic: str, timeout: float = SETTLE_S) -> TopicLog:
+    """The topic's log, re-read until no record is in an open transaction or
+    ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        log = read_topic(bootstrap, topic)
+        if log.n_open == 0 or time.monotonic() > deadline:
+            return log
+        time.sleep(0.2)
+
+
+def json_field(name: str) -> Callable[[Record], Any]:
+    """A key function: field ``name`` of the record's JSON value (KafkaSink's
+    default value is a JSON object of every column)."""
+
+    def key_of(record: Record) -> Any:
+        assert record.value is not None, (
+            f"record at {record.partition}/{record.offset} has no value"
+        )
+        return json.loads(record.value)[name]
+
+    return key_of
+
+
+def record_key(record: Record) -> Any:
+    """A key function: the record's key, decoded as UTF-8."""
+    return None if record.key is None else record.key.decode()
+
+
+def open_transactions_kafka(bootstrap: str, job: str, *, settle: float = 0.0) -> list[str]:
+    """Transactional ids of ``job`` whose transaction is still open, from their
+    announcements in the sink's registry topic (every writer announces its
+    transactional id inside its own transaction, before any data)."""
+    from sinks.kafka.registry import DEFAULT_TOPIC
+
+    deadline = time.monotonic() + settle
+    prefixes = TxnName.job_prefixes(job)
+    while True:
+        try:
+            log = read_topic(bootstrap, DEFAULT_TOPIC)
+        except LookupError:  # no registry: the job never wrote a transaction
+            return []
+        found = sorted(
+            r.key.decode()
+            for r in log.open
+            if r.key is not None and r.value is not None and r.key.decode().startswith(prefixes)
+        )
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def assert_nothing_left_kafka(bootstrap: str, topic: str, job: str | None = None) -> TopicLog:
+    log = read_settled(bootstrap, topic)
+    assert log.n_open == 0, f"{log.n_open} record(s) of {topic} left in open transactions"
+    if job is not None:
+        left = open_transactions_kafka(bootstrap, job, settle=SETTLE_S)
+        assert not left, f"{len(left)} transaction(s) of job {job} left open: {left[:5]}"
+    return log
+
+
+def assert_exactly_once_kafka(
+    bootstrap: str,
+    topic: str,
+    expected_keys: Iterable[Any],
+    *,
+    key_of: Callable[[Record], Any] | str = "id",
+    job: str | None = None,
+) -> TopicLog:
+    """Every key of ``expected_keys`` is committed in ``topic`` exactly once,
+    nothing else is committed, and nothing is left open. ``key_of``: a JSON field
+    of the value (default ``"id"``) or a function of a :class:`~sinks.kafka.log.Record`
+    (e.g. :func:`record_key`). Returns the log."""
+    get = json_field(key_of) if isinstance(key_of, str) else key_of
+    log = assert_nothing_left_kafka(bootstrap, topic, job)
+    _compare(f"Kafka topic {topic}", [get(r) for r in log.committed], expected_keys)
+    return log
+
+
+def assert_final_state_kafka(
+    bootstrap: str,
+    topic: str,
+    expected: Mapping[Hashable, bytes | None],
+    *,
+    job: str | None = None,
+) -> TopicLog:
+    """The topic read as a compacted table (the last committed value per record
+    key, a tombstone removing the key) is exactly ``expected`` (key string ->
+    value bytes); nothing is left open."""
+    log = assert_nothing_left_kafka(bootstrap, topic, job)
+    table: dict[Any, bytes | None] = {}
+    for r in sorted(log.committed, key=lambda r: (r.partition, r.offset)):
+        k = record_key(r)
+        if r.value is None:
+            table.pop(k, None)
+        else:
+            table[k] = r.value
+    want = {k: v for k, v in expected.items() if v is not None}
+    _compare(f"Kafka topic {topic} (as a table)", list(table), want)
+    wrong = [(k, table[k], v) for k, v in want.items() if table[k] != v]
+    assert not wrong, (
+        f"Kafka topic {topic}: {len(wrong)} key(s) differ (key, got, expected): {wrong[:5]}"
+    )
+    return log
+
+
+# -- Delta ----------------------------------------------------------------------------
+
+_LOG_DIR = "_delta_log"
+_OWN_DIR = "_twophase"
+
+
+def data_files_delta(table_uri: str | Path) -> set[str]:
+    """Every file of a local table directory outside ``_delta_log`` and the
+    sink's ``_twophase`` directory (relative paths)."""
+    root = Path(table_uri)
+    out = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
+        if rel_dir == Path("."):
+            dirnames[:] = [d for d in dirnames if d not in (_LOG_DIR, _OWN_DIR)]
+        out.update(str(rel_dir / f) if rel_dir != Path(".") else f for f in filenames)
+    return out
+
+
+def staged_delta(table_uri: str | Path) -> list[str]:
+    """What the sink left staged in a local table: data files that no version
+    of the snapshot holds, staging markers and Spark staging directories."""
+    from deltalake import DeltaTable
+
+    from sinks.delta.storage import SPARK_STAGING_DIR, STAGING_DIR
+
+    root = Path(table_uri)
+    resolved = root.resolve()
+    committed = {str(Path(u).relative_to(resolved)) for u in DeltaTable(str(root)).file_uris()}
+    left = sorted(data_files_delta(root) - committed)
+    for d in (STAGING_DIR, SPARK_STAGING_DIR):
+        if (root / d).exists():
+            left += [f"{d}/{n}" for n in sorted(os.listdir(root / d))]
+    return left
+
+
+def assert_nothing_left_delta(table_uri: str | Path) -> None:
+    left = staged_delta(table_uri)
+    assert not left, f"{len(left)} staged file(s) left in {table_uri}: {left[:10]}"
+
+
+def _delta_rows(table_uri: str | Path) -> list[dict[str, Any]]:
+    from deltalake import DeltaTable
+
+    return DeltaTable(str(table_uri)).to_pyarrow_table().to_pylist()
+
+
+def assert_exactly_once_delta(
+    table_uri: str | Path, expected_keys: Iterable[Any], *, key: str = "id"
+) -> None:
+    """Every key of ``expected_keys`` is in column ``key`` of the table exactly
+    once, nothing else is, and nothing is left staged (a local table)."""
+    from deltalake import DeltaTable
+
+    keys = DeltaTable(str(table_uri)).to_pyarrow_table(columns=[key]).column(key).to_pylist()
+    _compare(f"Delta table {table_uri}", keys, expected_keys)
+    assert_nothing_left_delta(table_uri)
+
+
+def assert_final_state_delta(
+    table_uri: str | Path, expected: Mapping[Any, Mapping[str, Any]], *, key: str = "id"
+) -> None:
+    """The table holds exactly the rows of ``expected`` (key -> {column: value}),
+    and nothing is left staged."""
+    got = _delta_rows(table_uri)
+    _compare(f"Delta table {table_uri}", [r[key] for r in got], expected)
+    _same_rows(f"Delta table {table_uri}", {r[key]: r for r in got}, expected)
+    assert_nothing_left_delta(table_uri)
