@@ -37,7 +37,6 @@ from lifecycle.ledger import (
 )
 from lifecycle.metrics import MetricSample
 from lifecycle.pipeline import Pipeline, PipelineState, Transform
-from lifecycle.progress import Tracked
 from lifecycle.spark_log import SparkCommitLog
 from lifecycle.state.store import LocalStore, StateStore, open_store
 from lifecycle.watch import RunWatch
@@ -415,7 +414,9 @@ class Job:
 
     def _run(self, ledger: Ledger) -> JobResult:
         ledger.begin_run()
-        self._begin_watch(ledger)
+        self._watch.begin(
+            self.store, ledger, list(self._pipelines.values()), self.checkpoint_interval
+        )
         coord = Coordinator(
             self.name,
             ledger,
@@ -474,34 +475,6 @@ class Job:
             self._stop_queries()
             raise
         return self._result(coord, ledger, end_of_input)
-
-    def _begin_watch(self, ledger: Ledger) -> None:
-        """Start the run's metrics endpoint, heartbeat and progress view."""
-        pipelines = list(self._pipelines.values())
-        finished = ledger.finished()
-        self._watch.begin(
-            self.store,
-            {
-                "job": self.name,
-                "incarnation": ledger.incarnation,
-                "run": ledger.run,
-                "checkpoint_interval": self.checkpoint_interval,
-            },
-            lambda: {p.name: p.state.value for p in pipelines},
-            [s.value for s in PipelineState],
-            [(p.name, s.sink_id) for p in pipelines for s in p.sinks],
-            {
-                (p.name, s.sink_id): t
-                for p in pipelines
-                for s in p.sinks
-                if (t := s.prepared_work_timeout()) is not None
-            },
-            [
-                Tracked(p.name, p.expected_rows)
-                for p in pipelines
-                if p.bounded and p.name not in finished
-            ],
-        )
 
     def _start_over_choice(self, ledger: Ledger) -> str | None:
         """The incarnation to start over from: the argument, or a ``twophase

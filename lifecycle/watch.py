@@ -7,11 +7,12 @@ state and ends, and calls :meth:`RunWatch.tick` from its run loop.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
 
 from lifecycle import heartbeat
 from lifecycle.metrics import JOB_STATES, JobMetrics
+from lifecycle.pipeline import Pipeline, PipelineState
 from lifecycle.progress import ProgressView, Tracked, check_mode
+from lifecycle.state.protocol import Ledger
 from lifecycle.state.store import StateStore
 from sinks.errors import ConfigError
 
@@ -54,28 +55,42 @@ class RunWatch:
     def begin(
         self,
         store: StateStore,
-        identity: dict[str, object],
-        pipeline_states: Callable[[], Mapping[str, str]],
-        state_names: list[str],
-        sinks: list[tuple[str, str]],
-        timeouts: Mapping[tuple[str, str], float],
-        tracked: list[Tracked],
+        ledger: Ledger,
+        pipelines: list[Pipeline],
+        checkpoint_interval: float,
     ) -> None:
-        """A run begins (its ledger is open): serve metrics, start the heartbeat
-        and the progress view."""
+        """A run of ``pipelines`` begins (``ledger`` is open, its run begun):
+        serve metrics, start the heartbeat and the progress view."""
         self.set_state("recovering")
+        identity = {
+            "job": self.metrics.job,
+            "incarnation": ledger.incarnation,
+            "run": ledger.run,
+            "checkpoint_interval": checkpoint_interval,
+        }
         self.metrics.began(
-            str(identity.get("incarnation") or ""),
-            int(str(identity.get("run") or 0)),
-            pipeline_states,
-            state_names,
-            sinks,
-            timeouts,
+            ledger.incarnation or "",
+            ledger.run,
+            lambda: {p.name: p.state.value for p in pipelines},
+            [s.value for s in PipelineState],
+            [(p.name, s.sink_id) for p in pipelines for s in p.sinks],
+            {
+                (p.name, s.sink_id): t
+                for p in pipelines
+                for s in p.sinks
+                if (t := s.prepared_work_timeout()) is not None
+            },
         )
+        finished = ledger.finished()
+        tracked = [
+            Tracked(p.name, p.expected_rows)
+            for p in pipelines
+            if p.bounded and p.name not in finished
+        ]
         if self._port is not None:
             host, port = self.metrics.serve(self._port, self._host)
             log.info("metrics of job %s at http://%s:%d/metrics", self.metrics.job, host, port)
-        self._heartbeat = heartbeat.Heartbeat(store, dict(identity), lambda: self.metrics.state)
+        self._heartbeat = heartbeat.Heartbeat(store, identity, lambda: self.metrics.state)
         self._heartbeat.start()
         self._progress = ProgressView(self._progress_mode, tracked)
 

@@ -315,3 +315,31 @@ def test_progress_bars_on_a_stream(tmp_path: Path) -> None:
     assert "load" in text and "400/1.00k" in text and "other" in text, text
     assert ProgressView("auto", [Tracked("x")], stream=io.StringIO()).mode == "log"
     assert ProgressView("bar", [], stream=io.StringIO()).mode == "off"
+
+
+def test_status_watch_refreshes_until_interrupted(tmp_path: Path) -> None:
+    """``--watch S`` prints the status again every S seconds; Ctrl-C ends it with
+    the last status's exit code (2 here: no ledger yet, then one appears)."""
+    import signal
+    import subprocess
+    import sys
+
+    from lifecycle.ledger import open_ledger
+
+    state = tmp_path / "state"
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "lifecycle.cli", "status", "--watch", "0.3", str(state)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.0)
+    ledger = open_ledger(None, state, "watched")
+    ledger.begin_run()
+    time.sleep(2.0)
+    watch.send_signal(signal.SIGINT)
+    out, err = watch.communicate(timeout=30)
+    ledger.close()
+    assert out.count("Ctrl-C to stop") >= 4, out
+    assert "no ledger in" in err and "job watched" in out, (out, err)
+    assert watch.returncode == 0, (watch.returncode, out[-500:], err[-500:])

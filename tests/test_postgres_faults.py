@@ -57,15 +57,20 @@ def test_commit_waits_for_a_restarting_server(spark, pg_server, pg_dsn, tmp_path
 
     _faults.register("driver.before_commit", stop_server)
     caplog.set_level(logging.WARNING, logger="sinks.retry")
+    job = _job(spark, pg_dsn, tmp_path, "restart")
     try:
-        _job(spark, pg_dsn, tmp_path, "restart").run()
+        job.run()
     finally:
         _faults.clear()
         if not pg_server.is_running():
             pg_server.start()
     assert events["prepared"] >= 1  # pre-committed, server then stopped
     assert "started" in events  # the commit could only succeed after the restart
-    assert any("retrying" in r.getMessage() for r in caplog.records)
+    retries = [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert retries
+    # every retry is counted for the sink in the job's metrics
+    counted = sum(s.value for s in job.metrics() if s.name == "twophase_commit_retries_total")
+    assert counted == len(retries), (counted, len(retries))
     assert_exactly_once(pg_dsn, "orders", n)
     assert job_prepared(pg_dsn, "restart") == []
 
