@@ -196,6 +196,7 @@ def demo(args: argparse.Namespace) -> int:
     from lifecycle.testing.postgres_server import PostgresServer
 
     began = time.monotonic()
+    ok = False
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="twophase-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     log = work / "job.log"
@@ -232,7 +233,7 @@ def demo(args: argparse.Namespace) -> int:
         state = work / "state"
 
         job = _start_job(work, dsn, bootstrap, log)
-        print(f"run 1: job started (pid {job.pid}); the log is {log}")
+        print(f"run 1: job started (pid {job.pid})")
         _wait(
             "three checkpoints",
             lambda: (
@@ -279,11 +280,16 @@ def demo(args: argparse.Namespace) -> int:
         ok = ok and audit.returncode == 0
         print(f"\n{'OK' if ok else 'FAILED'}: demo took {time.monotonic() - began:.0f} s")
         return 0 if ok else 1
+    except BaseException:
+        ok = False
+        raise
     finally:
         broker.cleanup()
         pg.cleanup()
-        if not args.keep:
+        if ok and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"the demo's files and the job's log ({log.name}) are kept in {work}")
 
 
 def _verify(work: Path, dsn: str, bootstrap: str, args: argparse.Namespace) -> bool:
