@@ -67,6 +67,8 @@ class AuditReport:
     """ids of the checkpoints whose evidence the ledger keeps"""
     older: int
     """checkpoints committed before the window (their evidence is gone from the ledger)"""
+    unreadable: dict[str, str] = field(default_factory=dict)
+    """sinks the audit could not read (label -> why)"""
 
     @property
     def mismatches(self) -> list[tuple[SinkCheck, Finding]]:
@@ -84,6 +86,7 @@ class AuditReport:
             "ok": self.ok,
             "kept_checkpoints": self.kept,
             "older_checkpoints": self.older,
+            "unreadable": self.unreadable,
             "checks": [
                 {
                     "checkpoint": c.checkpoint,
@@ -119,6 +122,7 @@ def audit(
     older = max(0, first_kept - 1)
     chosen = history if last is None else history[-last:] if last > 0 else []
     checks: list[SinkCheck] = []
+    report_unreadable: dict[str, str] = {}
     per_sink: dict[str, list[tuple[SinkCheck, CheckpointEvidence]]] = {}
     for cp in chosen:
         evidence = cp.get("evidence")
@@ -154,6 +158,7 @@ def audit(
         try:
             findings = sink.audit(scope, [ev for _c, ev in items])
         except Exception as e:  # the sink cannot be read: every check says why
+            report_unreadable[label] = f"{type(e).__name__}: {e}"
             for check, ev in items:
                 check.findings.extend(
                     Finding(
@@ -172,7 +177,7 @@ def audit(
         for check, _ev in items:
             check.findings.extend(by_cp.get(check.checkpoint, []))
     checks.sort(key=lambda c: (c.checkpoint, c.sink))
-    return AuditReport(doc["job"], doc.get("incarnation"), checks, kept, older)
+    return AuditReport(doc["job"], doc.get("incarnation"), checks, kept, older, report_unreadable)
 
 
 def format_report(report: AuditReport) -> str:
@@ -219,6 +224,8 @@ def format_report(report: AuditReport) -> str:
     )
     for c, f in report.mismatches:
         out.append(f"MISMATCH checkpoint #{c.checkpoint} {c.sink} {f.txn}: {f.detail}")
+    for label, why in sorted(report.unreadable.items()):
+        out.append(f"UNREADABLE {label}: {why}")
     expired = [(c, f) for c in report.checks for f in c.findings if f.verdict is Verdict.EXPIRED]
     for c, f in expired[:10]:
         out.append(f"expired  checkpoint #{c.checkpoint} {c.sink} {f.txn}: {f.detail}")

@@ -59,7 +59,8 @@ What they do is in :mod:`lifecycle.operations`; this module parses and prints.
 
 ``twophase audit`` (see :mod:`lifecycle.audit`) exits 0 when every checked
 transaction is in its sink as the ledger says (``expired`` ones, which the sink
-no longer keeps, do not fail it), 1 on any mismatch, 2 when it cannot start.
+no longer keeps, do not fail it), 1 on any mismatch (a missing table or topic
+included), 2 when it cannot start or cannot read a sink.
 """
 
 from __future__ import annotations
@@ -223,7 +224,9 @@ def audit(
         print(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:
         print(audit_view.format_report(report))
-    return 0 if report.ok else 1
+    if not report.ok:
+        return 1
+    return 2 if report.unreadable else 0
 
 
 def abandon(

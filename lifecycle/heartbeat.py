@@ -13,8 +13,10 @@ first line).
 A reader judges it with :func:`judge`: a heartbeat whose state is running (or
 recovering, draining...) and that was renewed within :data:`LAPSE_FACTOR`
 periods is alive; an older one means the driver died without a word (killed,
-or its host went down): ``lost``. On the driver's own host a dead pid says
-``lost`` at once.
+or its host went down): ``lost``. On the driver's own machine (same host name,
+boot and pid namespace) a dead pid says ``lost`` at once. Hosts must keep
+their clocks within a few seconds of each other (NTP): a heartbeat is judged
+by the reader's clock.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lifecycle.state.store import StateStore
@@ -63,6 +66,7 @@ class Heartbeat:
             **identity,
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "machine": machine(),
             "started_at": round(now, 3),
             "every_s": every,
         }
@@ -140,7 +144,8 @@ def judge(doc: dict[str, Any] | None, now: float | None = None) -> Liveness:
         return Liveness(state, False, f"the run of {where} ended {_ago(now, doc.get('ended_at'))}")
     renewed = float(doc.get("renewed_at", 0))
     every = float(doc.get("every_s", EVERY_S))
-    if doc.get("host") == socket.gethostname() and not _pid_alive(int(doc.get("pid", 0))):
+    same_machine = doc.get("host") == socket.gethostname() and doc.get("machine") == machine()
+    if same_machine and not _pid_alive(int(doc.get("pid", 0))):
         return Liveness(
             "lost", False, f"{where} is gone (killed?); last heartbeat {_ago(now, renewed)}"
         )
@@ -151,6 +156,19 @@ def judge(doc: dict[str, Any] | None, now: float | None = None) -> Liveness:
             f"the heartbeat of {where} lapsed {_ago(now, renewed)} (killed, or its host is down)",
         )
     return Liveness(state, True, f"{where}, heartbeat {_ago(now, renewed)}")
+
+
+def machine() -> str:
+    """What tells this machine and pid namespace from another with the same host
+    name (a container sharing it): the boot id and the pid namespace, where
+    Linux tells them; "" elsewhere (then pids are never compared)."""
+    parts = []
+    try:
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        return ""
+    return " ".join(parts)
 
 
 def _ago(now: float, at: Any) -> str:

@@ -266,7 +266,17 @@ class Operator:
         self.store = open_store(state_dir, None)  # a URI: a JVM of its own
         doc, where = read_state(self.store, ledger)
         _check_recorded(doc, ledger_place(where, self.store, named=ledger is not None))
-        self.ledger: Ledger = open_ledger(where, self.store, doc["job"])  # the lock
+        limits = doc.get("limits") or {}
+        kept = {
+            k: int(v)
+            for k, v in (
+                ("history", limits.get("history")),
+                ("digest_window", limits.get("digests")),
+            )
+            if v is not None
+        }
+        # the lock, with the job's own limits (a default would trim its audit evidence)
+        self.ledger: Ledger = open_ledger(where, self.store, doc["job"], **kept)
         try:
             self.sinks = rebuild_sinks(self.ledger.sinks_settings(), secrets)
         except BaseException:

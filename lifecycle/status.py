@@ -20,11 +20,13 @@
 ``last_checkpoint``   id, kind, committed_at, age_s of the newest committed one; or null
 ``stuck_after_s``     the threshold the verdict used
 
-Verdicts and exit codes: 0 ``healthy`` (running, or ended cleanly with
-nothing pending), 1 ``stuck`` (running, but pending work or a decided
-checkpoint is older than ``stuck_after``), 2 ``not_found`` (no ledger),
-3 ``pending`` (not running, and pre-committed work or a decided checkpoint
-waits for the next start), 4 ``failed`` (the last run ended with an error).
+Verdicts and exit codes: 0 ``healthy`` (running, or ended with nothing
+pending), 1 ``stuck`` (running, but pending work or a decided checkpoint is
+older than ``stuck_after``), 2 ``not_found`` (no ledger), 3 ``pending`` (not
+running, and pre-committed work or a decided checkpoint waits for the next
+start), 4 ``failed`` (the last run ended with an error, or its driver died
+without a word and left nothing pending: ``lost``). A held ledger lock counts
+as running when there is no heartbeat, or when it lapsed.
 """
 
 from __future__ import annotations
@@ -69,8 +71,11 @@ def job_status(
     if beat is not None and beat.get("incarnation") not in (None, doc.get("incarnation")):
         beat = None  # the heartbeat of another state's job (a state_dir started over)
     live = heartbeat.judge(dict(beat) if beat is not None else None, now)
-    if beat is None and locked:
-        live = heartbeat.Liveness("running", True, "a process holds the ledger's lock")
+    if locked and (beat is None or live.state == "lost"):
+        why = "a process holds the ledger's lock" + (
+            f" (the heartbeat says: {live.why})" if beat is not None else ""
+        )
+        live = heartbeat.Liveness("running", True, why)
     pipelines = _pipelines(doc, now)
     decided = doc.get("decided")
     history = doc.get("history") or []
@@ -135,7 +140,9 @@ def _verdict(status: Mapping[str, Any], stuck_after: float) -> int:
     if status["alive"]:
         return STUCK if any(age > stuck_after for age in waiting) else HEALTHY
     pending = decided is not None or any(p["pending_batches"] for p in status["pipelines"].values())
-    return PENDING if pending else HEALTHY
+    if pending:
+        return PENDING
+    return FAILED if status["state"] == "lost" else HEALTHY
 
 
 def _pipelines(doc: Mapping[str, Any], now: float) -> dict[str, dict[str, Any]]:

@@ -158,6 +158,11 @@ def test_the_evidence_window_and_expired_delta_versions(  # type: ignore[no-unty
     assert markers == kept  # the markers of the checkpoints beyond the window are gone
     code, out = _cli(capsys, str(state))
     assert code == 0 and "older one(s) beyond the window" in out, out
+    # an operator's command on the ledger keeps the job's window (it does not trim it)
+    assert twophase(["recover", str(state)]) == 0
+    capsys.readouterr()
+    again = read_ledger(state)
+    assert again is not None and again["limits"]["history"] == 3 and len(again["history"]) == 3
 
     # Delta log cleanup: a checkpoint of the table, then every commit file before it
     dt = DeltaTable(str(delta))

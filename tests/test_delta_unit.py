@@ -29,6 +29,7 @@ from deltalake import DeltaTable, write_deltalake
 
 from lifecycle.testing.services import free_port
 from sinks import _faults
+from sinks.audit import CheckpointEvidence, Verdict
 from sinks.base import Committable, JobScope, WriteContext
 from sinks.delta import DeltaSchemaError, DeltaSink
 from sinks.delta.sink import app_id
@@ -184,6 +185,10 @@ def test_commit_makes_rows_visible_once_in_one_version(
     assert kinds.column("kind").to_pylist() == [KINDS[i % 4] for i in range(150)]
     assert any("kind=c%3A%2Fd/" in p for p in staged)
     assert any("kind=__HIVE_DEFAULT_PARTITION__/" in p for p in staged)
+    # the audit finds every file of the commit, escaped partition directories included
+    evidence = [sink.evidence(c) for c in cs]
+    found = sink.audit(scope, [CheckpointEvidence(1, time.time(), evidence)])
+    assert [f.verdict for f in found] == [Verdict.OK] * len(cs), found
 
 
 def test_later_checkpoints_get_new_versions_and_an_older_one_is_refused(

@@ -241,7 +241,7 @@ NONE = {"beat": None}
         ({"pending_age": 2}, {}, "running", 0),
         ({"pending_age": 400}, {}, "running", 1),  # stuck: older than 300 s
         ({"decided_age": 400}, {}, "running", 1),  # a commit that does not end
-        ({}, {"renewed_ago": 60}, "lost", 0),  # killed, nothing pending
+        ({}, {"renewed_ago": 60}, "lost", 4),  # killed, nothing pending: it did not end
         ({"pending_age": 2}, {"renewed_ago": 60}, "lost", 3),  # killed with pending work
         ({"pending_age": 2}, {"state": "stopped", "ended_at": 1.0}, "stopped", 3),
         ({}, {"state": "finished", "ended_at": 1.0}, "finished", 0),
@@ -271,8 +271,21 @@ def test_a_dead_pid_on_this_host_is_lost_at_once(tmp_path: Path) -> None:
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    found = status_view.job_status(_doc(), _beat(host=socket.gethostname(), pid=gone.pid))
+    here = {"host": socket.gethostname(), "machine": heartbeat.machine()}
+    found = status_view.job_status(_doc(), _beat(pid=gone.pid, **here))
     assert found["state"] == "lost" and "is gone" in found["why"]
+    # the same host name in another pid namespace (a container): its pids are not ours
+    elsewhere = {**here, "machine": "another-boot pid:[1]"}
+    found = status_view.job_status(_doc(), _beat(pid=gone.pid, **elsewhere))
+    assert found["state"] == "running", found
+
+
+def test_a_held_lock_outweighs_a_lapsed_heartbeat() -> None:
+    lapsed = _beat(renewed_ago=120)
+    assert status_view.job_status(_doc(), lapsed)["state"] == "lost"
+    found = status_view.job_status(_doc(pending_age=2), lapsed, locked=True)
+    assert found["state"] == "running" and found["exit_code"] == 0
+    assert "holds the ledger's lock" in found["why"] and "lapsed" in found["why"]
 
 
 def test_status_of_no_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,6 +27,7 @@ from lifecycle.ledger import (
     open_ledger,
     read_ledger,
 )
+from lifecycle.state.pg_ledger import read_pg_ledger
 from lifecycle.state.pg_location import PgLocation
 from sinks.errors import ConfigError
 from tests.ledgers import lock_holder, pg_uri, terminate
@@ -397,3 +398,44 @@ def test_a_ledger_uri_is_shown_without_its_secrets(
     got = psycopg.conninfo.conninfo_to_dict(where.conninfo())
     assert {k: got.get(k) for k in libpq} == libpq
     assert "schema" not in got and "job" not in got
+
+
+def test_a_schema_of_an_earlier_version_gets_the_evidence_column_or_goes_on_without(
+    pg_dsn: str, uri: str, tmp_path: Path
+) -> None:
+    """The checkpoints of a schema made before audit evidence existed have no
+    ``evidence`` column: read-only commands read it as it is, and a job adds the
+    column, or, when a reader holds the table, goes on without evidence after
+    waiting 2 s, never forever."""
+    led = PostgresLedger(uri, "j")
+    led.begin_run()
+    led.record_batch("p", 0, {"s": [_c("a", 3)]})
+    cp = led.decide("periodic", {"p": 0}, [])
+    led.complete(cp, {"p/s": 3}, {"p/s": [{"txn": "a", "rows": 3}]})
+    led.close()
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("ALTER TABLE twophase_ledger.checkpoints DROP COLUMN evidence")
+    old = read_pg_ledger(uri)  # the CLI's read: no migration, no error
+    assert old is not None and old["history"][0]["evidence"] == {}
+
+    with psycopg.connect(pg_dsn) as reader:  # holds the table: the ALTER must not wait
+        reader.execute("SELECT count(*) FROM twophase_ledger.checkpoints")
+        began = time.monotonic()
+        led = PostgresLedger(uri, "j")
+        waited = time.monotonic() - began
+        assert waited < 10, waited
+        led.record_batch("p", 1, {"s": [_c("b", 2)]})
+        cp = led.decide("periodic", {"p": 1}, [])
+        led.complete(cp, {"p/s": 2}, {"p/s": [{"txn": "b", "rows": 2}]})
+        led.close()
+        reader.rollback()
+    doc = read_pg_ledger(uri)
+    assert doc is not None and [h["evidence"] for h in doc["history"]] == [{}, {}]
+
+    led = PostgresLedger(uri, "j")  # nobody holds it now: the column is added
+    led.record_batch("p", 2, {"s": [_c("c", 1)]})
+    cp = led.decide("periodic", {"p": 2}, [])
+    led.complete(cp, {"p/s": 1}, {"p/s": [{"txn": "c", "rows": 1}]})
+    led.close()
+    doc = read_pg_ledger(uri)
+    assert doc is not None and doc["history"][-1]["evidence"] == {"p/s": [{"txn": "c", "rows": 1}]}

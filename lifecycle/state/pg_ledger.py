@@ -45,7 +45,7 @@ from lifecycle.state.base import StateLedger
 from lifecycle.state.model import DIGEST_WINDOW, FORMAT, HISTORY, LedgerState, Op
 from lifecycle.state.pg_location import PgLocation, lock_key, lock_tag
 from lifecycle.state.pg_rows import load_doc, write_op
-from lifecycle.state.pg_schema import Statements, ensure_schema
+from lifecycle.state.pg_schema import Statements, ensure_schema, has_evidence_column
 from lifecycle.state.protocol import LedgerLockedError, LedgerLostError, new_incarnation
 from sinks.errors import ConfigError
 from sinks.postgres.liveness import dead_peer_options
@@ -112,7 +112,8 @@ class PostgresLedger(StateLedger):
         self._token = 0  # the fencing token this ledger holds
         try:
             self._lock_conn = _held_session(self.location, "lock")
-            ensure_schema(self._lock_conn, where.schema)
+            if not ensure_schema(self._lock_conn, where.schema):
+                self._st = Statements(where.schema, evidence=False)
             doc = self._take(job, history, digest_window, new_state)
             self._state = LedgerState.from_doc(doc)
             self._writer = _held_session(self.location, "writes")
@@ -289,6 +290,8 @@ def read_pg_ledger(location: str) -> dict[str, Any] | None:
         with conn.transaction():
             if not _has_tables(conn, st):
                 return None
+            if not has_evidence_column(conn, where.schema):  # a schema of an earlier version
+                st = Statements(where.schema, evidence=False)
             job = _resolve_job(conn, st, where)
             doc = load_doc(conn, st, job) if job is not None else None
     return LedgerState.from_doc(doc).to_doc() if doc is not None else None

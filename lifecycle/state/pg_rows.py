@@ -129,10 +129,8 @@ def write_op(
 def _complete(
     conn: psycopg.Connection, st: Statements, job: str, op: Op, state: LedgerState
 ) -> None:
-    found = conn.execute(
-        st.commit_checkpoint,
-        (op["at"], Jsonb(op["rows"]), Jsonb(op.get("evidence") or {}), job, op["id"]),
-    )
+    kept = (Jsonb(op.get("evidence") or {}),) if st.evidence else ()
+    found = conn.execute(st.commit_checkpoint, (op["at"], Jsonb(op["rows"]), *kept, job, op["id"]))
     row = found.fetchone()
     if row is None:
         raise RuntimeError(f"checkpoint {op['id']} of job {job!r} is not decided in the database")

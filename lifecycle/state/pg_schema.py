@@ -26,10 +26,14 @@ Deleting a job's ``ledgers`` row deletes its whole ledger (foreign keys cascade)
 
 from __future__ import annotations
 
+import logging
+
 import psycopg
 from psycopg import sql
 
 from lifecycle.state.pg_location import ddl_key
+
+log = logging.getLogger("lifecycle.ledger")
 
 _JOB = "job text NOT NULL REFERENCES {s}.ledgers (job) ON DELETE CASCADE"
 
@@ -117,50 +121,89 @@ LAST_TABLE = "sinks"
 before a table was added gets it the next time a ledger opens there)."""
 
 
-def ensure_schema(conn: psycopg.Connection, schema: str) -> None:
+def ensure_schema(conn: psycopg.Connection, schema: str) -> bool:
     """Create the schema and its tables when missing (``conn`` in autocommit).
     Concurrent creators are serialised by a transaction-level advisory lock;
-    nothing is created (no privilege needed) when the tables exist."""
+    nothing is created (no privilege needed) when the tables exist. Returns
+    whether the checkpoints keep audit evidence (a schema of an earlier version
+    gets the column when this role may add it without waiting)."""
     last = sql.Identifier(schema, LAST_TABLE).as_string(conn)
     with conn.transaction():
         if conn.execute("SELECT to_regclass(%s)", (last,)).fetchone() != (None,):
-            _add_later_columns(conn, schema)
-            return
+            return _add_later_columns(conn, schema)
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_key(schema),))
         s = sql.Identifier(schema)
         for statement in DDL:
             conn.execute(sql.SQL(statement).format(s=s))  # type: ignore[arg-type]
+        return True
+
+
+def has_evidence_column(conn: psycopg.Connection, schema: str) -> bool:
+    """Whether the schema's checkpoints have the ``evidence`` column."""
+    return _has_column(conn, schema, "checkpoints", "evidence")
+
+
+def _has_column(conn: psycopg.Connection, schema: str, table: str, column: str) -> bool:
+    found = conn.execute(
+        "SELECT 1 FROM information_schema.columns WHERE table_schema = %s AND "
+        "table_name = %s AND column_name = %s",
+        (schema, table, column),
+    ).fetchone()
+    return found is not None
 
 
 _LATER_COLUMNS = (("checkpoints", "evidence", "jsonb"),)
 """Columns added after a schema was first created: (table, column, type)."""
 
 
-def _add_later_columns(conn: psycopg.Connection, schema: str) -> None:
+def _add_later_columns(conn: psycopg.Connection, schema: str) -> bool:
     """Add the columns of :data:`_LATER_COLUMNS` that a schema created by an
-    earlier version lacks (under the DDL lock; nothing when none is missing)."""
+    earlier version lacks (under the DDL lock; nothing when none is missing).
+    The ALTER waits at most 2 s for its lock and needs the table's owner: when
+    it cannot, the ledger goes on without audit evidence, saying so. Returns
+    whether every column is there."""
+    complete = True
     for table, column, kind in _LATER_COLUMNS:
-        found = conn.execute(
-            "SELECT 1 FROM information_schema.columns WHERE table_schema = %s AND "
-            "table_name = %s AND column_name = %s",
-            (schema, table, column),
-        ).fetchone()
-        if found is None:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_key(schema),))
-            conn.execute(
-                sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
-                    sql.Identifier(schema, table), sql.Identifier(column), sql.SQL(kind)
+        if _has_column(conn, schema, table, column):
+            continue
+        try:
+            with conn.transaction():  # a savepoint: a refusal leaves the rest alone
+                conn.execute("SET LOCAL lock_timeout = '2s'")
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_key(schema),))
+                conn.execute(
+                    sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
+                        sql.Identifier(schema, table), sql.Identifier(column), sql.SQL(kind)
+                    )
                 )
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.InsufficientPrivilege) as e:
+            log.warning(
+                "the ledger schema %s was created by an earlier version and lacks column "
+                "%s.%s, which keeps audit evidence; it could not be added now (%s): the "
+                "ledger works without it (twophase audit then has no evidence); run ALTER "
+                "TABLE %s.%s ADD COLUMN %s %s as the tables' owner",
+                schema,
+                table,
+                column,
+                str(e).strip(),
+                schema,
+                table,
+                column,
+                kind,
             )
+            complete = False
+    return complete
 
 
 class Statements:
     """Every statement of the ledger, for one schema. Parameters are positional
     (``%s``); the job comes first."""
 
-    def __init__(self, schema: str) -> None:
+    def __init__(self, schema: str, *, evidence: bool = True) -> None:
         self.schema = schema
+        self.evidence = evidence
+        """whether the checkpoints have the evidence column (see :func:`ensure_schema`)"""
         s = sql.Identifier(schema)
+        kept = "evidence" if evidence else "NULL"
 
         def q(text: str) -> sql.Composed:
             return sql.SQL(text).format(s=s)  # type: ignore[arg-type]
@@ -192,7 +235,7 @@ class Statements:
             "SELECT pipeline, batch_id, committables, digest FROM {s}.pending WHERE job = %s"
         )
         self.load_checkpoints = q(
-            "SELECT id, kind, cut, finished, decided_at, committed_at, row_counts, evidence "
+            f"SELECT id, kind, cut, finished, decided_at, committed_at, row_counts, {kept} "
             "FROM {s}.checkpoints WHERE job = %s ORDER BY id"
         )
         self.load_pipelines = q(
@@ -228,8 +271,9 @@ class Statements:
             "VALUES (%s, %s, %s, %s, %s, %s)"
         )
         self.commit_checkpoint = q(
-            "UPDATE {s}.checkpoints SET committed_at = %s, row_counts = %s, evidence = %s "
-            "WHERE job = %s AND id = %s AND committed_at IS NULL RETURNING cut, finished"
+            "UPDATE {s}.checkpoints SET committed_at = %s, row_counts = %s"
+            + (", evidence = %s" if evidence else "")
+            + " WHERE job = %s AND id = %s AND committed_at IS NULL RETURNING cut, finished"
         )
         # the committed batches leave ``pending``; their digests are remembered in
         # the order the batches were committed (ascending)

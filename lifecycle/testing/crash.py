@@ -18,7 +18,10 @@ Each of the ``kills`` runs is SIGKILLed, alternately:
   Spark knows it, between a checkpoint's decision and its commit, in the
   middle of a commit.
 
-A run that ends before its kill counts as done. Then the job runs once more
+Each run has a session of its own, and a kill takes the whole session (the
+driver's JVM and Python workers with it), as a lost machine would. A run that
+ends with 0 before its kill (a named point it never reached) counts as done; one
+that ends otherwise fails the test. Then the job runs once more
 without faults until it exits (``timeout`` each run); ``verify()``, when given,
 checks the sinks (see :mod:`lifecycle.testing.verify`). The random choices come
 from ``seed`` (printed in the report, so a failure can be replayed).
@@ -26,6 +29,7 @@ from ``seed`` (printed in the report, so a failure can be replayed).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -128,8 +132,13 @@ def crash_test(
             delay = rng.uniform(min_delay, max_delay)
             run = _run(command, base, out, timeout, delay, f"random {delay:.1f}s")
         report.runs.append(run)
-        if not run.killed and run.exit_code == 0:
-            break  # it finished before the kill
+        if not run.killed:
+            if run.exit_code != 0:
+                raise CrashTestError(
+                    f"{report}\nrun {k + 1} ({run.how}) exited {run.exit_code} without being "
+                    f"killed:\n{_tail(out)}"
+                )
+            break  # it finished before the kill (a named point it never reached)
     final = _run(command, base, out, timeout, None, "to completion")
     report.runs.append(final)
     if final.exit_code != 0:
@@ -164,24 +173,35 @@ def _run(
     with open(log, "ab") as out:
         out.write(f"\n===== {how}: {' '.join(command[:2])} ...\n".encode())
         out.flush()
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # a session of its own: a kill takes the driver's JVM and Python workers too,
+        # so none of them outlives it into the next run
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         killed = False
         try:
             if kill_after is not None:
                 try:
                     proc.wait(kill_after)
                 except subprocess.TimeoutExpired:
-                    proc.send_signal(signal.SIGKILL)
+                    _kill_group(proc)
                     killed = True
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _kill_group(proc)
             proc.wait()
             raise CrashTestError(
                 f"the job ({how}) did not end within {timeout:.0f}s:\n{_tail(log)}"
             ) from None
     killed = killed or proc.returncode == -signal.SIGKILL
+    if killed:
+        _kill_group(proc)  # what a driver that killed itself left running
     return Run(how, code, time.monotonic() - began, killed)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _tail(log: Path, n: int = 4000) -> str:

@@ -47,7 +47,19 @@ def audit(
 ) -> list[Finding]:
     """Check every committable of ``checkpoints`` against the table's log (module
     docstring); ``dt``: the table (None: it does not exist)."""
-    history = dt.history() if dt is not None else []
+    if dt is None:
+        return [
+            Finding(
+                cp.checkpoint,
+                str(c["txn"]),
+                Verdict.MISMATCH,
+                "the table does not exist",
+                int(c.get("rows", 0)),
+            )
+            for cp in checkpoints
+            for c in cp.committed
+        ]
+    history = dt.history()
     versions = {
         int(h["twophaseBatch"]): int(h["version"])
         for h in history
@@ -98,7 +110,7 @@ def _adds(storage: TableStorage, version: int) -> dict[str, int | None] | None:
             continue
         stats = json.loads(add["stats"]) if add.get("stats") else {}
         n = stats.get("numRecords")
-        adds[unquote(add["path"])] = None if n is None else int(n)
+        adds[unquote(add["path"])] = None if n is None else int(n)  # the log URL-encodes
     return adds
 
 
@@ -110,7 +122,7 @@ def _check(
         return Finding(
             checkpoint, txn, Verdict.EXPIRED, f"the commit file of version {version} is gone", rows
         )
-    files = [unquote(f) for f in c.get("files", ())]
+    files = [str(f) for f in c.get("files", ())]  # as on disk, like the log's paths decoded
     missing = [f for f in files if f not in adds]
     if missing:
         return Finding(

@@ -11,8 +11,12 @@ after them: a COMMIT marker is the commit's evidence. It never trusts a
 Verdicts (:class:`sinks.audit.Verdict`): ``ok`` when the records are there in
 the number the ledger says and a COMMIT marker follows; ``expired`` when
 retention deleted offsets the committable names (the log starts after them);
-``mismatch`` otherwise (missing or extra records, an ABORT marker, no marker
-at all, records of the producer id with another epoch at those offsets).
+``expired`` too when offsets between the first and the last are missing from
+the log (compaction, ``cleanup.policy=compact``, removed records: what is left
+cannot be counted against the ledger); ``mismatch`` otherwise (a topic or
+partition that does not exist, missing or extra records, an ABORT marker, no
+marker at all, records of the producer id with another epoch at those
+offsets).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class _Wanted:
     partitions: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     outcome: dict[tuple[str, int], str] = field(default_factory=dict)  # commit | abort
     expired: list[str] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)  # partitions that do not exist
+    seen: dict[tuple[str, int], int] = field(default_factory=dict)  # offsets found in range
     strangers: int = 0  # records of the producer id with another epoch inside the offsets
 
 
@@ -78,7 +84,7 @@ def audit(wire: KafkaWire, checkpoints: Sequence[CheckpointEvidence]) -> list[Fi
         leader = (leaders[topic] or {}).get(partition)
         if leader is None:
             for w in ws:
-                w.expired.append(f"{topic}/{partition}: no such partition")
+                w.gone.append(f"{topic}/{partition} does not exist")
             continue
         _scan(wire, leader, topic, partition, ws)
     found.extend(_verdict(w) for w in wanted)
@@ -104,6 +110,10 @@ def _scan(wire: KafkaWire, leader: Any, topic: str, partition: int, ws: list[_Wa
         pid = batch.producer_id
         if batch.is_control_batch:
             outcome = _control_outcome(batch)
+            for w in open_.values():  # a marker holds an offset too
+                first, last = w.partitions[key]
+                if first <= batch.base_offset <= last:
+                    w.seen[key] = w.seen.get(key, 0) + 1
             for w in list(open_.values()):
                 if outcome and w.pid == pid and batch.base_offset > w.partitions[key][1]:
                     w.outcome[key] = outcome
@@ -111,11 +121,15 @@ def _scan(wire: KafkaWire, leader: Any, topic: str, partition: int, ws: list[_Wa
             if not open_:
                 return
             continue
+        offsets: list[int] | None = None  # a batch's records can be iterated once
         for w in open_.values():
             first, last = w.partitions[key]
             if batch.next_offset <= first or batch.base_offset > last:
                 continue
-            inside = sum(1 for r in batch if first <= r.offset <= last)
+            if offsets is None:
+                offsets = [r.offset for r in batch]
+            inside = sum(1 for o in offsets if first <= o <= last)
+            w.seen[key] = w.seen.get(key, 0) + inside
             if pid != w.pid:
                 continue  # another writer's records, interleaved on the partition
             if batch.producer_epoch == w.epoch:
@@ -132,6 +146,18 @@ def _control_outcome(batch: Any) -> str | None:
 
 
 def _verdict(w: _Wanted) -> Finding:
+    if w.gone:
+        return Finding(w.checkpoint, w.txn, Verdict.MISMATCH, "; ".join(w.gone), w.rows)
+    holes = [
+        f"{t}/{p} offsets {first}..{last}"
+        for (t, p), (first, last) in sorted(w.partitions.items())
+        if w.seen.get((t, p), 0) < last - first + 1
+    ]
+    if holes:
+        w.expired.append(
+            "records are missing between its offsets (" + ", ".join(holes) + "): the log "
+            "was compacted (cleanup.policy=compact) or its records deleted"
+        )
     if w.expired:
         return Finding(w.checkpoint, w.txn, Verdict.EXPIRED, "; ".join(w.expired), w.rows)
     problems = []

@@ -47,6 +47,14 @@ CREATE TABLE IF NOT EXISTS {progress} (
 _KEY = "job = %s AND pipeline = %s AND sink = %s AND target = %s"
 
 
+def _starting(prefix: str) -> sql.Composable:
+    """A ``LIKE`` pattern for the gids that start with ``prefix``, as a literal:
+    the planner then uses the marker table's ``text_pattern_ops`` index (a
+    bound parameter would let a generic plan scan the table)."""
+    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return sql.Literal(escaped + "%")
+
+
 class ProgressTable:
     """Reads and writes the progress of one PostgreSQL sink (one target table)."""
 
@@ -75,17 +83,15 @@ class ProgressTable:
         legacy_only = sql.SQL("")
         if self.audit_columns:
             row = conn.execute(
-                sql.SQL("SELECT max(batch) FROM {} WHERE starts_with(gid, %s)").format(
-                    self.markers
-                ),
-                (prefix,),
+                sql.SQL("SELECT max(batch) FROM {} WHERE gid LIKE {}").format(
+                    self.markers, _starting(prefix)
+                )
             ).fetchone()
             recorded = int(row[0]) if row is not None and row[0] is not None else -1
             legacy_only = sql.SQL(" AND batch IS NULL")
         legacy = conn.execute(  # markers that do not record their batch: from the gid
-            sql.SQL("SELECT gid FROM {} WHERE starts_with(gid, %s)").format(self.markers)
-            + legacy_only,
-            (prefix,),
+            sql.SQL("SELECT gid FROM {} WHERE gid LIKE {}").format(self.markers, _starting(prefix))
+            + legacy_only
         ).fetchall()
         names = [TxnName.parse(r[0]) for r in legacy]
         return max([recorded, *(n.batch_id for n in names if n is not None)])
@@ -173,17 +179,17 @@ class ProgressTable:
             gone = 0
             legacy_only = sql.SQL("")
             if self.audit_columns:
-                gone = conn.execute(
-                    sql.SQL("DELETE FROM {} WHERE starts_with(gid, %s) AND batch < %s").format(
-                        self.markers
-                    ),
-                    (prefix, below),
+                gone = conn.execute(  # no parameters: the pattern holds a literal %
+                    sql.SQL("DELETE FROM {} WHERE gid LIKE {} AND batch < {}").format(
+                        self.markers, _starting(prefix), sql.Literal(below)
+                    )
                 ).rowcount
                 legacy_only = sql.SQL(" AND batch IS NULL")
             legacy = conn.execute(
-                sql.SQL("SELECT gid FROM {} WHERE starts_with(gid, %s)").format(self.markers)
-                + legacy_only,
-                (prefix,),
+                sql.SQL("SELECT gid FROM {} WHERE gid LIKE {}").format(
+                    self.markers, _starting(prefix)
+                )
+                + legacy_only
             ).fetchall()
             old = [
                 g for (g,) in legacy if (n := TxnName.parse(g)) is not None and n.batch_id < below

@@ -355,51 +355,65 @@ class PostgresSink(Sink):
 
     def _add_audit_columns(self, conn: psycopg.Connection) -> bool:
         """Whether the marker table has the audit columns (``batch``, ``rows``),
-        adding them to a table an earlier version created. The ALTER waits at
-        most 2 s for its lock: prepared transactions of a crashed run hold the
-        table until recovery settles them, and then the markers stay without the
-        columns (legacy paths) until a later start adds them."""
+        adding them to a table an earlier version created, and the index that
+        finds a scope's markers by gid prefix (they are kept for the audit
+        window now, so a scan would grow with it). Each change waits at most
+        2 s for its lock: prepared transactions of a crashed run hold the table
+        until recovery settles them; then the table stays as it is (legacy
+        paths, or a scan) until a later start."""
         have = {
             c.name for c in catalog.table_columns(conn, self.marker_schema, self.marker_name) or []
         }
         missing = [c for c in catalog.MARKER_LATER_COLUMNS if c not in have]
-        if not missing:
-            return True
-        alter = sql.SQL("ALTER TABLE {} ").format(self.marker_ident) + sql.SQL(", ").join(
-            sql.SQL("ADD COLUMN IF NOT EXISTS {} bigint").format(sql.Identifier(c)) for c in missing
-        )
-        try:
-            with conn.transaction():
-                conn.execute("SET LOCAL lock_timeout = '2s'")
-                conn.execute(alter)
-        except psycopg.errors.LockNotAvailable:
-            log.warning(
-                "%s: the commit-marker table %s.%s was created by an earlier version and "
-                "lacks columns %s for audits; prepared transactions hold it now, so they are "
-                "added at a later start (its markers are audited as unverifiable until then)",
-                self.describe(),
-                self.marker_schema,
-                self.marker_name,
-                missing,
+        changes: list[tuple[str, sql.Composable]] = []
+        if missing:
+            changes.append(
+                (
+                    f"columns {missing} for audits",
+                    sql.SQL("ALTER TABLE {} ").format(self.marker_ident)
+                    + sql.SQL(", ").join(
+                        sql.SQL("ADD COLUMN IF NOT EXISTS {} bigint").format(sql.Identifier(c))
+                        for c in missing
+                    ),
+                )
             )
-            return False
-        except psycopg.errors.InsufficientPrivilege as e:
-            log.warning(
-                "%s: the commit-marker table %s.%s lacks columns %s for audits and this role "
-                "cannot add them (%s): run ALTER TABLE %s.%s ADD COLUMN batch bigint, ADD "
-                "COLUMN rows bigint as its owner",
-                self.describe(),
-                self.marker_schema,
-                self.marker_name,
-                missing,
-                e,
-                self.marker_schema,
-                self.marker_name,
+        index = f"{self.marker_name}_gid_prefix"
+        found = conn.execute(
+            "SELECT 1 FROM pg_indexes WHERE schemaname = %s AND indexname = %s",
+            (self.marker_schema, index),
+        ).fetchone()
+        if found is None:
+            changes.append(
+                (
+                    f"the index {index}",
+                    sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (gid text_pattern_ops)").format(
+                        sql.Identifier(index), self.marker_ident
+                    ),
+                )
             )
-            return False
-        return True
-
-    # -- prepared transactions: the server's limit -----------------------------------
+        complete = not missing
+        for what, change in changes:
+            try:
+                with conn.transaction():
+                    conn.execute("SET LOCAL lock_timeout = '2s'")
+                    conn.execute(change)
+                if what.startswith("columns"):
+                    complete = True
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.InsufficientPrivilege) as e:
+                log.warning(
+                    "%s: could not add %s to the commit-marker table %s.%s (%s); the sink "
+                    "works without, and a later start tries again (as the table's owner: "
+                    "ALTER TABLE ... ADD COLUMN batch bigint, ADD COLUMN rows bigint; CREATE "
+                    "INDEX ... (gid text_pattern_ops))",
+                    self.describe(),
+                    what,
+                    self.marker_schema,
+                    self.marker_name,
+                    str(e).strip(),
+                )
+            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject):
+                pass  # created concurrently by another job
+        return complete
 
     def expect_load(self, load: ExpectedLoad) -> None:
         """Warn when this sink alone may hold more prepared transactions between
