@@ -23,9 +23,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c 'import sinks, lifecycle, pytest' >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.installed ]; then
-    echo "installing the project and its dependencies into .venv (a few minutes the first time) ..."
-    .venv/bin/pip install -q --upgrade pip
-    .venv/bin/pip install -q -e '.[dev]'
+    echo "installing the project and its dependencies into .venv (a few minutes the first time; log: .venv/install.log) ..."
+    if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[dev]'; } > .venv/install.log 2>&1; then
+        tail -n 40 .venv/install.log >&2
+        echo "installing into .venv failed (the whole log: .venv/install.log)" >&2
+        return 1 2>/dev/null || exit 1
+    fi
     touch .venv/.installed
 fi
 export PYSPARK_PYTHON="$PWD/.venv/bin/python"
