@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lifecycle._table import aligned
 from sinks.audit import CheckpointEvidence, Finding, Verdict
 from sinks.base import JobScope, Sink
 
@@ -209,11 +210,7 @@ def format_report(report: AuditReport) -> str:
     if len(rows) == 1:
         out.append("  nothing to audit")
     else:
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        out.extend(
-            "  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
-            for r in rows
-        )
+        out.extend(aligned(rows))
     counts: dict[str, int] = {}
     for c in report.checks:
         for f in c.findings:

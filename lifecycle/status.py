@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lifecycle import heartbeat
+from lifecycle._table import aligned
 
 SCHEMA = "twophase.status/1"
 HEALTHY, STUCK, NOT_FOUND, PENDING, FAILED = 0, 1, 2, 3, 4
@@ -247,11 +248,7 @@ def format_text(status: Mapping[str, Any], doc: Mapping[str, Any] | None = None)
     if len(rows) == 1:
         out.append("  none yet")
     else:
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        out.extend(
-            "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-            for r in rows
-        )
+        out.extend(aligned(rows))
     if doc is not None:
         out.append(_ledger_details(doc))
     return "\n".join(out)
