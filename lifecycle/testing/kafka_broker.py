@@ -107,14 +107,6 @@ class KafkaBroker(NativeService):
             raise KafkaBrokerError("the broker has not been started yet")
         return f"127.0.0.1:{self.port}"
 
-    def log_tail(self, lines: int = 40) -> str:
-        """The last ``lines`` lines of the broker log (or "")."""
-        try:
-            text = self.logfile.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return f"--- tail of {self.logfile} ---\n" + "\n".join(text) + "\n"
-
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

@@ -167,14 +167,6 @@ class PostgresServer(NativeService):
             )
         return proc
 
-    def log_tail(self, lines: int = 40) -> str:
-        """Return the last ``lines`` lines of the server log (or "")."""
-        try:
-            text = self.logfile.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return f"--- tail of {self.logfile} ---\n" + "\n".join(text) + "\n"
-
     def _initdb(self) -> None:
         if not self.datadir.exists():
             self.datadir.mkdir(mode=0o700, parents=True)

@@ -8,6 +8,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TypeVar
 
@@ -24,7 +25,18 @@ S = TypeVar("S", bound="NativeService")
 
 class NativeService:
     """A service process started by the tests: ``with Service() as s:`` starts
-    it and ``cleanup()``s it (stops it and deletes its files) on exit."""
+    it and ``cleanup()``s it (stops it and deletes its files) on exit. It logs
+    to ``logfile``."""
+
+    logfile: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the service's log (or "")."""
+        try:
+            text = self.logfile.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"--- tail of {self.logfile} ---\n" + "\n".join(text) + "\n"
 
     def start(self) -> None:
         raise NotImplementedError
