@@ -112,10 +112,6 @@ def _check_recorded(doc: Mapping[str, Any], where: str) -> None:
 
 def close_sinks(sinks: Mapping[str, Mapping[str, Sink]]) -> None:
     """Close every sink of :func:`rebuild_sinks`, whatever happens."""
-    _close(sinks)
-
-
-def _close(sinks: Mapping[str, Mapping[str, Sink]]) -> None:
     for by_id in sinks.values():
         for sink in by_id.values():
             with contextlib.suppress(Exception):
@@ -212,7 +208,7 @@ def lingering(
                     ours, view = ledger_view(doc, t, owned)
                     found.append(Lingering(sink_label(p, sid), sink.describe(), t, ours, view))
     finally:
-        _close(sinks)
+        close_sinks(sinks)
     return doc, found
 
 
@@ -304,7 +300,7 @@ class Operator:
         self.close()
 
     def close(self) -> None:
-        _close(self.sinks)
+        close_sinks(self.sinks)
         self.ledger.close()
 
     def recover(self) -> list[Checkpoint]:
