@@ -92,8 +92,10 @@ def sink_label(pipeline: str, sink_id: str) -> str:
 
 
 _RULES = {"aborted": "abort_replayed", "swept": "sweep_orphans", "skipped": "skip_abandoned"}
-"""The recovery rule a move on a sink follows (see :mod:`lifecycle.metrics`);
-commits follow one during recovery only (``Coordinator._commit_rule``)."""
+"""The recovery rule a move on a sink follows (see :mod:`lifecycle.metrics`).
+Commits follow one only in recovery: ``commit_decided`` when a checkpoint
+decided before a stop is finished, ``commit_completed`` in a checkpoint of kind
+``recovery`` (see ``Coordinator._commit``)."""
 
 Observer = Callable[[str, str, list[str]], None]
 """Told ``(what, sink label, transaction names)`` of every move the coordinator
@@ -132,7 +134,6 @@ class Coordinator:
         self._observer = observer
         self._early: str | None = None  # why the next checkpoint should not wait
         self.metrics = metrics or JobMetrics(job)
-        self._commit_rule: str | None = None  # the recovery rule commits follow now
         self.progress_note: Callable[[], str] | None = None
         self._retired: dict[str, int] = {}  # sink label -> the last floor told (retire)
         """what the checkpoint log line adds (the progress of bounded pipelines)"""
@@ -151,7 +152,7 @@ class Coordinator:
         if self._observer is not None:
             self._observer(what, sink_label(pipeline, sink_id), names)
         if rule is None:
-            rule = self._commit_rule if what == "committed" else _RULES.get(what)
+            rule = _RULES.get(what)
         if rule is not None:
             self.metrics.recovery_action(rule, pipeline, sink_id, len(names))
 
@@ -353,14 +354,20 @@ class Coordinator:
                     group.extend(c for c in cs if (c.get("txn") in skip) == abandoned)
         return groups
 
-    def _commit(self, cp: Checkpoint, started: float | None = None) -> Checkpoint:
+    def _commit(
+        self, cp: Checkpoint, started: float | None = None, rule: str | None = None
+    ) -> Checkpoint:
         """Commit a decided checkpoint. Safe to call again after a crash.
+        ``rule``: the recovery rule the commits follow (metrics), by default
+        ``commit_completed`` for a checkpoint of kind ``recovery``, else none.
 
         Every sink is committed even when one fails (the decision is final, so
         committing the others is what a restart would do anyway); then
         :class:`CheckpointCommitError` names the sinks that failed, and the
         checkpoint stays decided in the ledger for the next start. Transactions
         an operator abandoned in this checkpoint are skipped."""
+        if rule is None and cp.kind == "recovery":
+            rule = "commit_completed"
         groups = self.committables_of(cp)
         abandoned = (
             self.committables_of(cp, abandoned=True) if self.ledger.abandoned_txns(cp.id) else {}
@@ -384,7 +391,7 @@ class Coordinator:
         for (p, sid), cs in groups.items():
             if (p, sid) not in failed:
                 rows[sink_label(p, sid)] = sum(int(c.get("rows", 0)) for c in cs)
-                self._tell("committed", p, sid, (c["txn"] for c in cs))
+                self._tell("committed", p, sid, (c["txn"] for c in cs), rule)
         if failed:
             self.metrics.checkpoint_failed(cp.kind, time.monotonic() - started)
             raise self._commit_error(cp, failed, sinks)
@@ -508,11 +515,7 @@ class Coordinator:
                 decided.kind,
             )
             with self._checkpointing:
-                self._commit_rule = "commit_decided"
-                try:
-                    self._commit(decided)
-                finally:
-                    self._commit_rule = None
+                self._commit(decided, rule="commit_decided")
         self.settle(kind="recovery")
 
     def settle(self, kind: str) -> None:
@@ -524,11 +527,7 @@ class Coordinator:
                 f"the ledger holds uncommitted work of pipeline(s) {sorted(unknown)} that "
                 "this job does not define; add them back so their work can be committed"
             )
-        self._commit_rule = "commit_completed" if kind == "recovery" else None
-        try:
-            self.checkpoint(kind)
-        finally:
-            self._commit_rule = None
+        self.checkpoint(kind)
         self._abort_uncompleted(self.pipelines, "Spark did not complete it and replays it")
 
     def reset_pipeline(self, pipeline: str) -> None:
