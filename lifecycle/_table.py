@@ -1,7 +1,8 @@
-"""Plain-text tables for the ``twophase`` commands' output."""
+"""Plain-text tables and times for the ``twophase`` commands' output."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 
@@ -13,3 +14,8 @@ def aligned(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
         indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
         for r in rows
     ]
+
+
+def local_time(ts: float | None) -> str:
+    """A Unix time as local ``YYYY-MM-DD HH:MM:SS``; "-" for none."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"

@@ -19,12 +19,11 @@ says so. Only a mismatch fails an audit.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lifecycle._table import aligned
+from lifecycle._table import aligned, local_time
 from sinks.audit import CheckpointEvidence, Finding, Verdict
 from sinks.base import JobScope, Sink
 
@@ -200,7 +199,7 @@ def format_report(report: AuditReport) -> str:
             (
                 f"#{c.checkpoint}",
                 c.kind,
-                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.committed_at)),
+                local_time(c.committed_at),
                 c.sink,
                 str(txns),
                 f"{c.rows:,}",

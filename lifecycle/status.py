@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lifecycle import heartbeat
-from lifecycle._table import aligned
+from lifecycle._table import aligned, local_time
 
 SCHEMA = "twophase.status/1"
 HEALTHY, STUCK, NOT_FOUND, PENDING, FAILED = 0, 1, 2, 3, 4
@@ -192,10 +192,6 @@ def _age(now: float, at: Any) -> float | None:
     return round(max(0.0, now - float(at)), 1) if at else None
 
 
-def _when(ts: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
-
-
 def _secs(s: float | None) -> str:
     if s is None:
         return "-"
@@ -227,7 +223,7 @@ def format_text(status: Mapping[str, Any], doc: Mapping[str, Any] | None = None)
     last = status.get("last_checkpoint")
     if last:
         out.append(
-            f"last checkpoint: #{last['id']} ({last['kind']}) {_when(last['committed_at'])}, "
+            f"last checkpoint: #{last['id']} ({last['kind']}) {local_time(last['committed_at'])}, "
             f"{_secs(last['age_s'])} ago"
         )
     out.append("pipelines:")
@@ -278,7 +274,7 @@ def _ledger_details(doc: Mapping[str, Any]) -> str:
         rows = sum(cp.get("rows", {}).values())
         fin = f" finished {cp['finished']}" if cp.get("finished") else ""
         out.append(
-            f"  #{cp['id']:<5} {cp['kind']:<9} {_when(cp['committed_at'])}  "
+            f"  #{cp['id']:<5} {cp['kind']:<9} {local_time(cp['committed_at'])}  "
             f"cut {cp['cut']}{fin}  {rows} row(s)"
         )
     totals = doc.get("totals") or {}
@@ -291,7 +287,7 @@ def _ledger_details(doc: Mapping[str, Any]) -> str:
         out.append("abandoned (an operator gave these transactions up):")
         for a in abandoned:
             out.append(
-                f"  checkpoint {a['checkpoint']}  {_when(a['at'])}  {len(a['txns'])} "
+                f"  checkpoint {a['checkpoint']}  {local_time(a['at'])}  {len(a['txns'])} "
                 f"transaction(s): {a['note']}"
             )
             out.extend(f"    {t}" for t in a["txns"])
