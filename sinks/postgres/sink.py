@@ -55,7 +55,7 @@ from sinks.postgres import catalog, liveness
 from sinks.postgres.progress import PROGRESS_DDL, ProgressTable
 from sinks.postgres.types import wire_type
 from sinks.postgres.values import PG_TYPE_KEY
-from sinks.postgres.writer import PostgresWriter, WriterSettings
+from sinks.postgres.writer import DELETE_FLAG, PostgresWriter, WriterSettings
 from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.postgres")
@@ -86,6 +86,13 @@ class PostgresSink(Sink):
             rows of one key in a batch (e.g. ``"updated_at"``); a null in it, or
             a tie at the greatest value between different rows, is an error.
             Across batches the later batch wins.
+        delete_when: with ``key``, which rows are deletes: a boolean column's
+            name (``"deleted"``), or a column and the value that marks a delete
+            (``("op", "D")``). A delete removes the key's row; a delete of a
+            missing key is no error; the column itself is not written (the
+            table needs no such column). A delete waits for this sink's earlier
+            batches still awaiting their checkpoint, so that it sees a row one
+            of them inserted (see the README, "Keyed writes").
         schema: schema of ``table`` when ``table`` has no dot (default ``public``).
         create_table: create the table from the DataFrame schema when missing
             (with a primary key on ``key``).
@@ -118,6 +125,7 @@ class PostgresSink(Sink):
         *,
         key: Sequence[str] | None = None,
         order_by: str | None = None,
+        delete_when: str | tuple[str, Any] | None = None,
         schema: str | None = None,
         create_table: bool = False,
         sink_id: str | None = None,
@@ -149,7 +157,7 @@ class PostgresSink(Sink):
         self.lock_timeout = lock_timeout if lock_timeout is not None else _auto_lock_timeout(0.0)
         self.marker_table = marker_table
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
-        keys.check_config(self.describe(), self.key, order_by)
+        self.rules = keys.KeyedWrite.of(self.describe(), self.key, order_by, delete_when)
         self._wire: pa.Schema | None = None
         self._claims = ClaimedScopes()
         self._init_driver_state()
@@ -216,6 +224,7 @@ class PostgresSink(Sink):
             "table": self.table,
             "key": list(self.key),
             "order_by": self.order_by,
+            "delete_when": self.rules.delete_when.settings() if self.rules.delete_when else None,
             "create_table": self.create_table,
             "marker_table": self.marker_table,
             "commit_timeout": self.commit_timeout,
@@ -241,6 +250,7 @@ class PostgresSink(Sink):
             schema=s["schema"],
             key=s["key"],
             order_by=s.get("order_by"),
+            delete_when=s.get("delete_when"),
             create_table=s["create_table"],
             sink_id=s["sink_id"],
             marker_table=s["marker_table"],
@@ -317,11 +327,14 @@ class PostgresSink(Sink):
                         f"table {where} does not exist ({self.describe()}); create it, "
                         "or pass create_table=True to PostgresSink"
                     )
-                catalog.create_table(conn, self.table_ident, schema, self.key, where)
+                catalog.create_table(
+                    conn, self.table_ident, self.rules.written(schema), self.key, where
+                )
                 columns = catalog.table_columns(conn, self.schema, self.table)
                 assert columns is not None
-            targets = catalog.check_columns(where, columns, schema, self.key)
-            keys.preflight(self.describe(), schema, self.key, self.order_by)
+            self.rules.preflight(schema)
+            written = self.rules.written(schema)
+            targets = catalog.check_columns(where, columns, written, self.key)
             if self.key and set(self.key) not in catalog.unique_keys(conn, self.schema, self.table):
                 raise PreflightError(
                     f"upsert by key {self.key} needs a unique index or primary key on exactly "
@@ -331,9 +344,11 @@ class PostgresSink(Sink):
         self._wire = pa.schema(
             [
                 pa.field(f.name, wire_type(f.type, c), metadata={PG_TYPE_KEY: c.formatted})
-                for f, c in zip(schema, targets, strict=True)
+                for f, c in zip(written, targets, strict=True)
             ]
         )
+        if self.rules.delete_when is not None:
+            self._wire = self._wire.append(DELETE_FLAG)
 
     def _ensure_markers(self, conn: psycopg.Connection) -> None:
         for stmt in (
@@ -486,8 +501,7 @@ class PostgresSink(Sink):
             markers=self.marker_ident,
             marker_audit=bool(self._audit_columns),
             marker_schema=self.marker_schema,
-            key=tuple(self.key),
-            order_by=self.order_by,
+            rules=self.rules,
         )
         return PostgresWriter(settings, ctx, self._wire)
 

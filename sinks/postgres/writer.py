@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,12 +14,16 @@ import psycopg
 import pyarrow as pa
 from psycopg import sql
 
-from sinks import keys
 from sinks.base import Committable, SinkWriter, WriteContext
 from sinks.errors import LockWaitError, PreparedLimitError
+from sinks.keys import KeyedWrite
+from sinks.naming import TxnName
 from sinks.postgres import liveness
-from sinks.postgres.upsert import Upsert
-from sinks.postgres.values import to_wire
+from sinks.postgres.upsert import DELETE_COLUMN, Upsert
+from sinks.postgres.values import PG_TYPE_KEY, to_wire
+
+DELETE_FLAG = pa.field(DELETE_COLUMN, pa.bool_(), metadata={PG_TYPE_KEY: "boolean"})
+"""The column of the staging table that says a row is a delete (``delete_when``)."""
 
 STAGE_NAME = re.compile(r"\bstage_[0-9a-f]{20}\b")
 """How an upsert's private staging table is named (in the marker schema): error
@@ -48,8 +53,8 @@ class WriterSettings:
     marker_audit: bool
     """whether the marker table has the audit columns (batch, rows)"""
     marker_schema: str
-    key: tuple[str, ...]
-    order_by: str | None
+    rules: KeyedWrite
+    """the keyed-write options (no key: an append)"""
 
     def connect(self, application_name: str) -> psycopg.Connection:
         return liveness.connect(
@@ -85,6 +90,7 @@ class PostgresWriter(SinkWriter):
         self._bytes = 0  # COPY data sent, the header and trailer included
         self._prepared = False
         self._upsert: Upsert | None = None
+        self._scope_prefix = ctx.scope.txn_prefix()
 
     def _columns(self) -> sql.Composable:
         return sql.SQL(", ").join(sql.Identifier(n) for n in self._wire.names)
@@ -97,15 +103,15 @@ class PostgresWriter(SinkWriter):
         conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{ms}ms")))
         conn.execute("BEGIN")
         target = cfg.table
-        if cfg.key:
+        if cfg.rules.keyed:
+            names = [n for n in self._wire.names if n != DELETE_COLUMN]
             self._upsert = Upsert(
                 target=target,
                 stage=sql.Identifier(cfg.marker_schema, stage_table(self._gid)),
-                columns=self._wire.names,
-                key=cfg.key,
-                order_by=cfg.order_by,
-                sink=cfg.where,
+                columns=names,
+                rules=cfg.rules,
                 batch_id=self._batch_id,
+                deletes=DELETE_COLUMN in self._wire.names,
             )
             self._upsert.create_stage(conn)
             target = self._upsert.stage
@@ -145,8 +151,14 @@ class PostgresWriter(SinkWriter):
 
     def _write(self, batch: pa.RecordBatch) -> None:
         cfg = self._settings
-        if cfg.key:
-            keys.check_nulls(cfg.where, batch, cfg.key, cfg.order_by, self._batch_id)
+        rules = cfg.rules
+        if rules.keyed:
+            rules.check_nulls(batch, self._batch_id)
+        if rules.delete_when is not None:
+            deletes = rules.deletes(batch)
+            batch = batch.drop_columns([rules.delete_when.column]).append_column(
+                DELETE_FLAG, deletes
+            )
         wire = to_wire(batch, self._wire, cfg.where)  # checked before sending
         if self._conn is None:
             self._begin()
@@ -163,6 +175,46 @@ class PostgresWriter(SinkWriter):
             return self._prepare()
         except psycopg.errors.LockNotAvailable as e:
             raise self._lock_wait_error() from e
+
+    def _wait_for_earlier_batches(self, conn: psycopg.Connection) -> None:
+        """Wait until no earlier batch of this sink's scope is prepared.
+
+        A delete does not wait for another transaction's uncommitted insert of
+        its key (an upsert does, through the unique index), and the rows of
+        batches that await their checkpoint are exactly that: without this
+        wait, deleting a key that such a batch inserted would find no row, and
+        the insert would commit after the delete. Batches are written one after
+        the other, so once the earlier ones are settled (committed at a
+        checkpoint, or rolled back) nothing else of the pipeline can hold the
+        key. Bounded by ``lock_timeout`` like a lock wait."""
+        limit = self._settings.lock_timeout
+        started = time.monotonic()
+        pause = 0.02
+        while True:
+            rows = conn.execute(
+                "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+                " AND starts_with(gid, %s)",
+                (self._scope_prefix,),
+            ).fetchall()
+            earlier = [
+                gid
+                for (gid,) in rows
+                if (n := TxnName.parse(gid)) is not None and n.batch_id < self._batch_id
+            ]
+            if not earlier:
+                return
+            waited = time.monotonic() - started
+            if limit and waited > limit:
+                raise LockWaitError(
+                    f"task {self._gid} deletes keys and waited {waited:.0f}s (lock_timeout="
+                    f"{limit:g}s) for earlier batches of its sink to be committed or rolled "
+                    f"back: {', '.join(sorted(earlier)[:3])}. They commit at the next "
+                    "checkpoint; a checkpoint that does not come (the driver stopped taking "
+                    "them) or prepared work nobody settles (see pg_prepared_xacts) keeps "
+                    "them. The task fails so that Spark retries it"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
 
     def _lock_wait_error(self) -> LockWaitError:
         return LockWaitError(
@@ -182,7 +234,7 @@ class PostgresWriter(SinkWriter):
         cm, self._copy_cm = self._copy_cm, None
         cm.__exit__(None, None, None)
         if self._upsert is not None:
-            self._upsert.merge(conn)
+            self._upsert.merge(conn, self._wait_for_earlier_batches)
         conn.execute(
             *(
                 (
