@@ -79,6 +79,9 @@ def precommit(
     cols = sink.partition_columns()
     if cols:
         df = df.repartition(*map(column, cols))
+    order = sink.sort_columns()
+    if order:
+        df = df.sortWithinPartitions(*map(column, order))
     df = _plain_names(df)
     task = PrecommitTask(sink, scope, run, batch_id, schema)
     rows = df.mapInArrow(task, "committable string").collect()

@@ -230,6 +230,11 @@ class Sink(abc.ABC):
         """Columns the input must be hash-partitioned by before writing, if any."""
         return None
 
+    def sort_columns(self) -> list[str] | None:
+        """Columns each task's input must be sorted by, if any (a keyed write
+        that keeps the last row per key in the task, :mod:`sinks.last_write`)."""
+        return None
+
     def describe(self) -> str:
         """What this sink writes to, for messages (e.g. ``PostgreSQL table t at h:p/db``)."""
         return f"{self.kind} sink {self.sink_id}"

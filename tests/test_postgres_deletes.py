@@ -8,9 +8,6 @@ and a change feed through Spark checked against the dictionary model.
 
 from __future__ import annotations
 
-import json
-import os
-import random
 import threading
 import time
 from collections.abc import Sequence
@@ -24,6 +21,8 @@ from lifecycle import Job
 from sinks import ConfigError, DuplicateKeyError, NullKeyError, PostgresSink, PreflightError
 from sinks.base import Committable, JobScope, WriteContext
 from sinks.errors import LockWaitError
+from tests.changefeed import SCHEMA as FEED
+from tests.changefeed import write_feed
 from tests.pgcheck import job_prepared
 
 JOB = "deletes"
@@ -204,35 +203,12 @@ def test_a_change_feed_through_spark_equals_the_dictionary_model(spark, pg_dsn, 
     """Five batches (one file each) of inserts, updates and deletes of
     overlapping keys, checkpointed every batch."""
     _table(pg_dsn, "CREATE TABLE t (id bigint PRIMARY KEY, seq bigint, name text)")
-    model: dict[int, tuple[int, str]] = {}
-    src = tmp_path / "in"
-    src.mkdir()
-    seq = 0
-    rnd = random.Random(7)
-    for f in range(5):
-        rows = []
-        for _ in range(60):
-            seq += 1
-            k = rnd.randrange(25)
-            op = rnd.choice("IUD")
-            rows.append({"id": k, "seq": seq, "op": op, "name": f"n{seq}"})
-        for r in sorted(rows, key=lambda r: r["seq"]):
-            if r["op"] == "D":
-                model.pop(r["id"], None)
-            else:
-                model[r["id"]] = (r["seq"], r["name"])
-        part = src / f"part-{f}.json"
-        part.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.utime(part, (1_700_000_000 + f, 1_700_000_000 + f))  # the batches' order
-    df = (
-        spark.readStream.schema("id long, seq long, op string, name string")
-        .option("maxFilesPerTrigger", 1)
-        .json(str(src))
-    )
+    model = write_feed(tmp_path / "in", files=5, rows_per_file=60, keys=25, seed=7)
+    df = spark.readStream.schema(FEED).option("maxFilesPerTrigger", 1).json(str(tmp_path / "in"))
     sink = PostgresSink(pg_dsn, "t", key=["id"], order_by="seq", delete_when=("op", "D"))
     job = Job(spark, "cdc", tmp_path / "state", checkpoint_interval=0)
     job.add_pipeline("feed", df, [sink], bounded=True)
     job.run()
-    got = {r[0]: (r[1], r[2]) for r in _rows(pg_dsn, "SELECT id, seq, name FROM t")}
+    got = {r[0]: {"id": r[0], "seq": r[1], "name": r[2]} for r in _rows(pg_dsn, "SELECT * FROM t")}
     assert got == model
     assert job_prepared(pg_dsn, "cdc") == []

@@ -119,6 +119,7 @@ from sinks.kafka.registry import (
 )
 from sinks.kafka.wire import TRANSIENT, KafkaWire
 from sinks.kafka.writer import KafkaWriter, WriterSettings
+from sinks.keys import KeyedWrite
 from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.progress import SinkProgress
 
@@ -136,7 +137,20 @@ class KafkaSink(Sink):
         bootstrap_servers: ``"host:port"`` or a list of them.
         topic: the target topic (one sink = one topic).
         key: column whose values become record keys (binary, string, or a number
-            or boolean written as its text); default: no key.
+            or boolean written as its text); default: no key. Alone, it only
+            places records (rows are events, all written); with ``order_by`` or
+            ``delete_when`` the topic is a changelog of keyed writes.
+        order_by: with ``key``, a keyed write (:mod:`sinks.keys`): the input is
+            repartitioned by the key and each batch writes one record per key,
+            its row with the greatest value of this column (a null there, or a
+            tie between different rows, is an error), so that the topic after
+            compaction holds what an upsert would.
+        delete_when: with ``key``, which rows are deletes: a boolean column's
+            name, or a column and the value that marks a delete (``("op",
+            "D")``). A delete is a tombstone: the key and a null value, whether
+            values come from ``value`` or are the JSON of the row (which leaves
+            this column out). A key with different rows in one batch needs
+            ``order_by`` to say which wins; a null key is an error.
         value: binary or string column that becomes the record value; default:
             each row as a JSON object of all its columns, in one encoding
             whatever the session time zone (timestamps in UTC with ``Z``, maps as
@@ -187,6 +201,8 @@ class KafkaSink(Sink):
         key: str | None = None,
         value: str | None = None,
         headers: Sequence[str] | None = None,
+        order_by: str | None = None,
+        delete_when: str | tuple[str, Any] | None = None,
         transactional_id_prefix: str | None = None,
         transaction_timeout_ms: int = 900_000,
         create_topic: bool = False,
@@ -227,6 +243,7 @@ class KafkaSink(Sink):
         self.flush_timeout = flush_timeout
         self.connect_timeout = connect_timeout
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
+        self.rules = KeyedWrite.of(self.describe(), [key] if key else [], order_by, delete_when)
         self._init_driver_state()
 
     # -- identity -----------------------------------------------------------------------
@@ -264,6 +281,8 @@ class KafkaSink(Sink):
             "key": self.key,
             "value": self.value,
             "headers": list(self.headers),
+            "order_by": self.rules.order_by,
+            "delete_when": self.rules.delete_when.settings() if self.rules.delete_when else None,
             "transactional_id_prefix": self.id_prefix or None,
             "transaction_timeout_ms": self.transaction_timeout_ms,
             "create_topic": self.create_topic,
@@ -306,6 +325,8 @@ class KafkaSink(Sink):
             key=s["key"],
             value=s["value"],
             headers=s["headers"],
+            order_by=s.get("order_by"),
+            delete_when=s.get("delete_when"),
             transactional_id_prefix=s["transactional_id_prefix"],
             transaction_timeout_ms=s["transaction_timeout_ms"],
             create_topic=s["create_topic"],
@@ -389,13 +410,26 @@ class KafkaSink(Sink):
                 probe=f"{self.id_prefix}twophase-preflight.{self.sink_id}",
             )
 
+    @property
+    def changelog(self) -> bool:
+        """Whether this sink writes by key (``order_by`` or ``delete_when``)."""
+        return self.rules.order_by is not None or self.rules.delete_when is not None
+
+    def partition_columns(self) -> list[str] | None:
+        return list(self.rules.key) if self.changelog else None
+
+    def sort_columns(self) -> list[str] | None:
+        return self.rules.sort_columns() if self.changelog else None
+
     def _check_schema(self, schema: pa.Schema) -> None:
+        if self.changelog:
+            self.rules.preflight(schema)
         if self.key:
             encode.check_bytes_column(schema, self.key, "key", numbers=True)
         if self.value:
             encode.check_bytes_column(schema, self.value, "value", numbers=False)
         else:
-            encode.check_json_schema(schema)
+            encode.check_json_schema(self.rules.written(schema))
         for h in self.headers:
             encode.check_bytes_column(schema, h, "header", numbers=True)
 
@@ -460,6 +494,7 @@ class KafkaSink(Sink):
             key=self.key,
             value=self.value,
             headers=tuple(self.headers),
+            rules=self.rules if self.changelog else None,
             registry_topic=self.registry_topic,
             transaction_timeout_ms=self.transaction_timeout_ms,
         )

@@ -52,6 +52,8 @@ from sinks.kafka import encode, partitioner, records
 from sinks.kafka.produce import ProducerOptions, TxnProducer
 from sinks.kafka.registry import announcement
 from sinks.kafka.wire import KafkaWire
+from sinks.keys import KeyedWrite
+from sinks.last_write import LastWriteWins, Winners
 
 log = logging.getLogger("sinks.kafka")
 
@@ -74,6 +76,9 @@ class WriterSettings:
     key: str | None
     value: str | None
     headers: tuple[str, ...]
+    rules: KeyedWrite | None
+    """a changelog's keyed-write options (``order_by`` / ``delete_when``); None:
+    every row is a record"""
     registry_topic: str | None
     transaction_timeout_ms: int
 
@@ -96,6 +101,9 @@ class KafkaWriter(SinkWriter):
         self._bytes = 0  # record batches sent, as framed on the wire
         self._prepared = False
         self._opened_at: float | None = None
+        self._last_write = (
+            LastWriteWins(settings.rules, ctx.batch_id) if settings.rules is not None else None
+        )
 
     # -- opening ----------------------------------------------------------------------
 
@@ -146,12 +154,26 @@ class KafkaWriter(SinkWriter):
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
             return
+        if self._last_write is None:
+            self._send(batch)
+        else:  # a changelog: the last row of each key whose rows are over
+            self._send_winners(self._last_write.feed(batch))
+
+    def _send_winners(self, winners: Winners | None) -> None:
+        if winners is None:
+            return
+        self._send(winners.rows, pa.array(winners.deletes) if winners.deletes.any() else None)
+
+    def _send(self, batch: pa.RecordBatch, tombstones: pa.BooleanArray | None = None) -> None:
+        """Send ``batch`` as records (``tombstones``: rows whose value is null)."""
         cfg = self._settings
         # encode first: a value the encoding refuses fails the task before anything
         # of this batch is sent (and before a producer is opened for the first one)
         keys = encode.to_binary(batch.column(cfg.key)) if cfg.key else None
         values = encode.to_binary(batch.column(cfg.value)) if cfg.value else self._json(batch)
-        if cfg.value and values.null_count:
+        if tombstones is not None:
+            values = pc.if_else(tombstones, pa.scalar(None, values.type), values)
+        elif cfg.value and values.null_count:
             self._check_nulls(keys, values)
         headers = [(name, encode.to_binary(batch.column(name))) for name in cfg.headers]
         self._check_sizes(keys, values, headers)
@@ -179,6 +201,9 @@ class KafkaWriter(SinkWriter):
         self._bytes += sum(len(b.data) for bs in by_partition.values() for b in bs)
 
     def _json(self, batch: pa.RecordBatch) -> pa.Array:
+        rules = self._settings.rules
+        if rules is not None and rules.delete_when is not None:  # not written
+            batch = batch.drop_columns([rules.delete_when.column])
         try:
             return encode.json_values(batch)
         except encode.JSONEncodeError as e:
@@ -231,6 +256,8 @@ class KafkaWriter(SinkWriter):
     # -- prepare / close ------------------------------------------------------------
 
     def prepare(self) -> Committable | None:
+        if self._last_write is not None:
+            self._send_winners(self._last_write.finish())
         producer = self._producer
         if producer is None:
             return None
