@@ -451,6 +451,9 @@ class Job:
         control.clear_start_over(self.store)
         coord.recover()
         coord.check_sinks_behind_ledger()
+        for p in self._pipelines.values():
+            for s in p.sinks:
+                s.evolve_schema(p.schema)
         stale = control.take_request(self.store)
         if stale is not None:
             log.warning("ignoring a stop request made while the job was not running")

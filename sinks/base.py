@@ -244,6 +244,12 @@ class Sink(abc.ABC):
         """Fail fast, with a message that says what to change, when this sink
         cannot give exactly-once for input of ``schema``."""
 
+    def evolve_schema(self, schema: pa.Schema) -> None:  # noqa: B027
+        """Change the target's schema for input of ``schema`` where the sink's
+        options allow it (new columns). The job calls it once at start, after
+        recovery settled every prepared transaction of an earlier run and
+        before any data is prepared; the default changes nothing."""
+
     @abc.abstractmethod
     def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
         """Open the executor-side writer of one task attempt."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import psycopg
 import pyarrow as pa
 from psycopg import sql
@@ -99,6 +101,52 @@ def create_table(
     conn.execute(
         sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(ident, sql.SQL(", ").join(cols))
     )
+
+
+def add_columns(
+    conn: psycopg.Connection, ident: sql.Composable, fields: list[pa.Field], where: str
+) -> None:
+    """Add ``fields`` to the table as nullable columns, in one ``ALTER TABLE``
+    that waits at most half a second for its lock, several times over: an
+    ``ALTER`` queued behind a long holder (a prepared transaction, a long query)
+    blocks every reader that comes after it for as long as it waits."""
+    problems = _ddl_problems(pa.schema(fields), [])
+    if problems:
+        raise PreflightError(
+            f"cannot add the DataFrame's new columns to {where} (add_columns=True):\n  - "
+            + "\n  - ".join(problems)
+        )
+    change = sql.SQL("ALTER TABLE {} ").format(ident) + sql.SQL(", ").join(
+        sql.SQL("ADD COLUMN IF NOT EXISTS {} {}").format(
+            sql.Identifier(f.name), sql.SQL(ddl_type(f.type) or "")
+        )
+        for f in fields
+    )
+    for attempt in range(_ALTER_ATTEMPTS):
+        try:
+            with conn.transaction():
+                conn.execute("SET LOCAL lock_timeout = '500ms'")
+                conn.execute(change)
+            return
+        except psycopg.errors.LockNotAvailable:
+            if attempt + 1 == _ALTER_ATTEMPTS:
+                holders = conn.execute(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation"
+                    " WHERE c.oid = %s::regclass AND l.granted",
+                    (ident.as_string(conn),),
+                ).fetchone()
+                raise PreflightError(
+                    f"{where}: could not add the columns "
+                    f"{', '.join(repr(f.name) for f in fields)} (add_columns=True): "
+                    f"{holders[0] if holders else 'some'} lock(s) on the table were held for "
+                    f"{_ALTER_ATTEMPTS} tries (a long query, or prepared transactions "
+                    "of another job: see pg_locks and pg_prepared_xacts). Nothing was written; "
+                    "start the job again when the table is free, or add the columns yourself"
+                ) from None
+            time.sleep(1.0)
+
+
+_ALTER_ATTEMPTS = 10
 
 
 def _ddl_problems(schema: pa.Schema, key: list[str]) -> list[str]:

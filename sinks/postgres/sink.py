@@ -53,7 +53,7 @@ from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.postgres import audit as pg_audit
 from sinks.postgres import catalog, liveness
 from sinks.postgres.progress import PROGRESS_DDL, ProgressTable
-from sinks.postgres.types import wire_type
+from sinks.postgres.types import ddl_type, wire_type
 from sinks.postgres.values import PG_TYPE_KEY
 from sinks.postgres.writer import DELETE_FLAG, PostgresWriter, WriterSettings
 from sinks.progress import SinkProgress
@@ -96,6 +96,12 @@ class PostgresSink(Sink):
         schema: schema of ``table`` when ``table`` has no dot (default ``public``).
         create_table: create the table from the DataFrame schema when missing
             (with a primary key on ``key``).
+        add_columns: add the DataFrame's columns the table lacks, as nullable
+            columns, once at job start (after recovery, before any data is
+            prepared; :meth:`evolve_schema`). The ``ALTER TABLE`` waits at most
+            half a second for its lock per try, so that readers never queue
+            long behind it; if the table stays busy the job refuses to start.
+            Without it a missing column fails preflight.
         sink_id: stable id of this sink in its pipeline (part of every gid);
             default derived from the database and table.
         marker_table: ``schema.table`` of the commit markers; created on preflight.
@@ -134,6 +140,7 @@ class PostgresSink(Sink):
         commit_connections: int = COMMIT_CONNECTIONS,
         connect_timeout: float = 10.0,
         lock_timeout: float | None = None,
+        add_columns: bool = False,
     ) -> None:
         if not table:
             raise ConfigError("PostgresSink needs a table name")
@@ -145,6 +152,8 @@ class PostgresSink(Sink):
         self.key = list(key or [])
         self.order_by = order_by
         self.create_table = create_table
+        self.add_columns = add_columns
+        self._new_columns: list[pa.Field] = []
         self.marker_schema, _, self.marker_name = marker_table.rpartition(".")
         if not self.marker_schema:
             raise ConfigError(f"marker_table {marker_table!r} must be 'schema.table'")
@@ -226,6 +235,7 @@ class PostgresSink(Sink):
             "order_by": self.order_by,
             "delete_when": self.rules.delete_when.settings() if self.rules.delete_when else None,
             "create_table": self.create_table,
+            "add_columns": self.add_columns,
             "marker_table": self.marker_table,
             "commit_timeout": self.commit_timeout,
             "commit_connections": self.commit_connections,
@@ -252,6 +262,7 @@ class PostgresSink(Sink):
             order_by=s.get("order_by"),
             delete_when=s.get("delete_when"),
             create_table=s["create_table"],
+            add_columns=s.get("add_columns", False),
             sink_id=s["sink_id"],
             marker_table=s["marker_table"],
             commit_timeout=s["commit_timeout"],
@@ -334,6 +345,14 @@ class PostgresSink(Sink):
                 assert columns is not None
             self.rules.preflight(schema)
             written = self.rules.written(schema)
+            have = {c.name for c in columns}
+            self._new_columns = [
+                f
+                for f in written
+                if self.add_columns and f.name not in have and f.name not in self.key
+            ]
+            if self._new_columns:  # evolve_schema adds them, then comes back here
+                written = pa.schema([f for f in written if f not in self._new_columns])
             targets = catalog.check_columns(where, columns, written, self.key)
             if self.key and set(self.key) not in catalog.unique_keys(conn, self.schema, self.table):
                 raise PreflightError(
@@ -341,6 +360,9 @@ class PostgresSink(Sink):
                     f"those columns of {where} (INSERT ... ON CONFLICT uses it); create one, "
                     "e.g. ALTER TABLE ... ADD PRIMARY KEY (...)"
                 )
+        if self._new_columns:
+            self._wire = None
+            return
         self._wire = pa.schema(
             [
                 pa.field(f.name, wire_type(f.type, c), metadata={PG_TYPE_KEY: c.formatted})
@@ -349,6 +371,22 @@ class PostgresSink(Sink):
         )
         if self.rules.delete_when is not None:
             self._wire = self._wire.append(DELETE_FLAG)
+
+    def evolve_schema(self, schema: pa.Schema) -> None:
+        """With ``add_columns``: add the DataFrame's columns the table lacks (as
+        nullable columns, :func:`catalog.add_columns`), then check again."""
+        new = self._new_columns
+        if not new:
+            return
+        where = f"{self.schema}.{self.table}"
+        with self.connect(application_name="twophase-evolve") as conn:
+            catalog.add_columns(conn, self.table_ident, new, where)
+        log.info(
+            "%s: added the column(s) %s (add_columns=True)",
+            self.describe(),
+            ", ".join(f"{f.name} {ddl_type(f.type)}" for f in new),
+        )
+        self.preflight(schema)
 
     def _ensure_markers(self, conn: psycopg.Connection) -> None:
         for stmt in (
@@ -490,7 +528,15 @@ class PostgresSink(Sink):
 
     def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
         if self._wire is None:
-            raise RuntimeError("PostgresSink.preflight() must run before writers open")
+            raise RuntimeError(
+                "PostgresSink.preflight() must run before writers open"
+                + (
+                    f", and evolve_schema() after it: the table lacks {len(self._new_columns)} "
+                    "column(s) of the DataFrame (add_columns=True)"
+                    if self._new_columns
+                    else ""
+                )
+            )
         settings = WriterSettings(
             where=self.describe(),
             dsn=self.dsn,
