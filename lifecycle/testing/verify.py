@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from sinks.kafka.log import Record, TopicLog, read_topic
 from sinks.naming import TxnName
@@ -267,16 +268,24 @@ def data_files_delta(table_uri: str | Path) -> set[str]:
 
 def staged_delta(table_uri: str | Path) -> list[str]:
     """What the sink left staged in a local table: data files that no version
-    of the snapshot holds, staging markers and Spark staging directories."""
+    of the table ever added (a merge's removed files are history, not
+    leftovers), staging markers, change files and Spark staging directories."""
     from deltalake import DeltaTable
 
+    from sinks.delta.changes import CHANGES_DIR
     from sinks.delta.storage import SPARK_STAGING_DIR, STAGING_DIR
 
     root = Path(table_uri)
     resolved = root.resolve()
-    committed = {str(Path(u).relative_to(resolved)) for u in DeltaTable(str(root)).file_uris()}
-    left = sorted(data_files_delta(root) - committed)
-    for d in (STAGING_DIR, SPARK_STAGING_DIR):
+    added = {str(Path(u).relative_to(resolved)) for u in DeltaTable(str(root)).file_uris()}
+    log_dir = root / _LOG_DIR
+    for commit in sorted(log_dir.glob("*.json")) if log_dir.exists() else ():
+        for line in commit.read_text().splitlines():
+            add = json.loads(line).get("add") if line.strip() else None
+            if add:
+                added.add(unquote(add["path"]))
+    left = sorted(data_files_delta(root) - added)
+    for d in (STAGING_DIR, SPARK_STAGING_DIR, CHANGES_DIR):
         if (root / d).exists():
             left += [f"{d}/{n}" for n in sorted(os.listdir(root / d))]
     return left

@@ -71,7 +71,8 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.delta import audit as delta_audit
-from sinks.delta import progress, table
+from sinks.delta import merge, progress, table
+from sinks.delta.changes import ChangeWriter
 from sinks.delta.layout import DeltaSchemaError, Layout, check_file_schema
 from sinks.delta.spark_stage import SparkStage, nested_not_null
 from sinks.delta.storage import (
@@ -85,6 +86,7 @@ from sinks.delta.storage import (
 )
 from sinks.delta.writer import DeltaWriter
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
+from sinks.keys import KeyedWrite
 from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.progress import SinkProgress, conflict, may_claim
 
@@ -123,6 +125,14 @@ class DeltaSink(Sink):
             (``mapInArrow``, pyarrow; any store deltalake opens). ``"auto"``
             (default): ``"spark"`` for local tables, except tables with NOT NULL
             fields inside nested columns; ``"arrow"`` otherwise.
+        key: merge by these columns instead of appending (the rules of
+            :mod:`sinks.keys`): each checkpoint's changes replace the rows of
+            their keys, copy-on-write (:mod:`sinks.delta.merge`). Needs a table
+            Spark reads and writes directly (local or shared filesystem).
+        order_by: with ``key``, the column whose greatest value wins among the
+            rows of one key in a batch.
+        delete_when: with ``key``, which rows delete their key: a boolean
+            column's name, or ``(column, value)``; the column is not written.
 
     Tables are ordinary Delta tables (protocol 1/2, or 3/7 with ``timestampNtz``
     when a column is a timestamp without time zone) that delta-spark reads.
@@ -141,6 +151,9 @@ class DeltaSink(Sink):
         create_table: bool = True,
         commit_timeout: float = 300.0,
         write_with: str = "auto",
+        key: Sequence[str] | None = None,
+        order_by: str | None = None,
+        delete_when: str | tuple[str, Any] | None = None,
     ) -> None:
         uri = os.fspath(table_uri)
         if not uri:
@@ -168,6 +181,12 @@ class DeltaSink(Sink):
             )
         self.write_with = write_with
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
+        self.rules = KeyedWrite.of(f"Delta table {self.table_uri}", key, order_by, delete_when)
+        if self.rules.keyed and root is None:
+            raise ConfigError(
+                f"DeltaSink(key=...) merges with Spark jobs that read and write the table's "
+                f"files directly, which needs a local or shared-filesystem table, not {uri}"
+            )
         self._storage = TableStorage(self.table_uri, self.storage_options)
         self._layout: Layout | None = None
         self._claims = ClaimedScopes()
@@ -204,6 +223,9 @@ class DeltaSink(Sink):
             "create_table": self.create_table,
             "commit_timeout": self.commit_timeout,
             "write_with": self.write_with,
+            "key": list(self.rules.key),
+            "order_by": self.rules.order_by,
+            "delete_when": self.rules.delete_when.settings() if self.rules.delete_when else None,
         }
 
     @classmethod
@@ -234,6 +256,9 @@ class DeltaSink(Sink):
             create_table=s["create_table"],
             commit_timeout=s["commit_timeout"],
             write_with=s.get("write_with", "auto"),
+            key=s.get("key") or None,
+            order_by=s.get("order_by"),
+            delete_when=s.get("delete_when"),
         )
 
     def __repr__(self) -> str:
@@ -255,7 +280,16 @@ class DeltaSink(Sink):
         except (DeltaError, OSError) as e:
             raise PreflightError(f"cannot open {where}: {e}".strip()) from e
 
+    def partition_columns(self) -> list[str] | None:
+        return list(self.rules.key) or None
+
+    def sort_columns(self) -> list[str] | None:
+        return self.rules.sort_columns() if self.rules.keyed else None
+
     def _check_or_create(self, schema: pa.Schema, where: str) -> Layout:
+        if self.rules.keyed:
+            self.rules.preflight(schema)
+            schema = self.rules.written(schema)
         missing = [c for c in self.partition_by or () if c not in schema.names]
         if missing:
             raise DeltaSchemaError(
@@ -303,6 +337,8 @@ class DeltaSink(Sink):
     def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
         if self._layout is None:
             raise RuntimeError("DeltaSink.preflight() must run before writers open")
+        if self.rules.keyed:
+            return ChangeWriter(self._storage, self._layout, self.rules, ctx)
         return DeltaWriter(self._storage, self._layout, ctx)
 
     def spark_writes(self) -> bool:
@@ -321,7 +357,7 @@ class DeltaSink(Sink):
     ) -> list[Committable] | None:
         if self._layout is None:
             raise RuntimeError("DeltaSink.preflight() must run before batches are written")
-        if not self.spark_writes():
+        if self.rules.keyed or not self.spark_writes():
             return None
         staged = SparkStage(self._storage, self._layout, self.describe()).stage(
             df, scope, run, batch_id
@@ -364,7 +400,7 @@ class DeltaSink(Sink):
     def commit(self, committables: Sequence[Committable]) -> None:
         """Commit every staged file of ``committables`` as one Delta version with
         ``txn(app id, highest batch id)``; skip when the table has that version."""
-        cs = [c for c in committables if c.get("adds")]
+        cs = [c for c in committables if c.get("adds") or c.get("changes")]
         if not cs:
             return
         names = [TxnName.require(c["txn"]) for c in cs]
@@ -409,6 +445,7 @@ class DeltaSink(Sink):
                 done,
                 version,
             )
+            merge.discard_changes(self._storage, cs)
             # This very commit's files are in the table (kept); a replay's are not.
             committed = table.committed_paths(dt)
             for c in cs:
@@ -417,30 +454,43 @@ class DeltaSink(Sink):
                         self._storage.delete(a["path"])
                     self._storage.delete(marker_path(a["path"]))
             return
-        else:
-            table.check_writable(dt, where)
-            layout = table.layout_of(dt)
-            adds = [self._checked_add(c, a, layout) for c in cs for a in c["adds"]]
-            dt.create_write_transaction(
-                adds,
-                mode="append",
-                schema=dt.schema(),
-                partition_by=list(layout.partition_by) or None,
-                commit_properties=CommitProperties(
-                    app_transactions=[Transaction(app, version, int(time.time() * 1000))],
-                    custom_metadata={"twophaseApp": app, "twophaseBatch": version},
-                    max_commit_retries=0,  # compare-and-set: the checks above held
-                ),
+        table.check_writable(dt, where)
+        layout = table.layout_of(dt)
+        if self.rules.keyed:
+            merge.commit(
+                dt=dt,
+                layout=layout,
+                storage=self._storage,
+                rules=self.rules,
+                committables=cs,
+                scope=scope,
+                app=app,
+                version=version,
+                where=where,
+                checked_add=lambda c, a: self._checked_add(c, a, layout),
             )
-            log.debug(
-                "%s: committed %d file(s) of %d transaction(s) as %s v%d",
-                where,
-                len(adds),
-                len(cs),
-                app,
-                version,
-            )
-            _faults.hit("driver.mid_commit", batch=version, sink=self.kind)
+            return
+        adds = [self._checked_add(c, a, layout) for c in cs for a in c["adds"]]
+        dt.create_write_transaction(
+            adds,
+            mode="append",
+            schema=dt.schema(),
+            partition_by=list(layout.partition_by) or None,
+            commit_properties=CommitProperties(
+                app_transactions=[Transaction(app, version, int(time.time() * 1000))],
+                custom_metadata={"twophaseApp": app, "twophaseBatch": version},
+                max_commit_retries=0,  # compare-and-set: the checks above held
+            ),
+        )
+        log.debug(
+            "%s: committed %d file(s) of %d transaction(s) as %s v%d",
+            where,
+            len(adds),
+            len(cs),
+            app,
+            version,
+        )
+        _faults.hit("driver.mid_commit", batch=version, sink=self.kind)
         for c in cs:
             for a in c["adds"]:
                 self._storage.delete(marker_path(a["path"]))
@@ -489,6 +539,7 @@ class DeltaSink(Sink):
         """Delete the staged files of ``committables`` (idempotent). A file the
         table references is never deleted."""
         paths = [a["path"] for c in committables for a in c.get("adds", ())]
+        paths += [ch["path"] for c in committables for ch in c.get("changes", ())]
         if paths:
             retry_transient(
                 lambda: self._delete_staged(paths),
@@ -591,6 +642,9 @@ class DeltaSink(Sink):
                 try:
                     for a in c.get("adds", ()):
                         self._checked_add(c, a, layout)
+                    for ch in c.get("changes", ()):
+                        if self._storage.info(ch["path"]) is None:
+                            raise TransactionLostError(ch["path"])
                 except TransactionLostError:
                     found[c["txn"]] = LOST
                 else:

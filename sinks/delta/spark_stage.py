@@ -185,10 +185,18 @@ class SparkStage:
         self._layout = layout
         self._where = where
 
-    def stage(self, df: DataFrame, scope: JobScope, run: int, batch_id: int) -> Committable | None:
+    def stage(
+        self,
+        df: DataFrame,
+        scope: JobScope,
+        run: int,
+        batch_id: int,
+        attempt: int | None = None,
+    ) -> Committable | None:
         """Write ``df`` as the staged files of one transaction; its committable,
         or ``None`` when the batch has no rows. On an error nothing is left
-        staged (or, if the driver dies, a sweep finds it)."""
+        staged (or, if the driver dies, a sweep finds it). ``attempt``: the
+        transaction name's attempt number (default: the next of this process)."""
         txn = TxnName(
             job=scope.job,
             pipeline=scope.pipeline,
@@ -196,7 +204,7 @@ class SparkStage:
             run=run,
             batch_id=batch_id,
             partition=0,
-            attempt=next(_ATTEMPTS),
+            attempt=next(_ATTEMPTS) if attempt is None else attempt,
             incarnation=scope.incarnation,
         )
         staging = f"{SPARK_STAGING_DIR}/{txn}"

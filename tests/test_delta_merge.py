@@ -1,0 +1,181 @@
+"""Keyed writes to Delta (``DeltaSink(key=...)``): merges planned by the driver,
+run by Spark, committed as one version per checkpoint.
+
+Each table is compared with the dictionary model of its change feed, read by
+deltalake and by Spark's own Parquet reader from the snapshot's files; nothing
+may be left staged (change files, the merge's staged files, markers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+from lifecycle import Job, TaskFailedError
+from lifecycle.testing import verify
+from sinks import ConfigError, DeltaSink, _faults
+from tests.changefeed import SCHEMA as FEED
+from tests.changefeed import write_feed
+
+
+def _rows(uri: Path) -> dict[int, dict[str, Any]]:
+    rows = DeltaTable(str(uri)).to_pyarrow_table().to_pylist()
+    got = {r["id"]: r for r in rows}
+    assert len(got) == len(rows), "a key is in the table more than once"
+    return got
+
+
+def _spark_rows(spark, uri: Path) -> dict[int, dict[str, Any]]:  # type: ignore[no-untyped-def]
+    files = DeltaTable(str(uri)).file_uris()
+    if not files:
+        return {}
+    return {r["id"]: r.asDict() for r in spark.read.parquet(*files).collect()}
+
+
+def _merges(uri: Path) -> list[dict[str, Any]]:
+    """What each merge version did, oldest first."""
+    history = sorted(DeltaTable(str(uri)).history(), key=lambda h: h["version"])
+    return [json.loads(h["twophaseMerge"]) for h in history if h.get("twophaseMerge")]
+
+
+def _feed_job(spark, tmp_path: Path, sink: DeltaSink, interval: float, name: str = "dm"):  # type: ignore[no-untyped-def]
+    df = spark.readStream.schema(FEED).option("maxFilesPerTrigger", 1).json(str(tmp_path / "in"))
+    job = Job(spark, name, tmp_path / "state", checkpoint_interval=interval)
+    job.add_pipeline("feed", df, [sink], bounded=True)
+    return job
+
+
+def test_a_change_feed_merges_into_delta_equal_to_the_model(spark, tmp_path):  # type: ignore[no-untyped-def]
+    model = write_feed(tmp_path / "in", files=5, rows_per_file=80, keys=30, seed=5)
+    uri = tmp_path / "t"
+    sink = DeltaSink(uri, key=["id"], order_by="seq", delete_when=("op", "D"))
+    _feed_job(spark, tmp_path, sink, interval=0).run()
+    assert _rows(uri) == model
+    assert _spark_rows(spark, uri) == model
+    merges = _merges(uri)
+    assert 2 <= len(merges) <= 5  # one version per checkpoint (of one or more batches)
+    assert merges[0]["filesRemoved"] == 0 and merges[-1]["filesRemoved"] >= 1
+    verify.assert_nothing_left_delta(uri)
+    assert "op" not in DeltaTable(str(uri)).schema().to_arrow().names
+
+
+def test_several_batches_merge_as_one_version_the_last_batch_winning(spark, tmp_path):  # type: ignore[no-untyped-def]
+    model = write_feed(tmp_path / "in", files=5, rows_per_file=60, keys=12, seed=9)
+    uri = tmp_path / "t"
+    sink = DeltaSink(uri, key=["id"], order_by="seq", delete_when=("op", "D"))
+    result = _feed_job(spark, tmp_path, sink, interval=600).run()
+    assert result.committed
+    assert _rows(uri) == model
+    merges = _merges(uri)
+    assert len(merges) == 1 and len(merges[0]["changes"]) >= 5  # every batch's tasks
+    verify.assert_nothing_left_delta(uri)
+
+
+def _write_batches(
+    spark,
+    tmp_path: Path,
+    sink: DeltaSink,
+    batches: list[list[dict[str, Any]]],
+    schema: str,
+    name: str,
+) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / f"in-{name}"
+    src.mkdir()
+    for i, rows in enumerate(batches):
+        part = src / f"part-{i}.json"
+        part.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+        os.utime(part, (1_700_000_000 + i, 1_700_000_000 + i))
+    df = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(str(src))
+    job = Job(spark, name, tmp_path / f"state-{name}", checkpoint_interval=0)
+    job.add_pipeline("p", df, [sink], bounded=True)
+    job.run()
+
+
+def test_a_partition_in_the_key_prunes_the_rewrite(spark, tmp_path):  # type: ignore[no-untyped-def]
+    uri = tmp_path / "t"
+    sink = DeltaSink(uri, key=["region", "id"], partition_by=["region"])
+    schema = "region string, id long, v long"
+    first = [{"region": r, "id": i, "v": 0} for r in "abcd" for i in range(20)]
+    second = [{"region": "b", "id": i, "v": 1} for i in range(5)]
+    _write_batches(spark, tmp_path, sink, [first, second], schema, "prune")
+    merges = _merges(uri)
+    files_of_b = sum(1 for u in DeltaTable(str(uri)).file_uris() if "region=b" in u)
+    assert merges[-1]["filesRemoved"] >= 1
+    assert merges[-1]["filesRemoved"] <= files_of_b + 1  # region b's files only
+    rows = DeltaTable(str(uri)).to_pyarrow_table().to_pylist()
+    assert len(rows) == 80
+    assert sorted(r["id"] for r in rows if r["v"] == 1) == [0, 1, 2, 3, 4]
+    assert {r["region"] for r in rows if r["v"] == 1} == {"b"}
+    verify.assert_nothing_left_delta(uri)
+
+
+def test_an_update_moves_a_row_to_another_partition(spark, tmp_path):  # type: ignore[no-untyped-def]
+    """Partitioned by a column that is not part of the key: the planner cannot
+    prune by partition, and the old row in the other partition goes."""
+    uri = tmp_path / "t"
+    sink = DeltaSink(uri, key=["id"], partition_by=["status"])
+    schema = "id long, status string"
+    first = [{"id": i, "status": "open"} for i in range(10)]
+    second = [{"id": 3, "status": "closed"}, {"id": 4, "status": "closed"}]
+    _write_batches(spark, tmp_path, sink, [first, second], schema, "moves")
+    rows = DeltaTable(str(uri)).to_pyarrow_table().to_pylist()
+    assert sorted((r["id"], r["status"]) for r in rows) == sorted(
+        [(i, "open") for i in range(10) if i not in (3, 4)] + [(3, "closed"), (4, "closed")]
+    )
+
+
+@pytest.mark.parametrize("other", ["append", "delete-and-append"])
+def test_a_concurrent_writer_makes_the_merge_plan_again(spark, tmp_path, other):  # type: ignore[no-untyped-def]
+    """Another writer commits a version between the merge's staging and its
+    commit: it appends rows of key 1 (which the merge writes) and key 100, and
+    maybe deletes key 5 (rewriting the file the merge rewrites too). Committed on the
+    stale plan, the merge would bring key 5 back and leave two rows of key 1;
+    the commit fails instead, its staged files are deleted, and the merge is
+    planned again on the new version."""
+    uri = tmp_path / "t"
+    sink = DeltaSink(uri, key=["id"])
+    schema = "id long, v long"
+    _write_batches(spark, tmp_path, sink, [[{"id": i, "v": 0} for i in range(10)]], schema, "a")
+    fired = []
+
+    def other_writer() -> None:
+        fired.append(True)
+        if other == "delete-and-append":
+            DeltaTable(str(uri)).delete("id = 5")
+        write_deltalake(str(uri), pa.table({"id": [1, 100], "v": [9, 7]}), mode="append")
+
+    _faults.register("driver.merge_staged", other_writer)
+    _write_batches(spark, tmp_path, sink, [[{"id": 1, "v": 1}, {"id": 2, "v": 1}]], schema, "b")
+    assert fired
+    got = {r["id"]: r["v"] for r in DeltaTable(str(uri)).to_pyarrow_table().to_pylist()}
+    assert len(got) == DeltaTable(str(uri)).count()  # one row per key
+    gone = 5 if other == "delete-and-append" else None
+    assert got == {**{i: 0 for i in range(10) if i != gone}, 1: 1, 2: 1, 100: 7}
+    verify.assert_nothing_left_delta(uri)
+
+
+def test_keyed_rules_fail_the_batch_in_delta(spark, tmp_path):  # type: ignore[no-untyped-def]
+    uri = tmp_path / "t"
+    sink = DeltaSink(uri, key=["id"])
+    with pytest.raises(TaskFailedError, match=r"different rows of the key \(id=1\)"):
+        _write_batches(
+            spark,
+            tmp_path,
+            sink,
+            [[{"id": 1, "v": 1}, {"id": 1, "v": 2}]],
+            "id long, v long",
+            "dup",
+        )
+    verify.assert_nothing_left_delta(uri)
+
+
+def test_keyed_delta_needs_a_table_spark_reaches() -> None:
+    with pytest.raises(ConfigError, match="local or shared-filesystem"):
+        DeltaSink("s3://bucket/t", key=["id"])
