@@ -35,7 +35,8 @@ does so for the test jobs.
 Points: ``executor.write``, ``executor.prepared``, ``driver.before_record``,
 ``driver.before_record_ending_input`` (the same, in a query ending its input),
 ``driver.after_record``, ``driver.before_commit``, ``driver.mid_commit``,
-``driver.ending_input`` (a pipeline has recorded that its input ends).
+``driver.ending_input`` (a pipeline has recorded that its input ends), ``driver.merge_staged``
+(a keyed Delta sink staged its merge and has not committed it).
 """
 
 from __future__ import annotations

@@ -224,3 +224,25 @@ def delta_rows(uri: str | Path) -> list[tuple[Any, ...]]:
 def _order(row: tuple[Any, ...]) -> tuple[tuple[bool, Any], ...]:
     """Sort key of a row that may hold nulls."""
     return tuple((v is None, "" if v is None else v) for v in row)
+
+
+def duckdb_rows(uri: str | Path) -> list[tuple[Any, ...]]:
+    """The table's rows read by DuckDB's Delta extension (``delta_scan``: a
+    reader that is not deltalake), as sorted tuples in table order. The
+    extension comes from its PyPI package, pinned to DuckDB's version (``INSTALL
+    delta`` would download it)."""
+    import duckdb
+    import duckdb_extension_delta
+
+    found = sorted(Path(duckdb_extension_delta.__file__).parent.glob("extensions/*/delta.*"))
+    assert found, "duckdb-extension-delta holds no extension file"
+    columns = [f.name for f in DeltaTable(str(uri)).schema().fields]
+    con = duckdb.connect(config={"allow_unsigned_extensions": "true"})
+    try:
+        con.execute(f"LOAD '{found[-1]}'")
+        cols = ", ".join('"' + c.replace('"', '""') + '"' for c in columns)
+        path = str(Path(uri).resolve()).replace("'", "''")
+        rows = con.execute(f"SELECT {cols} FROM delta_scan('{path}')").fetchall()
+    finally:
+        con.close()
+    return sorted((tuple(r) for r in rows), key=_order)

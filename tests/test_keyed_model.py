@@ -1,0 +1,195 @@
+"""Keyed writes against the dictionary model, with the driver SIGKILLed.
+
+A random change feed (inserts, updates and deletes of overlapping keys over
+many batches, ``tests/changefeed.py``) goes through ``tests/jobs/changefeed_job.py``
+into PostgreSQL, a Kafka changelog topic and a keyed Delta table, each sink
+alone and all three in one job. ``crash_test`` SIGKILLs the job (its whole
+process group) at random instants and at the protocol's dangerous points, then
+runs it to completion. Afterwards every sink must equal the model (each key's
+last row by batch, then ``seq``; deleted keys absent):
+
+* PostgreSQL row for row, nothing left prepared;
+* Kafka read as a compacted table from the raw log (the last committed record
+  per key, tombstones deleting), nothing left open;
+* Delta row for row through deltalake, through Spark's own Parquet reader of the
+  snapshot's files, and through DuckDB's Delta extension; nothing left staged
+  (no change file, no merge output, no marker).
+
+The short tier runs by default; ``-m soak`` runs the long kill loops.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from lifecycle.testing import crash_test, verify
+from tests import deltacheck
+from tests.changefeed import write_feed
+from tests.pgcheck import job_prepared
+
+JOB = str(Path(__file__).parent / "jobs" / "changefeed_job.py")
+FAULTS = ("driver.after_record", "driver.mid_commit", "driver.before_commit")
+DELTA_FAULTS = ("driver.merge_staged", *FAULTS)  # between a merge's staging and its commit
+
+
+class Model:
+    """One scenario: the feed, its model, the sinks' targets and the checks."""
+
+    def __init__(self, tmp: Path, sinks: str, seed: int, files: int, rows: int, keys: int) -> None:
+        self.tmp = tmp
+        self.sinks = sinks.split(",")
+        self.seed = seed
+        self.model = write_feed(tmp / "in", files=files, rows_per_file=rows, keys=keys, seed=seed)
+        self.job = f"km{uuid.uuid4().hex[:8]}"
+        self.delta = tmp / "delta"
+        self.dsn: str | None = None
+        self.bootstrap: str | None = None
+        self.topic: str | None = None
+
+    def args(self) -> list[str]:
+        a = ["--input", str(self.tmp / "in"), "--state", str(self.tmp / "state")]
+        a += ["--sinks", ",".join(self.sinks), "--job", self.job, "--delta", str(self.delta)]
+        if self.dsn:
+            a += ["--dsn", self.dsn]
+        if self.bootstrap and self.topic:
+            a += ["--bootstrap", self.bootstrap, "--topic", self.topic]
+        return a
+
+    def rows(self) -> dict[int, tuple[Any, ...]]:
+        return {k: (r["id"], r["seq"], r["name"]) for k, r in self.model.items()}
+
+    def check(self, spark: Any) -> None:
+        want = self.rows()
+        if "pg" in self.sinks:
+            assert self.dsn is not None
+            with psycopg.connect(self.dsn) as c:
+                got = c.execute("SELECT id, seq, name FROM model").fetchall()
+            assert {r[0]: r for r in got} == want and len(got) == len(want)
+            assert job_prepared(self.dsn, self.job) == []
+        if "kafka" in self.sinks:
+            assert self.bootstrap is not None and self.topic is not None
+            log = verify.assert_nothing_left_kafka(self.bootstrap, self.topic, self.job)
+            table: dict[int, bytes | None] = {}
+            for r in sorted(log.committed, key=lambda r: (r.partition, r.offset)):
+                assert r.key is not None
+                table[int(r.key)] = r.value
+            got_k = {
+                k: (v["id"], v["seq"], v["name"])
+                for k, raw in table.items()
+                if raw is not None
+                for v in [json.loads(raw)]
+            }
+            assert got_k == want
+        if "delta" in self.sinks:
+            expected = sorted(want.values())
+            assert deltacheck.delta_rows(self.delta) == expected
+            assert deltacheck.spark_rows(spark, self.delta) == expected
+            assert deltacheck.duckdb_rows(self.delta) == expected
+            verify.assert_nothing_left_delta(self.delta)
+
+
+def _scenario(
+    tmp_path: Path,
+    sinks: str,
+    *,
+    seed: int,
+    files: int = 12,
+    rows: int = 40,
+    keys: int = 15,
+    pg_dsn: str | None = None,
+    kafka_topic: Callable[..., str] | None = None,
+    kafka_bootstrap: str | None = None,
+) -> Model:
+    m = Model(tmp_path, sinks, seed, files, rows, keys)
+    if "pg" in m.sinks:
+        assert pg_dsn is not None
+        m.dsn = pg_dsn
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute("CREATE TABLE model (id bigint PRIMARY KEY, seq bigint, name text)")
+    if "kafka" in m.sinks:
+        assert kafka_topic is not None
+        m.bootstrap, m.topic = kafka_bootstrap, kafka_topic(3)
+    return m
+
+
+def _crash(m: Model, spark: Any, kills: int) -> None:
+    report = crash_test(
+        JOB,
+        kills=kills,
+        seed=m.seed,
+        args=m.args(),
+        fault_points=DELTA_FAULTS if "delta" in m.sinks else FAULTS,
+        min_delay=4.0,
+        max_delay=16.0,
+        timeout=600.0,
+        verify=lambda: m.check(spark),
+        log=m.tmp / "crash.log",
+    )
+    print(report)
+    assert report.kills >= 1, f"the job was never killed:\n{report}"
+
+
+# -- the short tier (default) ---------------------------------------------------------------
+
+pytestmark = pytest.mark.crash
+
+
+def test_postgres_equals_the_model_after_kills(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    m = _scenario(tmp_path, "pg", seed=101, pg_dsn=pg_dsn)
+    _crash(m, spark, kills=2)
+
+
+def test_kafka_equals_the_model_after_kills(spark, kafka_bootstrap, kafka_topic, tmp_path):  # type: ignore[no-untyped-def]
+    m = _scenario(
+        tmp_path, "kafka", seed=102, kafka_topic=kafka_topic, kafka_bootstrap=kafka_bootstrap
+    )
+    _crash(m, spark, kills=2)
+
+
+def test_delta_equals_the_model_after_kills(spark, tmp_path):  # type: ignore[no-untyped-def]
+    m = _scenario(tmp_path, "delta", seed=103)
+    _crash(m, spark, kills=3)  # the second kill is at a merge's staged files
+
+
+def test_all_three_equal_the_model_after_kills(  # type: ignore[no-untyped-def]
+    spark, pg_dsn, kafka_bootstrap, kafka_topic, tmp_path
+):
+    m = _scenario(
+        tmp_path,
+        "pg,kafka,delta",
+        seed=104,
+        pg_dsn=pg_dsn,
+        kafka_topic=kafka_topic,
+        kafka_bootstrap=kafka_bootstrap,
+    )
+    _crash(m, spark, kills=3)
+
+
+# -- the long tier (-m soak) ----------------------------------------------------------------
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("sinks", ["pg", "kafka", "delta", "pg,kafka,delta"])
+def test_long_kill_loops_equal_the_model(  # type: ignore[no-untyped-def]
+    spark, pg_dsn, kafka_bootstrap, kafka_topic, tmp_path, sinks
+):
+    seed = int(uuid.uuid4().int % 100_000)
+    m = _scenario(
+        tmp_path,
+        sinks,
+        seed=seed,
+        files=16,
+        rows=60,
+        keys=25,
+        pg_dsn=pg_dsn,
+        kafka_topic=kafka_topic,
+        kafka_bootstrap=kafka_bootstrap,
+    )
+    _crash(m, spark, kills=10)
