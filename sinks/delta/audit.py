@@ -31,7 +31,10 @@ from sinks.naming import TxnName
 
 
 def evidence(c: Mapping[str, Any]) -> dict[str, Any]:
-    """What the ledger keeps of a committed Delta committable for an audit."""
+    """What the ledger keeps of a committed Delta committable for an audit (a
+    keyed sink's: that it was merged, and its rows of changes)."""
+    if c.get("changes"):
+        return {"txn": c["txn"], "rows": int(c.get("rows", 0)), "merge": True}
     return {
         "txn": c["txn"],
         "rows": int(c.get("rows", 0)),
@@ -89,9 +92,53 @@ def audit(
             )
             continue
         adds = _adds(storage, version)
+        merged = _merged(storage, version)
         for c in cp.committed:
-            found.append(_check(cp.checkpoint, c, version, adds))
+            if c.get("merge"):
+                found.append(_check_merge(cp.checkpoint, c, version, merged))
+            else:
+                found.append(_check(cp.checkpoint, c, version, adds))
     return found
+
+
+def _merged(storage: TableStorage, version: int) -> dict[str, int] | None:
+    """The change rows per transaction a merge version records in its
+    ``commitInfo`` (``twophaseMerge``); None when the commit file is gone or
+    records no merge."""
+    data = storage.read(f"_delta_log/{version:020d}.json")
+    if data is None:
+        return None
+    for line in data.decode().splitlines():
+        info = json.loads(line).get("commitInfo") if line.strip() else None
+        if info and info.get("twophaseMerge"):
+            summary = info["twophaseMerge"]
+            summary = json.loads(summary) if isinstance(summary, str) else summary
+            return {str(k): int(v) for k, v in summary.get("changes", {}).items()}
+    return {}
+
+
+def _check_merge(
+    checkpoint: int, c: Mapping[str, Any], version: int, merged: dict[str, int] | None
+) -> Finding:
+    """A keyed sink's committable: the merge version records its change rows."""
+    txn, rows = str(c["txn"]), int(c.get("rows", 0))
+    if merged is None:
+        return Finding(
+            checkpoint, txn, Verdict.EXPIRED, f"the commit file of version {version} is gone", rows
+        )
+    if txn not in merged:
+        return Finding(
+            checkpoint, txn, Verdict.MISMATCH, f"version {version} does not merge {txn}", rows
+        )
+    if merged[txn] != rows:
+        return Finding(
+            checkpoint,
+            txn,
+            Verdict.MISMATCH,
+            f"version {version} merges {merged[txn]} change(s) of it, the ledger says {rows}",
+            rows,
+        )
+    return Finding(checkpoint, txn, Verdict.OK, f"version {version} (a merge)", rows)
 
 
 def _adds(storage: TableStorage, version: int) -> dict[str, int | None] | None:
