@@ -74,6 +74,12 @@ class PipelineSinks:
     sinks: dict[str, Sink]
     commit_log: SparkCommitLog
 
+    @property
+    def deferred(self) -> bool:
+        """Whether the pipeline commits only at the checkpoint that finishes it
+        (a sink of it replaces, :attr:`sinks.base.Sink.commits_at_finish`)."""
+        return any(s.commits_at_finish for s in self.sinks.values())
+
 
 def _by_target(
     sinks: dict[tuple[str, str], Sink], keys: Iterable[tuple[str, str]]
@@ -301,13 +307,19 @@ class Coordinator:
 
     # -- checkpoints ----------------------------------------------------------------
 
-    def completed_cut(self, only: Iterable[str] | None = None) -> dict[str, int]:
+    def completed_cut(
+        self, only: Iterable[str] | None = None, finishing: Collection[str] = ()
+    ) -> dict[str, int]:
         """Per pipeline (of ``only``, default all), the highest pending batch that
-        Spark has completed."""
+        Spark has completed. A deferred pipeline (:attr:`PipelineSinks.deferred`)
+        is in the cut only when the checkpoint finishes it (``finishing``): until
+        then its batches stay pending, also across restarts."""
         keep = set(only) if only is not None else None
         cut: dict[str, int] = {}
         for p in self.ledger.pending_pipelines():
             if keep is not None and p not in keep:
+                continue
+            if p in self.pipelines and self.pipelines[p].deferred and p not in finishing:
                 continue
             latest = self._spark_completed(p)
             done = [b for b in self.ledger.pending_batch_ids(p) if b <= latest]
@@ -330,7 +342,7 @@ class Coordinator:
         checkpoints are always recorded."""
         finished = sorted(set(finished) - self.ledger.finished())
         with self._checkpointing:
-            cut = self.completed_cut(only)
+            cut = self.completed_cut(only, finishing=finished)
             if not cut and not finished and kind in ("periodic", "recovery"):
                 return None
             started = time.monotonic()

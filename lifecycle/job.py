@@ -273,6 +273,20 @@ class Job:
             )
         if trigger_interval <= 0:
             raise ConfigError("trigger_interval must be > 0 seconds")
+        replacing = [s for s in sinks if s.commits_at_finish]
+        if replacing and not bounded:
+            raise ConfigError(
+                f"pipeline {name!r}: {replacing[0].describe()} replaces (replace_where), which "
+                "commits once, when the pipeline finishes: pass bounded=True (a backfill)"
+            )
+        expiring = [s for s in sinks if s.prepared_work_expires]
+        if replacing and expiring:
+            raise ConfigError(
+                f"pipeline {name!r}: {replacing[0].describe()} replaces (replace_where), so "
+                "every sink of the pipeline commits only when it finishes, and "
+                f"{expiring[0].describe()} would hold its transactions open that long (they "
+                "expire); write to it from another pipeline"
+            )
         if event_time is not None and transform is None:
             raise ConfigError(
                 f"pipeline {name!r}: event_time needs transform= (the end-of-input marker is "

@@ -85,6 +85,11 @@ class ClaimedScopes:
         assert scope.incarnation is not None
         self._by_key[(scope.job, scope.pipeline, scope.sink_id)] = scope.incarnation
 
+    def owns(self, scope: JobScope) -> bool:
+        """Whether this instance claimed ``scope`` (its incarnation included)."""
+        key = (scope.job, scope.pipeline, scope.sink_id)
+        return self._by_key.get(key) == scope.incarnation
+
     def owner(self, job: str, pipeline: str, sink_id: str, incarnation: str | None) -> str | None:
         """The incarnation work named with ``incarnation`` commits as."""
         return incarnation or self._by_key.get((job, pipeline, sink_id))
@@ -215,6 +220,11 @@ class Sink(abc.ABC):
     #: Kafka transaction's timeout): such sinks pre-commit after the others of
     #: their pipeline, so that their work waits as briefly as possible
     prepared_work_expires: bool = False
+
+    #: whether the sink's work is committed once, at the checkpoint that finishes
+    #: its pipeline (a replace: ``replace_where``); until then every batch of the
+    #: pipeline stays prepared, across restarts. Bounded pipelines only.
+    commits_at_finish: bool = False
 
     def prepared_work_timeout(self) -> float | None:
         """Seconds after which the target aborts prepared work by itself, counted

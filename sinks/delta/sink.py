@@ -71,7 +71,7 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.delta import audit as delta_audit
-from sinks.delta import merge, progress, table
+from sinks.delta import merge, progress, replace, table
 from sinks.delta.changes import ChangeWriter
 from sinks.delta.layout import DeltaSchemaError, Layout, check_file_schema
 from sinks.delta.spark_stage import SparkStage, nested_not_null
@@ -133,6 +133,11 @@ class DeltaSink(Sink):
             rows of one key in a batch.
         delete_when: with ``key``, which rows delete their key: a boolean
             column's name, or ``(column, value)``; the column is not written.
+        replace_where: a Spark SQL predicate over partition columns (e.g.
+            ``"day = '2026-11-01'"``, as delta-spark's ``replaceWhere``): a
+            bounded pipeline replaces the partitions it matches with everything
+            it writes, in one version at its final checkpoint
+            (:mod:`sinks.delta.replace`). A row outside it fails the backfill.
 
     Tables are ordinary Delta tables (protocol 1/2, or 3/7 with ``timestampNtz``
     when a column is a timestamp without time zone) that delta-spark reads.
@@ -154,6 +159,7 @@ class DeltaSink(Sink):
         key: Sequence[str] | None = None,
         order_by: str | None = None,
         delete_when: str | tuple[str, Any] | None = None,
+        replace_where: str | None = None,
     ) -> None:
         uri = os.fspath(table_uri)
         if not uri:
@@ -187,6 +193,12 @@ class DeltaSink(Sink):
                 f"DeltaSink(key=...) merges with Spark jobs that read and write the table's "
                 f"files directly, which needs a local or shared-filesystem table, not {uri}"
             )
+        if replace_where is not None and (self.rules.keyed or not replace_where.strip()):
+            raise ConfigError(
+                "DeltaSink: replace_where replaces the partitions it matches with the "
+                "pipeline's rows, which is neither a merge (key=) nor an empty predicate"
+            )
+        self.replace_where = replace_where
         self._storage = TableStorage(self.table_uri, self.storage_options)
         self._layout: Layout | None = None
         self._claims = ClaimedScopes()
@@ -226,6 +238,7 @@ class DeltaSink(Sink):
             "key": list(self.rules.key),
             "order_by": self.rules.order_by,
             "delete_when": self.rules.delete_when.settings() if self.rules.delete_when else None,
+            "replace_where": self.replace_where,
         }
 
     @classmethod
@@ -259,6 +272,7 @@ class DeltaSink(Sink):
             key=s.get("key") or None,
             order_by=s.get("order_by"),
             delete_when=s.get("delete_when"),
+            replace_where=s.get("replace_where"),
         )
 
     def __repr__(self) -> str:
@@ -279,6 +293,10 @@ class DeltaSink(Sink):
             raise PreflightError(str(e)) from e
         except (DeltaError, OSError) as e:
             raise PreflightError(f"cannot open {where}: {e}".strip()) from e
+
+    @property
+    def commits_at_finish(self) -> bool:  # type: ignore[override]
+        return self.replace_where is not None
 
     def partition_columns(self) -> list[str] | None:
         return list(self.rules.key) or None
@@ -330,6 +348,8 @@ class DeltaSink(Sink):
             )
         layout.check_partitioning(where)
         layout.check_input(schema, where)
+        if self.replace_where is not None:
+            replace.check_predicate(self.replace_where, layout, where)
         return layout
 
     # -- executor side --------------------------------------------------------------
@@ -357,6 +377,8 @@ class DeltaSink(Sink):
     ) -> list[Committable] | None:
         if self._layout is None:
             raise RuntimeError("DeltaSink.preflight() must run before batches are written")
+        if self.replace_where is not None:
+            replace.check_rows(df, self.replace_where, self.describe(), batch_id)
         if self.rules.keyed or not self.spark_writes():
             return None
         staged = SparkStage(self._storage, self._layout, self.describe()).stage(
@@ -471,8 +493,13 @@ class DeltaSink(Sink):
             )
             return
         adds = [self._checked_add(c, a, layout) for c in cs for a in c["adds"]]
+        gone = (
+            replace.removes(dt, layout, self.replace_where)
+            if self.replace_where is not None
+            else []
+        )
         dt.create_write_transaction(
-            adds,
+            [*adds, *gone],
             mode="append",
             schema=dt.schema(),
             partition_by=list(layout.partition_by) or None,

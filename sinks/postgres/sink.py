@@ -51,7 +51,7 @@ from sinks.base import (
 from sinks.errors import ConfigError, PreflightError, TransactionLostError
 from sinks.naming import TxnName, check_id, scope_prefixes
 from sinks.postgres import audit as pg_audit
-from sinks.postgres import catalog, liveness
+from sinks.postgres import catalog, liveness, replace
 from sinks.postgres.progress import PROGRESS_DDL, ProgressTable
 from sinks.postgres.types import ddl_type, wire_type
 from sinks.postgres.values import PG_TYPE_KEY
@@ -96,6 +96,11 @@ class PostgresSink(Sink):
         schema: schema of ``table`` when ``table`` has no dot (default ``public``).
         create_table: create the table from the DataFrame schema when missing
             (with a primary key on ``key``).
+        replace_where: a SQL predicate over the table's columns (e.g. ``"day =
+            '2026-11-01'"``): a bounded pipeline replaces the rows it matches
+            with everything it writes, in one transaction at its final
+            checkpoint (:mod:`sinks.postgres.replace`). A row outside the
+            predicate fails its task. Not with ``key``.
         add_columns: add the DataFrame's columns the table lacks, as nullable
             columns, once at job start (after recovery, before any data is
             prepared; :meth:`evolve_schema`). The ``ALTER TABLE`` waits at most
@@ -141,6 +146,7 @@ class PostgresSink(Sink):
         connect_timeout: float = 10.0,
         lock_timeout: float | None = None,
         add_columns: bool = False,
+        replace_where: str | None = None,
     ) -> None:
         if not table:
             raise ConfigError("PostgresSink needs a table name")
@@ -153,6 +159,12 @@ class PostgresSink(Sink):
         self.order_by = order_by
         self.create_table = create_table
         self.add_columns = add_columns
+        if replace_where is not None and (key or not replace_where.strip()):
+            raise ConfigError(
+                "PostgresSink: replace_where replaces the rows it matches with the pipeline's "
+                "rows, which is neither an upsert (key=) nor an empty predicate; choose one"
+            )
+        self.replace_where = replace_where
         self._new_columns: list[pa.Field] = []
         self.marker_schema, _, self.marker_name = marker_table.rpartition(".")
         if not self.marker_schema:
@@ -236,6 +248,7 @@ class PostgresSink(Sink):
             "delete_when": self.rules.delete_when.settings() if self.rules.delete_when else None,
             "create_table": self.create_table,
             "add_columns": self.add_columns,
+            "replace_where": self.replace_where,
             "marker_table": self.marker_table,
             "commit_timeout": self.commit_timeout,
             "commit_connections": self.commit_connections,
@@ -263,6 +276,7 @@ class PostgresSink(Sink):
             delete_when=s.get("delete_when"),
             create_table=s["create_table"],
             add_columns=s.get("add_columns", False),
+            replace_where=s.get("replace_where"),
             sink_id=s["sink_id"],
             marker_table=s["marker_table"],
             commit_timeout=s["commit_timeout"],
@@ -488,6 +502,14 @@ class PostgresSink(Sink):
             2 * load.transactions,
         )
 
+    @property
+    def commits_at_finish(self) -> bool:  # type: ignore[override]
+        return self.replace_where is not None
+
+    def staging(self, scope: JobScope) -> sql.Composable:
+        """The staging table of a replacing scope."""
+        return sql.Identifier(self.marker_schema, replace.staging_name(scope))
+
     def checkpoint_pressure(self, batch: Sequence[Committable]) -> str | None:
         """A reason to checkpoint now when the server's prepared transactions
         (all databases, all jobs) leave less room than two more batches like
@@ -549,6 +571,10 @@ class PostgresSink(Sink):
             marker_schema=self.marker_schema,
             rules=self.rules,
         )
+        if self.replace_where is not None:
+            return replace.ReplaceWriter(
+                settings, ctx, self._wire, self.staging(ctx.scope), self.replace_where
+            )
         return PostgresWriter(settings, ctx, self._wire)
 
     # -- progress and claims -----------------------------------------------------------
@@ -591,6 +617,9 @@ class PostgresSink(Sink):
         return {r[0] for r in rows}
 
     def commit(self, committables: Sequence[Committable]) -> None:
+        if self.replace_where is not None:
+            self._commit_replace(committables)
+            return
         gids = [c["txn"] for c in committables]
         if gids:
             doing: list[str] = []  # the statement in flight, for a commit that hangs
@@ -646,6 +675,41 @@ class PostgresSink(Sink):
                 name="twophase-pg-commit",
             )
 
+    def _commit_replace(self, committables: Sequence[Committable]) -> None:
+        """One transaction: the rows matching ``replace_where`` go, the staged
+        rows of ``committables`` come (:func:`replace.commit`)."""
+        if not committables:
+            return
+        assert self.replace_where is not None and self._wire is not None
+        names = [TxnName.require(c["txn"]) for c in committables]
+        scopes = {JobScope(n.job, n.pipeline, n.sink_id, n.incarnation) for n in names}
+        if len(scopes) != 1:
+            raise ValueError(f"{self!r}: a replace commits the work of one scope at a time")
+        scope = scopes.pop()
+
+        def once() -> None:
+            with self.connect(application_name="twophase-replace") as conn:
+                self.progress_table.check_owner(conn, scope)
+                replace.commit(
+                    conn,
+                    target=self.table_ident,
+                    staging=self.staging(scope),
+                    markers=self.marker_ident,
+                    marker_audit=bool(self._audit_columns),
+                    columns=list(self._wire.names),
+                    predicate=self.replace_where or "",
+                    committables=committables,
+                    job=scope.job,
+                    where=self.describe(),
+                )
+
+        retry_transient(
+            once,
+            what=f"replace of {self.replace_where!r} in {self.describe()}",
+            transient=_TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+
     def _marked(self, conn: psycopg.Connection, gids: list[str]) -> set[str]:
         """The ``gids`` whose commit marker is visible: committed."""
         rows = conn.execute(
@@ -673,6 +737,8 @@ class PostgresSink(Sink):
 
         def read() -> dict[str, str]:
             with self.connect(application_name="twophase-classify") as conn:
+                if self.replace_where is not None:
+                    return self._classify_staged(conn, committables)
                 prepared = self._prepared(conn, gids)
                 marked = self._marked(conn, [g for g in gids if g not in prepared])
             return {
@@ -686,8 +752,47 @@ class PostgresSink(Sink):
             deadline=self.commit_timeout,
         )
 
+    def _classify_staged(
+        self, conn: psycopg.Connection, committables: Sequence[Committable]
+    ) -> dict[str, str]:
+        """A replace's transactions: committed (marker), staged in full
+        (prepared) or lost."""
+        gids = [str(c["txn"]) for c in committables]
+        marked = self._marked(conn, gids)
+        found: dict[str, str] = {}
+        for c in committables:
+            g = str(c["txn"])
+            if g in marked:
+                found[g] = COMMITTED
+                continue
+            name = TxnName.require(g)
+            scope = JobScope(name.job, name.pipeline, name.sink_id, name.incarnation)
+            counts = replace.staged_counts(conn, self.staging(scope), [g]) or {}
+            found[g] = PREPARED if counts.get(g) == int(c.get("rows", 0)) else LOST
+        return found
+
     def abort(self, committables: Sequence[Committable]) -> None:
         gids = [c["txn"] for c in committables]
+        if gids and self.replace_where is not None:
+            by_scope: dict[JobScope, list[str]] = {}
+            for g in gids:
+                n = TxnName.require(g)
+                by_scope.setdefault(
+                    JobScope(n.job, n.pipeline, n.sink_id, n.incarnation), []
+                ).append(g)
+
+            def delete() -> None:
+                with self.connect(application_name="twophase-abort") as conn:
+                    for scope, names in by_scope.items():
+                        replace.delete_staged(conn, self.staging(scope), names)
+
+            retry_transient(
+                delete,
+                what=f"abort of {len(gids)} staged transaction(s) in {self.describe()}",
+                transient=_TRANSIENT,
+                deadline=self.commit_timeout,
+            )
+            return
         if gids:
             retry_transient(
                 lambda: self._rollback(gids),
@@ -744,10 +849,11 @@ class PostgresSink(Sink):
         def sweep() -> list[str]:
             with self.connect(application_name="twophase-recover") as conn:
                 found = self._prepared_named(conn, scope.own_prefixes())
+                staged = self._sweep_staged(conn, scope, is_orphan)
             orphans = [gid for gid, name, _ in found if is_orphan(name)]
             if orphans:
                 self._rollback(orphans)
-            return orphans
+            return orphans + staged
 
         aborted = retry_transient(
             sweep,
@@ -758,6 +864,23 @@ class PostgresSink(Sink):
         if aborted:
             log.info("rolled back %d lingering prepared transaction(s): %s", len(aborted), aborted)
         return aborted
+
+    def _sweep_staged(
+        self, conn: psycopg.Connection, scope: JobScope, is_orphan: OrphanTest
+    ) -> list[str]:
+        """Delete a replace's staged rows of orphan transactions; the whole
+        staging table of a scope this sink has not claimed (an incarnation a
+        start-over took over: no task of it writes any more)."""
+        if self.replace_where is None:
+            return []
+        staging = self.staging(scope)
+        txns = replace.staged_txns(conn, staging)
+        orphans = [t for t in txns if (n := TxnName.parse(t)) is not None and is_orphan(n)]
+        if not self._claims.owns(scope) and txns and len(orphans) == len(txns):
+            replace.delete_staged(conn, staging, orphans, drop=True)
+        elif orphans:
+            replace.delete_staged(conn, staging, orphans)
+        return orphans
 
     def evidence(self, committable: Committable) -> dict[str, Any]:
         return pg_audit.evidence(committable)

@@ -1,0 +1,117 @@
+"""A partition replace in Delta (``DeltaSink(replace_where=...)``), as delta-spark's
+``replaceWhere`` over partition columns, exactly once.
+
+The pipeline is deferred (``Sink.commits_at_finish``): its batches stage files
+as appends do, and they stay staged, across restarts, until the checkpoint that
+finishes the pipeline. That commit is one Delta version: it removes every file
+of the snapshot whose partition values match the predicate and adds every
+staged file, with the app transaction of the highest batch (a retried commit is
+recognised and skipped). The predicate is Spark SQL over partition columns,
+checked at preflight; each batch checks its rows against it before staging
+anything (:func:`check_rows`), so a row outside the slice fails the backfill
+with nothing committed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+import pyarrow as pa
+from deltalake import DeltaTable
+from deltalake.transaction import RemoveAction
+
+from sinks.delta.layout import DeltaSchemaError, Layout, partition_value
+from sinks.errors import DataError
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+
+class ReplaceError(DataError):
+    """A row of a replacing pipeline does not match its ``replace_where``."""
+
+
+def _spark() -> Any:
+    from pyspark.sql import SparkSession
+
+    return SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
+
+
+def _partition_schema(layout: Layout) -> Any:
+    from pyspark.sql.pandas.types import from_arrow_type
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    fields = [StructField("path", StringType(), False)]
+    for c in layout.partition_by:
+        t = from_arrow_type(layout.schema.field(c).type, prefer_timestamp_ntz=True)
+        fields.append(StructField(c, t, True))
+    return StructType(fields)
+
+
+def check_predicate(predicate: str, layout: Layout, where: str) -> None:
+    """Refuse a predicate that names anything but partition columns."""
+    from pyspark.errors import AnalysisException, ParseException
+    from pyspark.sql import functions as F
+
+    if not layout.partition_by:
+        raise DeltaSchemaError(
+            f"{where} has no partition columns: replace_where replaces partitions, so the "
+            "table must be partitioned (partition_by=...)"
+        )
+    empty = _spark().createDataFrame([], _partition_schema(layout)).drop("path")
+    try:
+        empty.where(F.expr(predicate)).schema  # noqa: B018  (analysis only)
+    except (AnalysisException, ParseException) as e:
+        first = str(e).strip().splitlines()[0]
+        raise DeltaSchemaError(
+            f"{where}: replace_where {predicate!r} must be a Spark SQL predicate over the "
+            f"partition columns {list(layout.partition_by)} only ({first})"
+        ) from e
+
+
+def check_rows(df: DataFrame, predicate: str, where: str, batch_id: int) -> None:
+    """Raise :class:`ReplaceError` when a row of the batch is outside the slice."""
+    from pyspark.sql import functions as F
+
+    outside = df.where(~F.coalesce(F.expr(predicate), F.lit(False))).limit(1).collect()
+    if outside:
+        raise ReplaceError(
+            f"{where}: batch {batch_id} holds a row that does not match replace_where "
+            f"{predicate!r} (e.g. {outside[0].asDict()}): a replace writes only inside the "
+            "slice it replaces. Nothing of the backfill was committed; filter the rows, or "
+            "widen the predicate"
+        )
+
+
+def removes(dt: DeltaTable, layout: Layout, predicate: str) -> list[RemoveAction]:
+    """The remove actions of every file of ``dt``'s snapshot in the slice."""
+    from pyspark.sql import functions as F
+
+    actions = pa.table(dt.get_add_actions(flatten=True))
+    if actions.num_rows == 0:
+        return []
+    rows = actions.to_pylist()
+    parts = layout.partition_by
+    data = [(str(a["path"]), *(a.get(f"partition.{c}") for c in parts)) for a in rows]
+    spark = _spark()
+    matched = {
+        r[0]
+        for r in spark.createDataFrame(data, _partition_schema(layout))
+        .where(F.expr(predicate))
+        .select("path")
+        .collect()
+    }
+    now = int(time.time() * 1000)
+    return [
+        RemoveAction(
+            path=unquote(str(a["path"])),
+            data_change=True,
+            deletion_timestamp=now,
+            size=int(a["size_bytes"]),
+            partition_values={c: partition_value(a.get(f"partition.{c}")) for c in parts},
+        )
+        for a in rows
+        if str(a["path"]) in matched
+    ]

@@ -1,0 +1,260 @@
+"""Partition replaces for bounded backfills (``replace_where``), PostgreSQL and Delta.
+
+A backfill rewrites one slice of a table (one day): what matches the predicate
+goes, what the pipeline writes comes, in one step at the pipeline's final
+checkpoint, nothing visible before. Re-running the finished backfill on
+purpose (a start-over) gives the same table, not twice the rows; a row outside
+the slice fails the backfill with nothing committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from lifecycle import Job, TaskFailedError
+from lifecycle.ledger import read_ledger
+from sinks import ConfigError, KafkaSink, PostgresSink, _faults
+
+DAY = "day = '2026-11-01'"
+SCHEMA = "day string, id long, v string"
+
+
+def _sql(dsn: str, query: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        cur = c.execute(query)
+        return cur.fetchall() if cur.description else []
+
+
+def _backfill_input(src: Path, files: int = 3, rows: int = 10, day: str = "2026-11-01") -> None:
+    src.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        part = src / f"part-{f}.json"
+        part.write_text(
+            "".join(
+                json.dumps({"day": day, "id": f * rows + i, "v": f"new-{f}-{i}"}) + "\n"
+                for i in range(rows)
+            )
+        )
+        os.utime(part, (1_700_000_000 + f, 1_700_000_000 + f))
+
+
+def _run(spark, src: Path, state: Path, sinks: list[Any], start_over_from: str | None = None):  # type: ignore[no-untyped-def]
+    job = Job(spark, "backfill", state, checkpoint_interval=0, start_over_from=start_over_from)
+    df = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).json(str(src))
+    job.add_pipeline("day", df, sinks, bounded=True)
+    return job.run()
+
+
+def _pg_table(dsn: str) -> None:
+    _sql(dsn, "CREATE TABLE events (day text NOT NULL, id bigint NOT NULL, v text)")
+    _sql(
+        dsn,
+        "INSERT INTO events SELECT '2026-11-01', g, 'old' FROM generate_series(1, 5) g "
+        "UNION ALL SELECT '2026-11-02', g, 'other' FROM generate_series(1, 3) g",
+    )
+
+
+def _pg_rows(dsn: str) -> list[tuple[Any, ...]]:
+    return _sql(dsn, "SELECT day, id, v FROM events ORDER BY day, id, v")
+
+
+def test_postgres_replace_commits_once_and_reruns_give_the_same_table(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    _pg_table(pg_dsn)
+    _backfill_input(tmp_path / "in")
+    seen: list[list[tuple[Any, ...]]] = []
+    # while the backfill runs, after its second batch is recorded: the table as it was
+    _faults.register("driver.after_record", lambda: seen.append(_pg_rows(pg_dsn)))
+    result = _run(
+        spark, tmp_path / "in", tmp_path / "s1", [PostgresSink(pg_dsn, "events", replace_where=DAY)]
+    )
+    assert result.committed
+    assert seen and [r for r in seen[0] if r[0] == "2026-11-01"] == [
+        ("2026-11-01", i, "old") for i in range(1, 6)
+    ]
+    after = _pg_rows(pg_dsn)
+    assert [r for r in after if r[0] == "2026-11-01"] == sorted(
+        ("2026-11-01", f * 10 + i, f"new-{f}-{i}") for f in range(3) for i in range(10)
+    )
+    assert [r for r in after if r[0] == "2026-11-02"] == [
+        ("2026-11-02", i, "other") for i in (1, 2, 3)
+    ]
+    doc = read_ledger(tmp_path / "s1")
+    assert doc is not None
+    cuts = [cp["cut"] for cp in doc["history"]]
+    assert [c for c in cuts if c.get("day") is not None] == [{"day": 2}]  # one commit, at the end
+    assert _sql(pg_dsn, "SELECT count(*) FROM pg_tables WHERE tablename LIKE 'replace_%'") == [(0,)]
+    # the finished backfill, re-run on purpose three times: the same table
+    previous = doc["incarnation"]
+    for i in range(3):
+        state = tmp_path / f"again{i}"
+        sink = PostgresSink(pg_dsn, "events", replace_where=DAY)
+        assert _run(spark, tmp_path / "in", state, [sink], start_over_from=previous).committed
+        assert _pg_rows(pg_dsn) == after
+        again = read_ledger(state)
+        assert again is not None
+        previous = again["incarnation"]
+
+
+def test_a_row_outside_the_predicate_fails_the_backfill(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    _pg_table(pg_dsn)
+    before = _pg_rows(pg_dsn)
+    _backfill_input(tmp_path / "in", files=2)
+    _backfill_input(tmp_path / "in", files=1, day="2026-11-05")  # part-0 now holds another day
+    with pytest.raises(TaskFailedError, match=r"do not match replace_where"):
+        _run(
+            spark,
+            tmp_path / "in",
+            tmp_path / "s",
+            [PostgresSink(pg_dsn, "events", replace_where=DAY)],
+        )
+    assert _pg_rows(pg_dsn) == before
+
+
+def test_replace_is_for_bounded_pipelines_without_expiring_sinks(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    job = Job(spark, "bad", tmp_path / "s")
+    df = spark.readStream.schema(SCHEMA).json(str(tmp_path))
+    with pytest.raises(ConfigError, match="bounded=True"):
+        job.add_pipeline("p", df, [PostgresSink(pg_dsn, "events", replace_where=DAY)])
+    kafka = KafkaSink("127.0.0.1:1", "t")
+    with pytest.raises(ConfigError, match="would hold its transactions open"):
+        job.add_pipeline(
+            "q", df, [PostgresSink(pg_dsn, "events", replace_where=DAY), kafka], bounded=True
+        )
+    with pytest.raises(ConfigError, match="neither an upsert"):
+        PostgresSink(pg_dsn, "events", key=["id"], replace_where=DAY)
+
+
+# -- Delta ------------------------------------------------------------------------------
+
+
+def _delta_table(uri: Path) -> None:
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    old = pa.table(
+        {
+            "day": ["2026-11-01"] * 5 + ["2026-11-02"] * 3,
+            "id": [1, 2, 3, 4, 5, 1, 2, 3],
+            "v": ["old"] * 5 + ["other"] * 3,
+        }
+    )
+    write_deltalake(str(uri), old, partition_by=["day"])
+
+
+def _delta_rows(uri: Path) -> list[tuple[Any, ...]]:
+    from deltalake import DeltaTable
+
+    rows = DeltaTable(str(uri)).to_pyarrow_table().to_pylist()
+    return sorted((r["day"], r["id"], r["v"]) for r in rows)
+
+
+def test_delta_and_postgres_replace_together_and_reruns_give_the_same_tables(  # type: ignore[no-untyped-def]
+    spark, pg_dsn, tmp_path
+):
+    from lifecycle.testing import verify
+    from sinks import DeltaSink
+
+    uri = tmp_path / "delta"
+    _delta_table(uri)
+    _pg_table(pg_dsn)
+    _backfill_input(tmp_path / "in")
+    seen: list[list[tuple[Any, ...]]] = []
+    _faults.register("driver.after_record", lambda: seen.append(_delta_rows(uri)))
+    sinks = [DeltaSink(uri, replace_where=DAY), PostgresSink(pg_dsn, "events", replace_where=DAY)]
+    assert _run(spark, tmp_path / "in", tmp_path / "s1", sinks).committed
+    assert seen and seen[0] == sorted(
+        [("2026-11-01", i, "old") for i in range(1, 6)]
+        + [("2026-11-02", i, "other") for i in (1, 2, 3)]
+    )
+    want = sorted(
+        [("2026-11-01", f * 10 + i, f"new-{f}-{i}") for f in range(3) for i in range(10)]
+        + [("2026-11-02", i, "other") for i in (1, 2, 3)]
+    )
+    assert _delta_rows(uri) == want
+    assert _pg_rows(pg_dsn) == want
+    verify.assert_nothing_left_delta(uri)
+    doc = read_ledger(tmp_path / "s1")
+    assert doc is not None
+    previous = doc["incarnation"]
+    for i in range(3):
+        state = tmp_path / f"again{i}"
+        sinks = [
+            DeltaSink(uri, replace_where=DAY),
+            PostgresSink(pg_dsn, "events", replace_where=DAY),
+        ]
+        assert _run(spark, tmp_path / "in", state, sinks, start_over_from=previous).committed
+        assert _delta_rows(uri) == want and _pg_rows(pg_dsn) == want
+        verify.assert_nothing_left_delta(uri)
+        again = read_ledger(state)
+        assert again is not None
+        previous = again["incarnation"]
+
+
+def test_delta_replace_checks_its_predicate_and_rows(spark, tmp_path):  # type: ignore[no-untyped-def]
+    from sinks import DeltaSink, PreflightError
+
+    uri = tmp_path / "delta"
+    _delta_table(uri)
+    before = _delta_rows(uri)
+    _backfill_input(tmp_path / "in", files=2)
+    with pytest.raises(PreflightError, match="partition columns"):
+        _run(spark, tmp_path / "in", tmp_path / "s0", [DeltaSink(uri, replace_where="id > 3")])
+    _backfill_input(tmp_path / "in", files=1, day="2026-11-05")
+    with pytest.raises(TaskFailedError, match=r"does not match replace_where"):
+        _run(spark, tmp_path / "in", tmp_path / "s", [DeltaSink(uri, replace_where=DAY)])
+    assert _delta_rows(uri) == before
+
+
+@pytest.mark.crash
+def test_a_killed_backfill_stays_staged_and_replaces_once(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    """SIGKILLed at random and while recording batches: every restart keeps what
+    the earlier runs staged (PostgreSQL's staging table, Delta's staged files),
+    the table is untouched until the last run's final checkpoint, which replaces
+    the day in both at once; nothing is left staged."""
+    from lifecycle.testing import crash_test, verify
+
+    uri = tmp_path / "delta"
+    _delta_table(uri)
+    _pg_table(pg_dsn)
+    _backfill_input(tmp_path / "in", files=10, rows=20)
+    want = sorted(
+        [("2026-11-01", f * 20 + i, f"new-{f}-{i}") for f in range(10) for i in range(20)]
+        + [("2026-11-02", i, "other") for i in (1, 2, 3)]
+    )
+
+    def check() -> None:
+        assert _delta_rows(uri) == want
+        assert _pg_rows(pg_dsn) == want
+        verify.assert_nothing_left_delta(uri)
+        assert _sql(pg_dsn, "SELECT count(*) FROM pg_tables WHERE tablename LIKE 'replace_%'") == [
+            (0,)
+        ]
+
+    report = crash_test(
+        str(Path(__file__).parent / "jobs" / "replace_job.py"),
+        kills=3,
+        seed=21,
+        args=[
+            "--input",
+            str(tmp_path / "in"),
+            "--state",
+            str(tmp_path / "state"),
+            "--dsn",
+            pg_dsn,
+            "--delta",
+            str(uri),
+        ],
+        fault_points=("driver.before_commit", "driver.mid_commit"),
+        min_delay=5.0,
+        max_delay=14.0,
+        verify=check,
+        log=tmp_path / "crash.log",
+    )
+    print(report)
+    assert report.kills >= 2, str(report)
