@@ -128,3 +128,48 @@ def test_a_job_adds_the_columns_at_start(spark, pg_dsn, tmp_path):  # type: igno
     job.run()
     assert _sql(pg_dsn, "SELECT count(*), count(name), sum(score) FROM t") == [(20, 20, 95.0)]
     assert job_prepared(pg_dsn, "evolve") == []
+
+
+# -- Delta (schema_mode="merge") ----------------------------------------------------------
+
+
+def test_delta_schema_merge_adds_columns_in_a_version_of_their_own(spark, tmp_path):  # type: ignore[no-untyped-def]
+    from deltalake import DeltaTable, write_deltalake
+
+    from sinks import DeltaSink
+
+    uri = tmp_path / "t"
+    write_deltalake(str(uri), pa.table({"id": pa.array([1, 2], pa.int64())}))
+    with pytest.raises(PreflightError, match="not in the table: \\['name', 'score'\\]"):
+        DeltaSink(uri).preflight(WIDER)
+    (tmp_path / "in").mkdir()
+    rows = [{"id": i, "name": f"n{i}", "score": i / 2} for i in range(3, 23)]
+    (tmp_path / "in" / "part-0.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    df = spark.readStream.schema("id long, name string, score double").json(str(tmp_path / "in"))
+    job = Job(spark, "evolve", tmp_path / "state", checkpoint_interval=0)
+    job.add_pipeline("load", df, [DeltaSink(uri, schema_mode="merge")], bounded=True)
+    job.run()
+    dt = DeltaTable(str(uri))
+    fields = {f.name: f.nullable for f in dt.schema().fields}
+    assert fields == {"id": True, "name": True, "score": True}
+    history = sorted(dt.history(), key=lambda h: h["version"])
+    ops = [h["operation"] for h in history]
+    assert "ADD COLUMN" in ops and ops.index("ADD COLUMN") < len(ops) - 1  # before the data
+    got = dt.to_pyarrow_table().to_pylist()
+    assert len(got) == 22 and sum(1 for r in got if r["name"] is None) == 2
+
+
+def test_delta_schema_merge_refuses_a_type_change(tmp_path):  # type: ignore[no-untyped-def]
+    from deltalake import write_deltalake
+
+    from sinks import DeltaSink
+
+    uri = tmp_path / "t"
+    write_deltalake(str(uri), pa.table({"id": pa.array([1], pa.int64()), "name": ["a"]}))
+    changed = pa.schema([("id", pa.int64()), ("name", pa.int64()), ("extra", pa.string())])
+    with pytest.raises(
+        PreflightError,
+        match=r"column 'name' is long in the DataFrame but string"
+        r".*never changes a column's type: cast 'name' to string",
+    ):
+        DeltaSink(uri, schema_mode="merge").preflight(changed)

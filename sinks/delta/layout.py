@@ -283,14 +283,16 @@ class Layout:
                     f"partitions by {PARTITION_TYPES} columns only"
                 )
 
-    def check_input(self, schema: pa.Schema, where: str) -> None:
+    def check_input(self, schema: pa.Schema, where: str, *, merge: bool = False) -> list[pa.Field]:
         """Refuse input of ``schema`` unless every column fits the table's column of
-        the same name and the column sets are equal (order may differ)."""
+        the same name and the column sets are equal (order may differ). With
+        ``merge`` (``schema_mode="merge"``), columns the table lacks are allowed:
+        returned, as the nullable Delta columns to add."""
         have = {f.name for f in schema}
         want = set(self.schema.names)
         missing = [n for n in self.schema.names if n not in have]
         extra = [n for n in schema.names if n not in want]
-        if missing or extra:
+        if missing or (extra and not merge):
             lower = {n.lower(): n for n in self.schema.names}
             hints = [
                 f"{n!r} vs the table's {lower[n.lower()]!r}" for n in extra if n.lower() in lower
@@ -300,15 +302,27 @@ class Layout:
                 + (f"; missing from the DataFrame: {missing}" if missing else "")
                 + (f"; not in the table: {extra}" if extra else "")
                 + (f" (column names are case-sensitive here: {', '.join(hints)})" if hints else "")
+                + ("" if merge or not extra else "; schema_mode='merge' adds new columns")
             )
         for f in schema:
+            if f.name not in want:
+                continue
             target = self.schema.field(f.name)
             why = incompatibility(f.type, target.type)
             if why:
+                advice = (
+                    f"; schema_mode='merge' adds columns but never changes a column's type: "
+                    f"cast {f.name!r} to {delta_type_name(target.type)} in the DataFrame, or "
+                    "rewrite the table with the new type"
+                    if merge
+                    else ""
+                )
                 raise DeltaSchemaError(
                     f"{where}: column {f.name!r} is {delta_type_name(f.type)} in the DataFrame "
-                    f"but {delta_type_name(target.type)} in the Delta table ({why})"
+                    f"but {delta_type_name(target.type)} in the Delta table ({why}){advice}"
                 )
+        check_names([*self.schema.names, *extra], "the table's and the new column names")
+        return [pa.field(n, delta_arrow_type(schema.field(n).type, n), True) for n in extra]
 
 
 # -- data files -------------------------------------------------------------------

@@ -133,6 +133,11 @@ class DeltaSink(Sink):
             rows of one key in a batch.
         delete_when: with ``key``, which rows delete their key: a boolean
             column's name, or ``(column, value)``; the column is not written.
+        schema_mode: ``"merge"`` adds the DataFrame's columns the table lacks
+            (nullable) in a version of their own at job start, before any data
+            (:meth:`evolve_schema`); a column whose type differs from the
+            table's is refused either way. ``None`` (default): a new column
+            fails preflight.
         replace_where: a Spark SQL predicate over partition columns (e.g.
             ``"day = '2026-11-01'"``, as delta-spark's ``replaceWhere``): a
             bounded pipeline replaces the partitions it matches with everything
@@ -160,6 +165,7 @@ class DeltaSink(Sink):
         order_by: str | None = None,
         delete_when: str | tuple[str, Any] | None = None,
         replace_where: str | None = None,
+        schema_mode: str | None = None,
     ) -> None:
         uri = os.fspath(table_uri)
         if not uri:
@@ -199,6 +205,10 @@ class DeltaSink(Sink):
                 "pipeline's rows, which is neither a merge (key=) nor an empty predicate"
             )
         self.replace_where = replace_where
+        if schema_mode not in (None, "merge"):
+            raise ConfigError(f"schema_mode={schema_mode!r}: None (refuse changes) or 'merge'")
+        self.schema_mode = schema_mode
+        self._new_columns: list[pa.Field] = []
         self._storage = TableStorage(self.table_uri, self.storage_options)
         self._layout: Layout | None = None
         self._claims = ClaimedScopes()
@@ -239,6 +249,7 @@ class DeltaSink(Sink):
             "order_by": self.rules.order_by,
             "delete_when": self.rules.delete_when.settings() if self.rules.delete_when else None,
             "replace_where": self.replace_where,
+            "schema_mode": self.schema_mode,
         }
 
     @classmethod
@@ -273,6 +284,7 @@ class DeltaSink(Sink):
             order_by=s.get("order_by"),
             delete_when=s.get("delete_when"),
             replace_where=s.get("replace_where"),
+            schema_mode=s.get("schema_mode"),
         )
 
     def __repr__(self) -> str:
@@ -347,16 +359,42 @@ class DeltaSink(Sink):
                 "(in that order) or partition_by=None"
             )
         layout.check_partitioning(where)
-        layout.check_input(schema, where)
+        self._new_columns = layout.check_input(schema, where, merge=self.schema_mode == "merge")
         if self.replace_where is not None:
             replace.check_predicate(self.replace_where, layout, where)
         return layout
 
     # -- executor side --------------------------------------------------------------
 
+    def evolve_schema(self, schema: pa.Schema) -> None:
+        """With ``schema_mode="merge"``: add the DataFrame's new columns to the
+        table in a version of their own (nullable), then check again. A retry
+        after a crash finds them there and adds nothing."""
+        new = self._new_columns
+        if not new:
+            return
+        dt = self._load()
+        if dt is None:
+            raise PreflightError(f"{self.describe()} vanished after preflight")
+        table.add_columns(dt, new)
+        log.info(
+            "%s: added the column(s) %s (schema_mode='merge')",
+            self.describe(),
+            ", ".join(f"{f.name} {f.type}" for f in new),
+        )
+        self.preflight(schema)
+
+    def _ready(self) -> Layout:
+        if self._layout is None or self._new_columns:
+            raise RuntimeError(
+                "DeltaSink.preflight() must run before data is written"
+                + (", and evolve_schema() after it (new columns)" if self._new_columns else "")
+            )
+        return self._layout
+
     def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
-        if self._layout is None:
-            raise RuntimeError("DeltaSink.preflight() must run before writers open")
+        self._ready()
+        assert self._layout is not None
         if self.rules.keyed:
             return ChangeWriter(self._storage, self._layout, self.rules, ctx)
         return DeltaWriter(self._storage, self._layout, ctx)
@@ -375,8 +413,7 @@ class DeltaSink(Sink):
     def precommit_frame(
         self, df: Any, scope: JobScope, run: int, batch_id: int
     ) -> list[Committable] | None:
-        if self._layout is None:
-            raise RuntimeError("DeltaSink.preflight() must run before batches are written")
+        self._ready()
         if self.replace_where is not None:
             replace.check_rows(df, self.replace_where, self.describe(), batch_id)
         if self.rules.keyed or not self.spark_writes():

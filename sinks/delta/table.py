@@ -120,3 +120,12 @@ def committed_paths(dt: DeltaTable) -> set[str]:
     """Relative paths (as stored, not URI-encoded) of the files in the snapshot."""
     paths = pa.table(dt.get_add_actions(flatten=False)).column("path").to_pylist()
     return {unquote(p) for p in paths}
+
+
+def add_columns(dt: DeltaTable, fields: list[pa.Field]) -> None:
+    """Add nullable columns to the table, in one version (schema evolution)."""
+    from deltalake.schema import Schema as DeltaSchema
+
+    missing = [f for f in fields if f.name not in {x.name for x in dt.schema().fields}]
+    if missing:
+        dt.alter.add_columns(list(DeltaSchema.from_arrow(pa.schema(missing)).fields))
