@@ -106,7 +106,14 @@ def _orders(dsn: str) -> None:
         )
 
 
-def _run(on: ClusterRun, dsn: str, bootstrap: str, topic: str, sinks: str) -> Run:
+def _run(
+    on: ClusterRun,
+    dsn: str,
+    bootstrap: str,
+    topic: str,
+    sinks: str,
+    delta_write_with: str | None = None,
+) -> Run:
     """A multi-sink job run writing ``sinks`` (a comma-separated subset of
     pg, kafka, delta), its state on the driver's disk, everything else shared."""
     return Run(
@@ -117,6 +124,7 @@ def _run(on: ClusterRun, dsn: str, bootstrap: str, topic: str, sinks: str) -> Ru
         sinks=sinks,
         state=on.driver / "state",
         env=on.env,
+        delta_write_with=delta_write_with,
     )
 
 
@@ -162,9 +170,13 @@ def test_driver_killed_by_an_executor_while_it_writes(  # type: ignore[no-untype
     on_cluster, pg_dsn, kafka_bootstrap, kafka_topic, sink
 ):
     """An executor SIGKILLs the driver in the middle of batch 2 (the executors
-    live on: they are zombies of a dead driver); the restart recovers."""
+    live on: they are zombies of a dead driver); the restart recovers. Delta
+    writes with its own writer in the tasks here (``write_with="arrow"``):
+    Spark's Parquet writer, its default for these tables, runs no Python in
+    the tasks, so no executor-side fault could fire."""
     _orders(pg_dsn)
-    run = _run(on_cluster, pg_dsn, kafka_bootstrap, kafka_topic(3), sink)
+    route = "arrow" if sink == "delta" else None
+    run = _run(on_cluster, pg_dsn, kafka_bootstrap, kafka_topic(3), sink, route)
     n = write_input(on_cluster.shared / "in", files=4, rows_per_file=150)
     first = run.start("executor.write@2+once=kill-driver")
     assert first.killed(), first.tail(3000)

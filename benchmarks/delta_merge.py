@@ -1,0 +1,206 @@
+"""Merge throughput and write amplification of the keyed Delta sink.
+
+A base table of ``--rows`` rows (ids 0..rows-1, ``--files`` files written in id
+order, so each file holds one range of ids) takes one batch of ``--changes``
+changes (90% upserts, 10% deletes) in each of these key distributions:
+
+* ``recent``: ids from the last 5% of the table (the usual shape of a change
+  feed: recent orders change); they fall in few files;
+* ``uniform``: ids drawn over the whole table: every file holds some;
+* ``new``: ids beyond the table (inserts by key): no file can hold them.
+
+Both variants run the same streaming job (the changes as Parquet, one
+micro-batch) on a fresh copy of the base table:
+
+* ``DeltaTable.merge`` (the yardstick, at-least-once, what users write today):
+  ``foreachBatch`` collects the batch to the driver as Arrow and runs
+  deltalake's merge (``t.id = s.id``; matched and deleted, matched and updated,
+  not matched and inserted), which reads the target in the driver;
+* ``DeltaSink(key=["id"], delete_when=("op", "D"))`` through a ``Job``
+  (exactly-once): change files at the barrier, one Spark job rewriting the
+  candidate files at the checkpoint, one version.
+
+Write amplification is read from the version each wrote: bytes of the files
+it removed (rewritten) and added, per changed row. Every result is checked
+against the other variant's table (same rows).
+
+    python benchmarks/delta_merge.py [--rows N] [--files F] [--changes M] [--repeat R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from deltalake import DeltaTable, write_deltalake  # noqa: E402
+from pyspark.sql import DataFrame  # noqa: E402
+
+from benchmarks._common import bench_spark, parquet_stream, time_foreach_batch, time_job  # noqa: E402
+from sinks import DeltaSink  # noqa: E402
+
+DISTRIBUTIONS = ("recent", "uniform", "new")
+VARIANTS = ("DeltaTable.merge", "DeltaSink")
+
+
+def base_table(uri: Path, rows: int, files: int) -> None:
+    per = rows // files
+    for f in range(files):
+        ids = range(f * per, rows if f == files - 1 else (f + 1) * per)
+        t = pa.table(
+            {
+                "id": pa.array(ids, pa.int64()),
+                "name": pa.array([f"customer-{i % 1000}" for i in ids]),
+                "amount": pa.array([i * 0.25 for i in ids], pa.float64()),
+            }
+        )
+        write_deltalake(str(uri), t, mode="append")
+
+
+def changes(directory: Path, rows: int, n: int, how: str, seed: int) -> None:
+    rnd = random.Random(seed)
+    if how == "recent":
+        ids = rnd.sample(range(rows - rows // 20, rows), min(n, rows // 20))
+    elif how == "uniform":
+        ids = rnd.sample(range(rows), n)
+    else:
+        ids = list(range(rows, rows + n))
+    ops = ["D" if rnd.random() < 0.1 else "U" for _ in ids]
+    directory.mkdir(parents=True)
+    t = pa.table(
+        {
+            "id": pa.array(ids, pa.int64()),
+            "name": pa.array([f"changed-{i}" for i in ids]),
+            "amount": pa.array([float(i) for i in ids], pa.float64()),
+            "op": pa.array(ops),
+        }
+    )
+    pq.write_table(t, directory / "part-0000.parquet")
+
+
+def run_yardstick(src: DataFrame, uri: str, ckpt: Path) -> float:
+    def each(df: DataFrame, _batch: int) -> None:
+        data = df.toArrow()
+        if not data.num_rows:
+            return
+        (
+            DeltaTable(uri)
+            .merge(data, predicate="t.id = s.id", source_alias="s", target_alias="t")
+            .when_matched_delete(predicate="s.op = 'D'")
+            .when_matched_update(
+                updates={"name": "s.name", "amount": "s.amount"}, predicate="s.op != 'D'"
+            )
+            .when_not_matched_insert(
+                updates={"id": "s.id", "name": "s.name", "amount": "s.amount"},
+                predicate="s.op != 'D'",
+            )
+            .execute()
+        )
+
+    return time_foreach_batch(src, each, ckpt)
+
+
+def amplification(uri: str) -> tuple[int, int, int]:
+    """(files removed, bytes removed, bytes added) by the table's last version."""
+    dt = DeltaTable(uri)
+    log = Path(uri) / "_delta_log" / f"{dt.version():020d}.json"
+    removed = files = added = 0
+    for line in log.read_text().splitlines():
+        action = json.loads(line)
+        if "remove" in action:
+            files += 1
+            removed += int(action["remove"].get("size") or 0)
+        if "add" in action:
+            added += int(action["add"]["size"])
+    return files, removed, added
+
+
+def rows_of(uri: str) -> list[tuple[object, ...]]:
+    t = DeltaTable(uri).to_pyarrow_table().sort_by("id")
+    return list(zip(*(t.column(c).to_pylist() for c in ("id", "name", "amount")), strict=True))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--files", type=int, default=20)
+    ap.add_argument("--changes", type=int, default=20_000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    work = Path(tempfile.mkdtemp(prefix="twophase-merge-bench-", dir=args.workdir))
+    try:
+        base = work / "base"
+        base_table(base, args.rows, args.files)
+        base_bytes = sum(f.stat().st_size for f in base.glob("*.parquet"))
+        spark = bench_spark("twophase-merge-bench")
+        results: dict[tuple[str, str], list[float]] = {}
+        amp: dict[tuple[str, str], tuple[int, int, int]] = {}
+        for how in DISTRIBUTIONS:
+            src_dir = work / f"changes-{how}"
+            changes(src_dir, args.rows, args.changes, how, seed=7)
+            for r in range(-1, args.repeat):
+                tables: dict[str, str] = {}
+                for variant in VARIANTS:
+                    where = work / f"{how}-{variant}-{r + 1}"
+                    uri = str(where / "table")
+                    shutil.copytree(base, uri)
+                    src = parquet_stream(spark, src_dir, 1)
+                    if variant == "DeltaSink":
+                        sink = DeltaSink(uri, key=["id"], delete_when=("op", "D"))
+                        secs = time_job(spark, src, sink, where / "state", 0.0)
+                    else:
+                        secs = run_yardstick(src, uri, where / "spark")
+                    tables[variant] = uri
+                    amp[(how, variant)] = amplification(uri)
+                    if r >= 0:
+                        results.setdefault((how, variant), []).append(secs)
+                    label = "warm-up" if r < 0 else f"run {r}"
+                    print(f"{label:<8} {how:<8} {variant:<17} {secs:6.2f} s", flush=True)
+                a, b = (rows_of(tables[v]) for v in VARIANTS)
+                assert a == b, f"{how}: the two variants' tables differ"
+                for uri in tables.values():
+                    shutil.rmtree(Path(uri).parent)
+        spark.stop()
+        print()
+        print(
+            f"base table {args.rows:,} rows in {args.files} files ({base_bytes / 1e6:.1f} MB), "
+            f"{args.changes:,} changes (10% deletes) in one batch, median of {args.repeat} after "
+            f"a warm-up; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, "
+            f"{time.strftime('%Y-%m-%d')}"
+        )
+        print(
+            "| keys | variant | seconds | changes/s | vs `DeltaTable.merge` | files rewritten "
+            "| bytes rewritten per changed row |"
+        )
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for how in DISTRIBUTIONS:
+            yard = statistics.median(results[(how, VARIANTS[0])])
+            for variant in VARIANTS:
+                med = statistics.median(results[(how, variant)])
+                files, removed, _added = amp[(how, variant)]
+                print(
+                    f"| {how} | {variant} | {med:.2f} | {args.changes / med:,.0f} | "
+                    f"{yard / med:.2f} | {files} of {args.files} | {removed / args.changes:,.0f} |"
+                )
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
