@@ -28,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pgpq
@@ -36,9 +37,19 @@ import psycopg
 import pyarrow as pa
 from psycopg import sql
 
-from sinks.base import Committable, JobScope, SinkWriter, WriteContext
+from sinks.base import (
+    COMMITTED,
+    LOST,
+    PREPARED,
+    Committable,
+    JobScope,
+    OrphanTest,
+    SinkWriter,
+    WriteContext,
+)
 from sinks.errors import DataError, TransactionLostError
 from sinks.naming import TxnName
+from sinks.postgres.committer import PreparedCommitter
 from sinks.postgres.values import PG_TYPE_KEY, to_wire
 from sinks.postgres.writer import WriterSettings
 
@@ -286,3 +297,100 @@ def delete_staged(
             ),
             (list(gids),),
         )
+
+
+def _scope_of(gid: str) -> JobScope:
+    n = TxnName.require(gid)
+    return JobScope(n.job, n.pipeline, n.sink_id, n.incarnation)
+
+
+@dataclass
+class ReplaceCommitter(PreparedCommitter):
+    """The driver side of a replacing sink: :func:`commit` at the pipeline's
+    final checkpoint; abort and sweep delete staged rows."""
+
+    target: sql.Composable | None = None
+    staging: Callable[[JobScope], sql.Composable] | None = None
+    columns: Callable[[], list[str]] | None = None
+    """the fed columns (known after preflight)"""
+    predicate: str = ""
+    marker_audit: Callable[[], bool] | None = None
+
+    def _staging(self, scope: JobScope) -> sql.Composable:
+        assert self.staging is not None
+        return self.staging(scope)
+
+    def commit(self, committables: Sequence[Committable]) -> None:
+        """One transaction: the rows matching the predicate go, the staged rows
+        of ``committables`` come (:func:`commit`)."""
+        if not committables:
+            return
+        scopes = {_scope_of(str(c["txn"])) for c in committables}
+        if len(scopes) != 1:
+            raise ValueError(f"{self.where}: a replace commits the work of one scope at a time")
+        scope = scopes.pop()
+        assert self.target is not None and self.columns is not None
+
+        def once() -> None:
+            with self.connect("twophase-replace") as conn:
+                self.progress().check_owner(conn, scope)
+                commit(
+                    conn,
+                    target=self.target,  # type: ignore[arg-type]
+                    staging=self._staging(scope),
+                    markers=self.markers,
+                    marker_audit=bool(self.marker_audit and self.marker_audit()),
+                    columns=self.columns(),  # type: ignore[misc]
+                    predicate=self.predicate,
+                    committables=committables,
+                    job=scope.job,
+                    where=self.where,
+                )
+
+        self._retry(once, f"replace of {self.predicate!r} in")
+
+    def _classify(
+        self, conn: psycopg.Connection, committables: Sequence[Committable]
+    ) -> dict[str, str]:
+        """Committed (marker), staged in full (prepared) or lost."""
+        gids = [str(c["txn"]) for c in committables]
+        marked = self.marked(conn, gids)
+        found: dict[str, str] = {}
+        for c in committables:
+            g = str(c["txn"])
+            if g in marked:
+                found[g] = COMMITTED
+                continue
+            counts = staged_counts(conn, self._staging(_scope_of(g)), [g]) or {}
+            found[g] = PREPARED if counts.get(g) == int(c.get("rows", 0)) else LOST
+        return found
+
+    def abort(self, committables: Sequence[Committable]) -> None:
+        """Delete the staged rows of ``committables``."""
+        by_scope: dict[JobScope, list[str]] = {}
+        for c in committables:
+            by_scope.setdefault(_scope_of(str(c["txn"])), []).append(str(c["txn"]))
+        if not by_scope:
+            return
+
+        def delete() -> None:
+            with self.connect("twophase-abort") as conn:
+                for scope, names in by_scope.items():
+                    delete_staged(conn, self._staging(scope), names)
+
+        self._retry(delete, f"abort of {len(committables)} staged transaction(s) in")
+
+    def _sweep_more(
+        self, conn: psycopg.Connection, scope: JobScope, is_orphan: OrphanTest
+    ) -> list[str]:
+        """Delete the staged rows of orphan transactions; the whole staging
+        table of a scope this sink has not claimed (an incarnation a start-over
+        took over: no task of it writes any more)."""
+        staging = self._staging(scope)
+        txns = staged_txns(conn, staging)
+        orphans = [t for t in txns if (n := TxnName.parse(t)) is not None and is_orphan(n)]
+        if not self.claims.owns(scope) and txns and len(orphans) == len(txns):
+            delete_staged(conn, staging, orphans, drop=True)
+        elif orphans:
+            delete_staged(conn, staging, orphans)
+        return orphans

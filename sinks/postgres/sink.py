@@ -1,19 +1,16 @@
 """PostgreSQL exactly-once sink: prepared transactions, committed by the driver.
 
-The commit path (driver): :meth:`PostgresSink.commit` issues ``COMMIT PREPARED``
-for every committable, over a few connections at once (each ``COMMIT
-PREPARED`` waits for its WAL flush; the server flushes concurrent ones
-together). It is idempotent: a gid that is no longer prepared was
-either committed before (its marker row, written inside the prepared
-transaction, is visible) or lost (no marker): the latter raises
-:class:`TransactionLostError`, never silence.
+This module is the sink's face: its options, preflight (:mod:`catalog`,
+:mod:`markers`), its writers (:mod:`writer`, :mod:`upsert`, :mod:`replace`),
+its progress and claims (:mod:`progress`). The commit path, abort and sweep
+are the committer's (:mod:`sinks.postgres.committer`; a replace's,
+:class:`sinks.postgres.replace.ReplaceCommitter`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import logging
 import re
 import threading
@@ -25,19 +22,14 @@ import pyarrow as pa
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from sinks import _faults, keys, settings
+from sinks import keys, settings
 from sinks._parallel import (
     COMMIT_CONNECTIONS,
     check_connections,
-    run_parts,
-    slices,
 )
 from sinks._retry import retry_transient
 from sinks.audit import CheckpointEvidence, Finding
 from sinks.base import (
-    COMMITTED,
-    LOST,
-    PREPARED,
     ClaimedScopes,
     Committable,
     ExpectedLoad,
@@ -48,19 +40,19 @@ from sinks.base import (
     SinkWriter,
     WriteContext,
 )
-from sinks.errors import ConfigError, PreflightError, TransactionLostError
-from sinks.naming import TxnName, check_id, scope_prefixes
+from sinks.errors import ConfigError, PreflightError
+from sinks.naming import TxnName, check_id
 from sinks.postgres import audit as pg_audit
-from sinks.postgres import catalog, liveness, replace
-from sinks.postgres.progress import PROGRESS_DDL, ProgressTable
+from sinks.postgres import catalog, liveness, markers, replace
+from sinks.postgres.committer import TRANSIENT as _TRANSIENT
+from sinks.postgres.committer import PreparedCommitter
+from sinks.postgres.progress import ProgressTable
 from sinks.postgres.types import ddl_type, wire_type
 from sinks.postgres.values import PG_TYPE_KEY
 from sinks.postgres.writer import DELETE_FLAG, PostgresWriter, WriterSettings
 from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.postgres")
-
-_TRANSIENT = (psycopg.OperationalError,)
 
 
 def _auto_lock_timeout(checkpoint_interval_s: float) -> float:
@@ -127,7 +119,7 @@ class PostgresSink(Sink):
     """
 
     kind = "postgres"
-    _driver_only = ("_capacity", "_capacity_lock")
+    _driver_only = ("_capacity", "_capacity_lock", "_committer")
 
     def __init__(
         self,
@@ -192,6 +184,29 @@ class PostgresSink(Sink):
     def _init_driver_state(self) -> None:
         self._capacity: psycopg.Connection | None = None  # the capacity check's, kept
         self._capacity_lock = threading.Lock()
+        self._committer = self._make_committer()
+
+    def _make_committer(self) -> PreparedCommitter:
+        common: dict[str, Any] = {
+            "where": self.describe(),
+            "sink_id": self.sink_id,
+            "connect": self.connect,
+            "markers": self.marker_ident,
+            "progress": lambda: self.progress_table,
+            "claims": self._claims,
+            "commit_timeout": self.commit_timeout,
+            "commit_connections": self.commit_connections,
+        }
+        if self.replace_where is None:
+            return PreparedCommitter(**common)
+        return replace.ReplaceCommitter(
+            **common,
+            target=self.table_ident,
+            staging=self.staging,
+            columns=lambda: list(self._wire.names) if self._wire is not None else [],
+            predicate=self.replace_where,
+            marker_audit=lambda: bool(self._audit_columns),
+        )
 
     def close(self) -> None:
         """Release the driver's kept connection (the capacity check's)."""
@@ -403,84 +418,9 @@ class PostgresSink(Sink):
         self.preflight(schema)
 
     def _ensure_markers(self, conn: psycopg.Connection) -> None:
-        for stmt in (
-            sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.marker_schema)),
-            sql.SQL(catalog.MARKER_DDL).format(marker=self.marker_ident),
-            sql.SQL(PROGRESS_DDL).format(progress=sql.Identifier(self.marker_schema, "progress")),
-        ):
-            try:
-                conn.execute(stmt)
-            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject):
-                pass  # created concurrently by another job: that is fine
-            except psycopg.errors.InsufficientPrivilege as e:
-                raise PreflightError(
-                    f"{self.describe()}: cannot create the commit-marker table "
-                    f"{self.marker_schema}.{self.marker_name} ({e}); create it as an admin "
-                    "or grant CREATE, or pass marker_table= naming a schema you may write"
-                ) from e
-        self._audit_columns = self._add_audit_columns(conn)
-
-    def _add_audit_columns(self, conn: psycopg.Connection) -> bool:
-        """Whether the marker table has the audit columns (``batch``, ``rows``),
-        adding them to a table an earlier version created, and the index that
-        finds a scope's markers by gid prefix (they are kept for the audit
-        window now, so a scan would grow with it). Each change waits at most
-        2 s for its lock: prepared transactions of a crashed run hold the table
-        until recovery settles them; then the table stays as it is (legacy
-        paths, or a scan) until a later start."""
-        have = {
-            c.name for c in catalog.table_columns(conn, self.marker_schema, self.marker_name) or []
-        }
-        missing = [c for c in catalog.MARKER_LATER_COLUMNS if c not in have]
-        changes: list[tuple[str, sql.Composable]] = []
-        if missing:
-            changes.append(
-                (
-                    f"columns {missing} for audits",
-                    sql.SQL("ALTER TABLE {} ").format(self.marker_ident)
-                    + sql.SQL(", ").join(
-                        sql.SQL("ADD COLUMN IF NOT EXISTS {} bigint").format(sql.Identifier(c))
-                        for c in missing
-                    ),
-                )
-            )
-        index = f"{self.marker_name}_gid_prefix"
-        found = conn.execute(
-            "SELECT 1 FROM pg_indexes WHERE schemaname = %s AND indexname = %s",
-            (self.marker_schema, index),
-        ).fetchone()
-        if found is None:
-            changes.append(
-                (
-                    f"the index {index}",
-                    sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (gid text_pattern_ops)").format(
-                        sql.Identifier(index), self.marker_ident
-                    ),
-                )
-            )
-        complete = not missing
-        for what, change in changes:
-            try:
-                with conn.transaction():
-                    conn.execute("SET LOCAL lock_timeout = '2s'")
-                    conn.execute(change)
-                if what.startswith("columns"):
-                    complete = True
-            except (psycopg.errors.LockNotAvailable, psycopg.errors.InsufficientPrivilege) as e:
-                log.warning(
-                    "%s: could not add %s to the commit-marker table %s.%s (%s); the sink "
-                    "works without, and a later start tries again (as the table's owner: "
-                    "ALTER TABLE ... ADD COLUMN batch bigint, ADD COLUMN rows bigint; CREATE "
-                    "INDEX ... (gid text_pattern_ops))",
-                    self.describe(),
-                    what,
-                    self.marker_schema,
-                    self.marker_name,
-                    str(e).strip(),
-                )
-            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject):
-                pass  # created concurrently by another job
-        return complete
+        self._audit_columns = markers.ensure(
+            conn, self.marker_schema, self.marker_name, self.describe()
+        )
 
     def expect_load(self, load: ExpectedLoad) -> None:
         """Warn when this sink alone may hold more prepared transactions between
@@ -606,281 +546,22 @@ class PostgresSink(Sink):
         self._claims.remember(scope)
         return found
 
-    # -- driver side: commit, abort, sweep --------------------------------------------
-
-    def _prepared(self, conn: psycopg.Connection, gids: list[str]) -> set[str]:
-        rows = conn.execute(
-            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
-            " AND gid = ANY(%s)",
-            (gids,),
-        ).fetchall()
-        return {r[0] for r in rows}
+    # -- driver side: commit, abort, sweep (sinks.postgres.committer) ----------------
 
     def commit(self, committables: Sequence[Committable]) -> None:
-        if self.replace_where is not None:
-            self._commit_replace(committables)
-            return
-        gids = [c["txn"] for c in committables]
-        if gids:
-            doing: list[str] = []  # the statement in flight, for a commit that hangs
-            retry_transient(
-                lambda: self._commit_once(gids, doing),
-                what=f"commit of {len(gids)} transaction(s) to {self.describe()}",
-                transient=_TRANSIENT,
-                deadline=self.commit_timeout,
-                in_flight=lambda: doing[-1] if doing else None,
-            )
-
-    def _commit_once(self, gids: list[str], doing: list[str]) -> None:
-        with self.connect(application_name="twophase-commit") as conn:
-            prepared = self._prepared(conn, gids)
-            missing = [g for g in gids if g not in prepared]
-            if missing:
-                self._check_committed(conn, missing)
-            replays: list[str] = []
-            for scope, names in self._claims.group(map(TxnName.require, prepared)).items():
-                if scope.incarnation is None:
-                    continue  # first-format work of a ledger that never claimed
-                self.progress_table.check_owner(conn, scope)
-                settled = self.progress_table.settled_batch(conn, scope)
-                replays += sorted(str(n) for n in names if n.batch_id <= settled)
-            if replays:
-                log.warning(
-                    "%s: %d transaction(s) re-write batches this sink holds committed "
-                    "already (a replay); rolling them back instead of committing: %s",
-                    self.describe(),
-                    len(replays),
-                    replays[:5],
-                )
-                self._rollback(replays)
-            todo = [g for g in gids if g in prepared and g not in replays]
-            parts = slices(todo, most=self.commit_connections)
-            count = itertools.count(1)  # the fault point is after the first COMMIT PREPARED
-
-            def commit_part(c: psycopg.Connection, part: list[str]) -> None:
-                for gid in part:
-                    doing.append(f"COMMIT PREPARED '{gid}'")
-                    try:
-                        c.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
-                    except psycopg.errors.UndefinedObject:
-                        self._check_committed(c, [gid])  # committed concurrently, or lost
-                    if next(count) == 1 and len(prepared) > 1:
-                        _faults.hit("driver.mid_commit", sink=self.kind)
-
-            run_parts(
-                parts,
-                commit_part,
-                conn,
-                lambda: self.connect("twophase-commit"),
-                name="twophase-pg-commit",
-            )
-
-    def _commit_replace(self, committables: Sequence[Committable]) -> None:
-        """One transaction: the rows matching ``replace_where`` go, the staged
-        rows of ``committables`` come (:func:`replace.commit`)."""
-        if not committables:
-            return
-        assert self.replace_where is not None and self._wire is not None
-        names = [TxnName.require(c["txn"]) for c in committables]
-        scopes = {JobScope(n.job, n.pipeline, n.sink_id, n.incarnation) for n in names}
-        if len(scopes) != 1:
-            raise ValueError(f"{self!r}: a replace commits the work of one scope at a time")
-        scope = scopes.pop()
-
-        def once() -> None:
-            with self.connect(application_name="twophase-replace") as conn:
-                self.progress_table.check_owner(conn, scope)
-                replace.commit(
-                    conn,
-                    target=self.table_ident,
-                    staging=self.staging(scope),
-                    markers=self.marker_ident,
-                    marker_audit=bool(self._audit_columns),
-                    columns=list(self._wire.names),
-                    predicate=self.replace_where or "",
-                    committables=committables,
-                    job=scope.job,
-                    where=self.describe(),
-                )
-
-        retry_transient(
-            once,
-            what=f"replace of {self.replace_where!r} in {self.describe()}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-
-    def _marked(self, conn: psycopg.Connection, gids: list[str]) -> set[str]:
-        """The ``gids`` whose commit marker is visible: committed."""
-        rows = conn.execute(
-            sql.SQL("SELECT gid FROM {} WHERE gid = ANY(%s)").format(self.marker_ident), (gids,)
-        ).fetchall()
-        return {r[0] for r in rows}
-
-    def _check_committed(self, conn: psycopg.Connection, gids: list[str]) -> None:
-        lost = sorted(set(gids) - self._marked(conn, gids))
-        if lost:
-            raise TransactionLostError(
-                f"{self.describe()}: {len(lost)} prepared transaction(s) are gone without "
-                f"having been committed (rolled back by someone else?): {', '.join(lost[:5])}"
-                + (" ..." if len(lost) > 5 else "")
-                + ". Their rows are not in the table; the job stops rather than lose them "
-                "silently. Re-run the affected batches from source to restore them."
-            )
+        self._committer.commit(committables)
 
     def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
-        """Prepared (in ``pg_prepared_xacts``), committed (its marker is
-        visible) or lost (neither): the checks of :meth:`commit`."""
-        gids = [c["txn"] for c in committables]
-        if not gids:
-            return {}
-
-        def read() -> dict[str, str]:
-            with self.connect(application_name="twophase-classify") as conn:
-                if self.replace_where is not None:
-                    return self._classify_staged(conn, committables)
-                prepared = self._prepared(conn, gids)
-                marked = self._marked(conn, [g for g in gids if g not in prepared])
-            return {
-                g: PREPARED if g in prepared else COMMITTED if g in marked else LOST for g in gids
-            }
-
-        return retry_transient(
-            read,
-            what=f"check of {len(gids)} transaction(s) in {self.describe()}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-
-    def _classify_staged(
-        self, conn: psycopg.Connection, committables: Sequence[Committable]
-    ) -> dict[str, str]:
-        """A replace's transactions: committed (marker), staged in full
-        (prepared) or lost."""
-        gids = [str(c["txn"]) for c in committables]
-        marked = self._marked(conn, gids)
-        found: dict[str, str] = {}
-        for c in committables:
-            g = str(c["txn"])
-            if g in marked:
-                found[g] = COMMITTED
-                continue
-            name = TxnName.require(g)
-            scope = JobScope(name.job, name.pipeline, name.sink_id, name.incarnation)
-            counts = replace.staged_counts(conn, self.staging(scope), [g]) or {}
-            found[g] = PREPARED if counts.get(g) == int(c.get("rows", 0)) else LOST
-        return found
+        return self._committer.classify(committables)
 
     def abort(self, committables: Sequence[Committable]) -> None:
-        gids = [c["txn"] for c in committables]
-        if gids and self.replace_where is not None:
-            by_scope: dict[JobScope, list[str]] = {}
-            for g in gids:
-                n = TxnName.require(g)
-                by_scope.setdefault(
-                    JobScope(n.job, n.pipeline, n.sink_id, n.incarnation), []
-                ).append(g)
-
-            def delete() -> None:
-                with self.connect(application_name="twophase-abort") as conn:
-                    for scope, names in by_scope.items():
-                        replace.delete_staged(conn, self.staging(scope), names)
-
-            retry_transient(
-                delete,
-                what=f"abort of {len(gids)} staged transaction(s) in {self.describe()}",
-                transient=_TRANSIENT,
-                deadline=self.commit_timeout,
-            )
-            return
-        if gids:
-            retry_transient(
-                lambda: self._rollback(gids),
-                what=f"abort of {len(gids)} transaction(s) in {self.describe()}",
-                transient=_TRANSIENT,
-                deadline=self.commit_timeout,
-            )
-
-    def _rollback(self, gids: list[str]) -> None:
-        with self.connect(application_name="twophase-abort") as conn:
-            for gid in sorted(self._prepared(conn, gids)):
-                with contextlib.suppress(psycopg.errors.UndefinedObject):  # already gone
-                    conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
-
-    @staticmethod
-    def _prepared_named(
-        conn: psycopg.Connection, prefixes: Sequence[str]
-    ) -> list[tuple[str, TxnName, str]]:
-        """``(gid, name, when prepared)`` of every transaction prepared in this
-        database whose gid starts with one of ``prefixes`` and is one of ours."""
-        rows = conn.execute(
-            "SELECT gid, prepared FROM pg_prepared_xacts WHERE database = current_database()"
-            " AND EXISTS (SELECT FROM unnest(%s::text[]) p WHERE starts_with(gid, p))"
-            " ORDER BY gid",
-            (list(prefixes),),
-        ).fetchall()
-        found = []
-        for gid, prepared in rows:
-            name = TxnName.parse(gid)
-            if name is not None:
-                found.append((gid, name, f"{prepared:%Y-%m-%d %H:%M:%S %Z}".strip()))
-        return found
+        self._committer.abort(committables)
 
     def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
-        """Every prepared transaction of (``job``, ``pipeline``, this sink) in
-        the database, of every incarnation: what :meth:`abort_lingering` looks at."""
-
-        def read() -> list[LingeringTxn]:
-            with self.connect(application_name="twophase-lingering") as conn:
-                found = self._prepared_named(conn, scope_prefixes(job, pipeline, self.sink_id))
-            return [
-                LingeringTxn(gid, name, "prepared", f"prepared at {when}")
-                for gid, name, when in found
-            ]
-
-        return retry_transient(
-            read,
-            what=f"listing of prepared transactions in {self.describe()}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
+        return self._committer.lingering(job, pipeline)
 
     def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        def sweep() -> list[str]:
-            with self.connect(application_name="twophase-recover") as conn:
-                found = self._prepared_named(conn, scope.own_prefixes())
-                staged = self._sweep_staged(conn, scope, is_orphan)
-            orphans = [gid for gid, name, _ in found if is_orphan(name)]
-            if orphans:
-                self._rollback(orphans)
-            return orphans + staged
-
-        aborted = retry_transient(
-            sweep,
-            what=f"sweep of lingering transactions in {self.describe()}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-        if aborted:
-            log.info("rolled back %d lingering prepared transaction(s): %s", len(aborted), aborted)
-        return aborted
-
-    def _sweep_staged(
-        self, conn: psycopg.Connection, scope: JobScope, is_orphan: OrphanTest
-    ) -> list[str]:
-        """Delete a replace's staged rows of orphan transactions; the whole
-        staging table of a scope this sink has not claimed (an incarnation a
-        start-over took over: no task of it writes any more)."""
-        if self.replace_where is None:
-            return []
-        staging = self.staging(scope)
-        txns = replace.staged_txns(conn, staging)
-        orphans = [t for t in txns if (n := TxnName.parse(t)) is not None and is_orphan(n)]
-        if not self._claims.owns(scope) and txns and len(orphans) == len(txns):
-            replace.delete_staged(conn, staging, orphans, drop=True)
-        elif orphans:
-            replace.delete_staged(conn, staging, orphans)
-        return orphans
+        return self._committer.sweep(scope, is_orphan)
 
     def evidence(self, committable: Committable) -> dict[str, Any]:
         return pg_audit.evidence(committable)
