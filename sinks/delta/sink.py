@@ -1,66 +1,31 @@
 """Delta Lake exactly-once sink: staged Parquet files, one Delta version per commit.
 
-Executors stage Parquet files in the table directory (:mod:`sinks.delta.writer`);
-they are invisible until a Delta version adds them. The driver commits every
-staged file of one ``commit`` call (one checkpoint of one pipeline) as ONE Delta
-version, through deltalake's ``create_write_transaction``, carrying an
-application transaction ``txn(appId, version)``:
-
-* ``appId`` is ``tp2.<job>.<pipeline>.<sink_id>.i<incarnation>`` (the scope of
-  the transaction names, :func:`sinks.delta.progress.progress_app`);
-* ``version`` is the highest Spark batch id among the committables. Spark batch
-  ids of a pipeline only grow (a batch with a commit-log entry is never
-  replayed, one without is replayed with the same id), and each commit call
-  holds every pending batch up to the checkpoint's cut, so successive commits of
-  a sink carry increasing versions: the scheme of delta-spark's own streaming
-  sink (``txn(queryId, batchId)``), and it needs nothing from the coordinator.
-
-The table also records which incarnation owns the scope (the claim, see
-:mod:`sinks.delta.progress`). Before committing, on the snapshot the commit is
-built on: another incarnation owning the scope refuses the commit
-(:class:`~sinks.progress.IncarnationConflictError`); the incarnation's app
-version at or above this commit's means the batches are committed already
-(this very commit went through before a crash, or Spark replayed batches this
-incarnation committed): nothing is committed, and staged files left over are
-swept as orphans. The commit itself is made with ``max_commit_retries=0``:
-when another writer committed first, the checks run again on the new snapshot.
-
-Before anything is committed every staged file is checked: present (else
-:class:`TransactionLostError`), the size and row count recorded at prepare, no
-partition columns inside, exactly the table's column types, and partition
-values for exactly the table's partition columns (else
-:class:`~sinks.delta.layout.DeltaSchemaError`, naming file and column).
-
-Staged files are found through their staging markers (:mod:`sinks.delta.storage`):
-``abort_lingering`` lists the marker directory, never the whole table, and the
-commit deletes a transaction's markers once its Delta version exists, so a
-committed file is never a sweep candidate, even after OPTIMIZE removed it from
-the snapshot while time travel still reads it.
+This module is the sink's face: its options, preflight (the table's layout,
+created or checked), schema evolution, its writers (:mod:`sinks.delta.writer`
+in tasks, :mod:`sinks.delta.spark_stage` by Spark's own writer,
+:mod:`sinks.delta.changes` for keyed sinks) and its claims
+(:mod:`sinks.delta.progress`). Executors stage Parquet files in the table
+directory, invisible until committed; the commit path, abort and sweep are the
+committer's (:mod:`sinks.delta.committer`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
-from deltalake import CommitProperties, DeltaTable, Transaction
-from deltalake.exceptions import CommitFailedError, DeltaError
-from deltalake.transaction import AddAction
+from deltalake import DeltaTable
+from deltalake.exceptions import DeltaError
 
-from sinks import _faults, settings
+from sinks import settings
 from sinks._retry import retry_transient
 from sinks.audit import CheckpointEvidence, Finding
 from sinks.base import (
-    COMMITTED,
-    LOST,
-    PREPARED,
     ClaimedScopes,
     Committable,
     JobScope,
@@ -71,34 +36,24 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.delta import audit as delta_audit
-from sinks.delta import merge, progress, replace, table
+from sinks.delta import progress, replace, table
 from sinks.delta.changes import ChangeWriter
-from sinks.delta.layout import DeltaSchemaError, Layout, check_file_schema
+from sinks.delta.committer import _TRANSIENT, DeltaCommitter, app_id
+from sinks.delta.layout import DeltaSchemaError, Layout
 from sinks.delta.spark_stage import SparkStage, nested_not_null
 from sinks.delta.storage import (
-    DATA_SUFFIX,
-    SPARK_STAGING_DIR,
-    STAGING_DIR,
     TableStorage,
     local_root,
-    marker_path,
-    split_stem,
 )
 from sinks.delta.writer import DeltaWriter
-from sinks.errors import ConfigError, PreflightError, TransactionLostError
+from sinks.errors import ConfigError, PreflightError
 from sinks.keys import KeyedWrite
-from sinks.naming import TxnName, check_id, scope_prefixes
+from sinks.naming import check_id
 from sinks.progress import SinkProgress, conflict, may_claim
 
 log = logging.getLogger("sinks.delta")
 
-_TRANSIENT = (CommitFailedError, OSError)
 WRITE_WITH = ("auto", "spark", "arrow")
-
-
-def app_id(scope: JobScope) -> str:
-    """The Delta application id under which a scope's commits are recorded."""
-    return progress.progress_app(scope)
 
 
 class DeltaSink(Sink):
@@ -150,6 +105,7 @@ class DeltaSink(Sink):
     """
 
     kind = "delta"
+    _driver_only = ("_committer",)
 
     def __init__(
         self,
@@ -212,6 +168,19 @@ class DeltaSink(Sink):
         self._storage = TableStorage(self.table_uri, self.storage_options)
         self._layout: Layout | None = None
         self._claims = ClaimedScopes()
+        self._init_driver_state()
+
+    def _init_driver_state(self) -> None:
+        self._committer = DeltaCommitter(
+            where=self.describe(),
+            sink_id=self.sink_id,
+            storage=self._storage,
+            load=self._load,
+            claims=self._claims,
+            rules=self.rules,
+            replace_where=self.replace_where,
+            commit_timeout=self.commit_timeout,
+        )
 
     def _default_id(self) -> str:
         digest = hashlib.sha1(self.table_uri.encode()).hexdigest()[:6]
@@ -454,313 +423,28 @@ class DeltaSink(Sink):
         self._claims.remember(scope)
         return found
 
-    # -- driver side: commit ---------------------------------------------------------
+    # -- driver side: commit, abort, sweep (sinks.delta.committer) -------------------
 
     def commit(self, committables: Sequence[Committable]) -> None:
-        """Commit every staged file of ``committables`` as one Delta version with
-        ``txn(app id, highest batch id)``; skip when the table has that version."""
-        cs = [c for c in committables if c.get("adds") or c.get("changes")]
-        if not cs:
-            return
-        names = [TxnName.require(c["txn"]) for c in cs]
-        scopes = {JobScope(n.job, n.pipeline, n.sink_id, n.incarnation) for n in names}
-        if len(scopes) != 1 or next(iter(scopes)).sink_id != self.sink_id:
-            raise ValueError(
-                f"{self!r} got committables of {sorted(s.key() for s in scopes)}; one commit "
-                f"call takes the committables of one pipeline's sink {self.sink_id!r} and "
-                "one incarnation"
-            )
-        scope = scopes.pop()
-        version = max(n.batch_id for n in names)
-        app = app_id(scope)
-        retry_transient(
-            lambda: self._commit_once(cs, scope, version),
-            what=f"commit of {len(cs)} staged transaction(s) as {app} v{version} "
-            f"to {self.describe()}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
+        """Commit every staged file (or change) of ``committables`` as one Delta
+        version with ``txn(app id, highest batch id)``; skip when the table has
+        that version (:class:`~sinks.delta.committer.DeltaCommitter`)."""
+        self._committer.commit(committables)
 
-    def _commit_once(self, cs: list[Committable], scope: JobScope, version: int) -> None:
-        where = self.describe()
-        app = app_id(scope)
-        dt = self._load()
-        if dt is None:
-            raise TransactionLostError(
-                f"{where} does not exist any more; the staged files of {len(cs)} "
-                "transaction(s) cannot be committed"
-            )
-        owner = self._claims.owner(scope.job, scope.pipeline, scope.sink_id, scope.incarnation)
-        found = progress.read(dt, scope)
-        if found.owner is not None and owner is not None and found.owner != owner:
-            raise conflict(where, scope.key(), found, owner, at_commit=True)
-        done = dt.transaction_version(app)
-        if done is not None and done >= version:
-            log.info(
-                "%s: %s holds batches up to %d committed, this commit's are up to %d: "
-                "committed already (files of a replay, if any, are deleted)",
-                where,
-                app,
-                done,
-                version,
-            )
-            merge.discard_changes(self._storage, cs)
-            # This very commit's files are in the table (kept); a replay's are not.
-            committed = table.committed_paths(dt)
-            for c in cs:
-                for a in c["adds"]:
-                    if a["path"] not in committed:
-                        self._storage.delete(a["path"])
-                    self._storage.delete(marker_path(a["path"]))
-            return
-        table.check_writable(dt, where)
-        layout = table.layout_of(dt)
-        if self.rules.keyed:
-            merge.commit(
-                dt=dt,
-                layout=layout,
-                storage=self._storage,
-                rules=self.rules,
-                committables=cs,
-                scope=scope,
-                app=app,
-                version=version,
-                where=where,
-                checked_add=lambda c, a: self._checked_add(c, a, layout),
-            )
-            return
-        adds = [self._checked_add(c, a, layout) for c in cs for a in c["adds"]]
-        gone = (
-            replace.removes(dt, layout, self.replace_where)
-            if self.replace_where is not None
-            else []
-        )
-        dt.create_write_transaction(
-            [*adds, *gone],
-            mode="append",
-            schema=dt.schema(),
-            partition_by=list(layout.partition_by) or None,
-            commit_properties=CommitProperties(
-                app_transactions=[Transaction(app, version, int(time.time() * 1000))],
-                custom_metadata={"twophaseApp": app, "twophaseBatch": version},
-                max_commit_retries=0,  # compare-and-set: the checks above held
-            ),
-        )
-        log.debug(
-            "%s: committed %d file(s) of %d transaction(s) as %s v%d",
-            where,
-            len(adds),
-            len(cs),
-            app,
-            version,
-        )
-        _faults.hit("driver.mid_commit", batch=version, sink=self.kind)
-        for c in cs:
-            for a in c["adds"]:
-                self._storage.delete(marker_path(a["path"]))
-
-    def _checked_add(self, c: Committable, add: dict[str, Any], layout: Layout) -> AddAction:
-        """The add action of one staged file, after checking that the file is there,
-        unchanged, and fits the table (schema and partition columns)."""
-        where, rel, txn = self.describe(), add["path"], c["txn"]
-        info = self._storage.info(rel)
-        if info is None:
-            raise TransactionLostError(
-                f"{where}: staged file {rel} of transaction {txn} is gone without having "
-                "been committed (deleted by someone else?); its rows are not in the table. "
-                "The job stops rather than lose them silently; re-run the batch from source."
-            )
-        if info[0] != add["size"]:
-            raise TransactionLostError(
-                f"{where}: staged file {rel} of transaction {txn} has {info[0]} bytes, not the "
-                f"{add['size']} it had when prepared: it was changed, so it is not committed"
-            )
-        pv = add["partition_values"]
-        if sorted(pv) != sorted(layout.partition_by):
-            raise DeltaSchemaError(
-                f"{where}: staged file {rel} is partitioned by {sorted(pv)} but the table by "
-                f"{list(layout.partition_by)}; nothing was committed"
-            )
-        meta = self._storage.parquet_metadata(rel)
-        if json.loads(add["stats"]).get("numRecords") != meta.num_rows:
-            raise TransactionLostError(
-                f"{where}: staged file {rel} of transaction {txn} holds {meta.num_rows} rows, "
-                "not the number its prepare recorded: it was changed, so it is not committed"
-            )
-        check_file_schema(meta, layout, f"{where}: staged file {rel}")
-        return AddAction(
-            path=rel,
-            size=info[0],
-            partition_values=pv,
-            modification_time=int(add["modification_time"]),
-            data_change=True,
-            stats=add["stats"],
-        )
-
-    # -- driver side: abort, sweep -----------------------------------------------------
+    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
+        return self._committer.classify(committables)
 
     def abort(self, committables: Sequence[Committable]) -> None:
-        """Delete the staged files of ``committables`` (idempotent). A file the
-        table references is never deleted."""
-        paths = [a["path"] for c in committables for a in c.get("adds", ())]
-        paths += [ch["path"] for c in committables for ch in c.get("changes", ())]
-        if paths:
-            retry_transient(
-                lambda: self._delete_staged(paths),
-                what=f"abort of {len(committables)} staged transaction(s) in {self.describe()}",
-                transient=_TRANSIENT,
-                deadline=self.commit_timeout,
-            )
+        self._committer.abort(committables)
 
-    def _delete_staged(self, paths: list[str]) -> None:
-        dt = self._load()
-        committed = table.committed_paths(dt) if dt is not None else set()
-        for rel in paths:
-            if rel in committed:
-                log.error("%s: not deleting %s: the table references it", self.describe(), rel)
-            else:
-                self._storage.delete(rel)
-            self._storage.delete(marker_path(rel))
+    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
+        return self._committer.lingering(job, pipeline)
+
+    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+        return self._committer.abort_lingering(scope, is_orphan)
 
     def evidence(self, committable: Committable) -> dict[str, Any]:
         return delta_audit.evidence(committable)
 
     def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
         return delta_audit.audit(self._storage, self._load(), app_id(scope), checkpoints)
-
-    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        """Delete the staged files of every transaction of ``scope`` that has a
-        staging marker and for which ``is_orphan`` is true; return their names.
-
-        Only markers are listed (one small directory), never the whole table.
-        Committed transactions have no marker (their commit deleted it); a file
-        the table references is kept even so."""
-        return retry_transient(
-            lambda: self._sweep(scope, is_orphan),
-            what=f"sweep of lingering staged files in {self.describe()}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-
-    def _staged(self, prefixes: tuple[str, ...]) -> dict[str, tuple[TxnName, list[str]]]:
-        """Every transaction under one of ``prefixes`` that has staging markers:
-        its name and the stems of its markers (one per staged file)."""
-        found: dict[str, tuple[TxnName, list[str]]] = {}
-        for stem in sorted(self._storage.list_files(STAGING_DIR)):
-            parts = split_stem(stem) if stem.startswith(prefixes) else None
-            name = TxnName.parse(parts[0]) if parts else None
-            if name is not None:
-                found.setdefault(str(name), (name, []))[1].append(stem)
-        return found
-
-    def _spark_staged(self, prefixes: tuple[str, ...]) -> dict[str, TxnName]:
-        """Every transaction under one of ``prefixes`` with a Spark staging
-        directory (:mod:`sinks.delta.spark_stage`): a batch whose driver died
-        before its files moved to their places."""
-        found: dict[str, TxnName] = {}
-        for d in self._storage.list_dirs(SPARK_STAGING_DIR):
-            name = TxnName.parse(d) if d.startswith(prefixes) else None
-            if name is not None:
-                found[d] = name
-        return found
-
-    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
-        """Every transaction of (``job``, ``pipeline``, this sink), of every
-        incarnation, with staging markers in the table: what :meth:`abort_lingering`
-        looks at."""
-        prefixes = scope_prefixes(job, pipeline, self.sink_id)
-        found, spark = retry_transient(
-            lambda: (self._staged(prefixes), self._spark_staged(prefixes)),
-            what=f"listing of staged files in {self.describe()}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-        return [
-            LingeringTxn(txn, name, "staged", f"{len(stems)} staged file(s)")
-            for txn, (name, stems) in found.items()
-        ] + [
-            LingeringTxn(txn, name, "staged", "files in Spark's staging directory")
-            for txn, name in spark.items()
-            if txn not in found
-        ]
-
-    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
-        """The checks of :meth:`commit`: committed when the table's app version of
-        its scope is at or above its batch (commits carry the highest batch of
-        their call, and batches only grow); else prepared when every staged file
-        is there as prepared, lost when one is gone or changed."""
-
-        def read() -> dict[str, str]:
-            dt = self._load()
-            if dt is None:
-                return {c["txn"]: LOST for c in committables}
-            layout = table.layout_of(dt)
-            found: dict[str, str] = {}
-            for c in committables:
-                name = TxnName.require(c["txn"])
-                scope = JobScope(name.job, name.pipeline, name.sink_id, name.incarnation)
-                done = dt.transaction_version(app_id(scope))
-                if done is not None and done >= name.batch_id:
-                    found[c["txn"]] = COMMITTED
-                    continue
-                try:
-                    for a in c.get("adds", ()):
-                        self._checked_add(c, a, layout)
-                    for ch in c.get("changes", ()):
-                        if self._storage.info(ch["path"]) is None:
-                            raise TransactionLostError(ch["path"])
-                except TransactionLostError:
-                    found[c["txn"]] = LOST
-                else:
-                    found[c["txn"]] = PREPARED
-            return found
-
-        return retry_transient(
-            read,
-            what=f"check of {len(committables)} staged transaction(s) in {self.describe()}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-
-    def _sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        prefixes = scope.own_prefixes()
-        orphans = {
-            txn: stems for txn, (name, stems) in self._staged(prefixes).items() if is_orphan(name)
-        }
-        spark = sorted(d for d, name in self._spark_staged(prefixes).items() if is_orphan(name))
-        for d in spark:
-            self._storage.delete_tree(f"{SPARK_STAGING_DIR}/{d}")
-        if spark:
-            log.info("%s: deleted Spark's staging directories of %s", self.describe(), spark)
-        if not orphans:
-            return spark
-        dt = self._load()
-        committed = table.committed_paths(dt) if dt is not None else set()
-        aborted = []
-        for txn, stems in sorted(orphans.items()):
-            kept = 0
-            for stem in stems:
-                marker = f"{STAGING_DIR}/{stem}"
-                data = self._storage.read(marker)
-                rel = data.decode("utf-8", "replace") if data else ""
-                if rel in committed:
-                    kept += 1  # a marker a crash left behind after the commit
-                elif _is_staged_path(rel, stem):
-                    self._storage.delete(rel)
-                self._storage.delete(marker)
-            if kept < len(stems):
-                aborted.append(txn)
-        if aborted:
-            log.info("%s: deleted the staged files of %s", self.describe(), aborted)
-        return sorted(set(aborted) | set(spark))
-
-
-def _is_staged_path(rel: str, stem: str) -> bool:
-    """Whether a marker's content names the data file of ``stem`` (a damaged or
-    foreign marker must never make the sweep delete anything else)."""
-    parts = rel.split("/")
-    return (
-        parts[-1] == stem + DATA_SUFFIX
-        and not rel.startswith("/")
-        and all(p not in ("", ".", "..") and not p.startswith("_delta_log") for p in parts)
-    )
