@@ -206,3 +206,30 @@ def test_the_audit_checks_each_merge_version(spark, tmp_path, capsys):  # type: 
     last.write_text("\n".join(lines) + "\n")
     assert twophase(["audit", str(tmp_path / "state"), "--all"]) == 1
     assert "the ledger says" in capsys.readouterr().out
+
+
+def test_a_merge_that_landed_before_a_crash_is_recognised_on_restart(spark, tmp_path):  # type: ignore[no-untyped-def]
+    """The merge's version is written, then the driver fails before the ledger
+    records the checkpoint (a fault right after the commit): the next start
+    finishes the decided checkpoint, finds the app version in the table, and
+    only cleans up (the change files go; nothing is merged twice)."""
+    from sinks._faults import InjectedFault
+
+    model = write_feed(tmp_path / "in", files=3, rows_per_file=30, keys=10, seed=8)
+    uri = tmp_path / "t"
+
+    def sink() -> DeltaSink:
+        return DeltaSink(uri, key=["id"], order_by="seq", delete_when=("op", "D"))
+
+    def fail() -> None:
+        raise InjectedFault("after the merge's version, before the ledger")
+
+    _faults.register("driver.mid_commit.delta", fail)
+    with pytest.raises(Exception, match="after the merge's version"):
+        _feed_job(spark, tmp_path, sink(), interval=0).run()
+    versions = len(DeltaTable(str(uri)).history())
+    assert (uri / "_twophase" / "changes").exists()  # left for the restart
+    assert _feed_job(spark, tmp_path, sink(), interval=0).run().committed
+    assert _rows(uri) == model
+    verify.assert_nothing_left_delta(uri)
+    assert len(DeltaTable(str(uri)).history()) >= versions

@@ -155,7 +155,7 @@ def test_kafka_equals_the_model_after_kills(spark, kafka_bootstrap, kafka_topic,
 
 def test_delta_equals_the_model_after_kills(spark, tmp_path):  # type: ignore[no-untyped-def]
     m = _scenario(tmp_path, "delta", seed=103)
-    _crash(m, spark, kills=3)  # the second kill is at a merge's staged files
+    _crash(m, spark, kills=4)  # named kills: a merge's staged files, then right after its commit
 
 
 def test_all_three_equal_the_model_after_kills(  # type: ignore[no-untyped-def]
@@ -169,7 +169,7 @@ def test_all_three_equal_the_model_after_kills(  # type: ignore[no-untyped-def]
         kafka_topic=kafka_topic,
         kafka_bootstrap=kafka_bootstrap,
     )
-    _crash(m, spark, kills=3)
+    _crash(m, spark, kills=4)
 
 
 # -- the long tier (-m soak) ----------------------------------------------------------------

@@ -156,7 +156,7 @@ class DeltaCommitter:
             # This very commit's files are in the table (kept); a replay's are not.
             committed = table.committed_paths(dt)
             for c in cs:
-                for a in c["adds"]:
+                for a in c.get("adds", ()):
                     if a["path"] not in committed:
                         self.storage.delete(a["path"])
                     self.storage.delete(marker_path(a["path"]))
