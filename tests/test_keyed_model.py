@@ -15,7 +15,8 @@ last row by batch, then ``seq``; deleted keys absent):
   snapshot's files, and through DuckDB's Delta extension; nothing left staged
   (no change file, no merge output, no marker).
 
-The short tier runs by default; ``-m soak`` runs the long kill loops.
+The short tier runs by default; ``-m soak`` runs the long kill loops (ten
+kills each, over 24 batches of 25 keys).
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ from tests.changefeed import write_feed
 from tests.pgcheck import job_prepared
 
 JOB = str(Path(__file__).parent / "jobs" / "changefeed_job.py")
-FAULTS = ("driver.after_record", "driver.mid_commit", "driver.before_commit")
-DELTA_FAULTS = ("driver.merge_staged", *FAULTS)  # between a merge's staging and its commit
+FAULTS = ("driver.after_record", "driver.before_commit", "driver.before_record")
+"""(``driver.mid_commit`` fires between two of a checkpoint's transactions: these
+jobs' small batches often have one per sink)"""
+DELTA_FAULTS = ("driver.merge_staged", "driver.mid_commit", *FAULTS)
+"""between a merge's staging and its commit, and right after its version"""
 
 
 class Model:
@@ -119,7 +123,7 @@ def _scenario(
     return m
 
 
-def _crash(m: Model, spark: Any, kills: int) -> None:
+def _crash(m: Model, spark: Any, kills: int, max_delay: float = 16.0) -> None:
     report = crash_test(
         JOB,
         kills=kills,
@@ -127,7 +131,7 @@ def _crash(m: Model, spark: Any, kills: int) -> None:
         args=m.args(),
         fault_points=DELTA_FAULTS if "delta" in m.sinks else FAULTS,
         min_delay=4.0,
-        max_delay=16.0,
+        max_delay=max_delay,
         timeout=600.0,
         verify=lambda: m.check(spark),
         log=m.tmp / "crash.log",
@@ -185,11 +189,11 @@ def test_long_kill_loops_equal_the_model(  # type: ignore[no-untyped-def]
         tmp_path,
         sinks,
         seed=seed,
-        files=16,
+        files=24,
         rows=60,
         keys=25,
         pg_dsn=pg_dsn,
         kafka_topic=kafka_topic,
         kafka_bootstrap=kafka_bootstrap,
     )
-    _crash(m, spark, kills=10)
+    _crash(m, spark, kills=10, max_delay=12.0)
