@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from sinks.base import Committable, SinkWriter, WriteContext
 from sinks.delta.layout import DeltaSchemaError, Layout, partition_value
 from sinks.delta.storage import DATA_SUFFIX, TableStorage, file_stem, marker_path
+from sinks.delta.writer import table_column
 from sinks.keys import KeyedWrite
 from sinks.last_write import LastWriteWins, Winners
 
@@ -114,21 +115,7 @@ class ChangeWriter(SinkWriter):
         batch, deletes = winners.rows, pa.array(winners.deletes)
         arrays = []
         for field in self._layout.schema:
-            idx = batch.schema.get_field_index(field.name)
-            if idx < 0:
-                raise DeltaSchemaError(
-                    f"column {field.name!r} of the Delta table is missing from the data "
-                    f"(columns: {batch.schema.names})"
-                )
-            arr = batch.column(idx)
-            if arr.type != field.type:
-                try:
-                    arr = arr.cast(field.type, safe=True)
-                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                    raise DeltaSchemaError(
-                        f"column {field.name!r}: cannot convert {arr.type} to the table's "
-                        f"{field.type} without losing data: {e}"
-                    ) from e
+            arr = table_column(batch, field)
             if not field.nullable and arr.null_count:
                 writes = pc.invert(deletes)
                 nulls = pc.sum(pc.and_(pc.is_null(arr), writes)).as_py() or 0

@@ -108,6 +108,16 @@ class Candidate:
     rows: int | None
     partition_values: dict[str, str | None]
 
+    @classmethod
+    def of(cls, action: dict[str, Any], partition_by: Sequence[str]) -> Candidate:
+        """The file of a row of ``DeltaTable.get_add_actions(flatten=True)``."""
+        return cls(
+            unquote(str(action["path"])),  # the log's paths are URL-encoded
+            int(action["size_bytes"]),
+            None if action.get("num_records") is None else int(action["num_records"]),
+            {c: partition_value(action.get(f"partition.{c}")) for c in partition_by},
+        )
+
 
 def _exact_range_type(t: pa.DataType) -> bool:
     """Key types whose Delta statistics are exact (strings are cut to a prefix,
@@ -135,7 +145,8 @@ def plan(
         ranges = [ch.key_range for ch in changes if ch.key_range is not None]
     found = []
     for a in actions:
-        pv = {c: partition_value(a.get(f"partition.{c}")) for c in parts}
+        candidate = Candidate.of(a, parts)
+        pv = candidate.partition_values
         if allowed is not None and tuple(pv[c] for c in parts) not in allowed:
             continue
         if ranges is not None:
@@ -146,14 +157,7 @@ def plan(
                 and not any(lo <= high and low <= hi for lo, hi in ranges)
             ):
                 continue
-        found.append(
-            Candidate(
-                unquote(str(a["path"])),  # the log's paths are URL-encoded
-                int(a["size_bytes"]),
-                None if a.get("num_records") is None else int(a["num_records"]),
-                pv,
-            )
-        )
+        found.append(candidate)
     return found
 
 

@@ -14,15 +14,15 @@ with nothing committed.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
 
 import pyarrow as pa
 from deltalake import DeltaTable
 from deltalake.transaction import RemoveAction
 
-from sinks.delta.layout import DeltaSchemaError, Layout, partition_value
+from sinks.delta import merge
+from sinks.delta.layout import DeltaSchemaError, Layout
+from sinks.delta.merge import Candidate
 from sinks.errors import DataError
 
 if TYPE_CHECKING:
@@ -103,15 +103,4 @@ def removes(dt: DeltaTable, layout: Layout, predicate: str) -> list[RemoveAction
         .select("path")
         .collect()
     }
-    now = int(time.time() * 1000)
-    return [
-        RemoveAction(
-            path=unquote(str(a["path"])),
-            data_change=True,
-            deletion_timestamp=now,
-            size=int(a["size_bytes"]),
-            partition_values={c: partition_value(a.get(f"partition.{c}")) for c in parts},
-        )
-        for a in rows
-        if str(a["path"]) in matched
-    ]
+    return merge.removes([Candidate.of(a, parts) for a in rows if str(a["path"]) in matched])

@@ -97,6 +97,26 @@ def _partition_value(column: str, arr: pa.Array) -> str | None:
     return partition_value(value)
 
 
+def table_column(batch: pa.RecordBatch, field: pa.Field) -> pa.Array:
+    """``batch``'s column of the table's ``field``, cast losslessly to its type."""
+    idx = batch.schema.get_field_index(field.name)
+    if idx < 0:
+        raise DeltaSchemaError(
+            f"column {field.name!r} of the Delta table is missing from the data "
+            f"(columns: {batch.schema.names})"
+        )
+    arr = batch.column(idx)
+    if arr.type != field.type:
+        try:
+            arr = arr.cast(field.type, safe=True)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise DeltaSchemaError(
+                f"column {field.name!r}: cannot convert {arr.type} to the table's "
+                f"{field.type} without losing data: {e}"
+            ) from e
+    return arr
+
+
 class DeltaWriter(SinkWriter):
     """Stages one task attempt's rows as Parquet files in the table directory.
 
@@ -137,21 +157,7 @@ class DeltaWriter(SinkWriter):
         """Columns in table order, cast to the table's types; NOT NULL enforced."""
         arrays = []
         for field in self._layout.schema:
-            idx = batch.schema.get_field_index(field.name)
-            if idx < 0:
-                raise DeltaSchemaError(
-                    f"column {field.name!r} of the Delta table is missing from the data "
-                    f"(columns: {batch.schema.names})"
-                )
-            arr = batch.column(idx)
-            if arr.type != field.type:
-                try:
-                    arr = arr.cast(field.type, safe=True)
-                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                    raise DeltaSchemaError(
-                        f"column {field.name!r}: cannot convert {arr.type} to the table's "
-                        f"{field.type} without losing data: {e}"
-                    ) from e
+            arr = table_column(batch, field)
             if not field.nullable and arr.null_count:
                 raise DeltaSchemaError(
                     f"column {field.name!r} is NOT NULL in the Delta table but the data "
