@@ -31,5 +31,17 @@ if ! .venv/bin/python -c 'import sinks, lifecycle, pytest' >/dev/null 2>&1 \
     fi
     touch .venv/.installed
 fi
+# The JVM artifacts (lifecycle/testing/jars.py: delta-spark, Spark's Kafka source,
+# the Apache Kafka broker, the PostgreSQL JDBC driver), fetched once with Maven into
+# $TWOPHASE_JARS (default ~/.cache/twophase/jars); offline once cached.
+if command -v mvn >/dev/null 2>&1; then
+    if ! .venv/bin/python -m lifecycle.testing.jars fetch > .venv/jars.log 2>&1; then
+        tail -n 30 .venv/jars.log >&2
+        echo "fetching the JVM artifacts with Maven failed (the whole log: .venv/jars.log)" >&2
+        return 1 2>/dev/null || exit 1
+    fi
+else
+    echo "Maven (mvn) is not installed: the tests that need JVM artifacts (delta-spark, Apache Kafka) skip" >&2
+fi
 export PYSPARK_PYTHON="$PWD/.venv/bin/python"
 export SPARK_LOCAL_IP="${SPARK_LOCAL_IP:-127.0.0.1}"

@@ -61,6 +61,10 @@ def make_spark(app: str, master: str = "local[2,2]") -> SparkSession:
         for k, v in os.environ.items():
             if k.startswith("TWOPHASE_") and k not in (MASTER_ENV, EXECUTOR_ENV_ENV):
                 builder = builder.config(f"spark.executorEnv.{k}", v)
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        # A local session gets delta-spark and Spark's Kafka source when their jars are
+        # cached (lifecycle/testing/jars.py); spark-submit's driver JVM is started already.
+        builder = _with_jvm_packages(builder)
     return (
         builder.appName(app)
         .config("spark.ui.enabled", "false")
@@ -72,6 +76,27 @@ def make_spark(app: str, master: str = "local[2,2]") -> SparkSession:
         .config("spark.sql.session.timeZone", "UTC")
         .getOrCreate()
     )
+
+
+def _with_jvm_packages(builder: SparkSession.Builder) -> SparkSession.Builder:
+    from lifecycle.testing import jars
+
+    found = [
+        str(p) for name in ("delta", "spark-kafka") if jars.available(name) for p in jars.jars(name)
+    ]
+    if found:
+        builder = builder.config("spark.jars", ",".join(found))
+    if jars.available("delta"):
+        for k, v in jars.DELTA_SQL_CONF.items():
+            builder = builder.config(k, v)
+    return builder
+
+
+def delta_spark_available() -> bool:
+    """Whether the test sessions have delta-spark (its jars are cached)."""
+    from lifecycle.testing import jars
+
+    return jars.available("delta")
 
 
 EVENT_SCHEMA = StructType(
