@@ -279,13 +279,20 @@ class Job:
                 f"pipeline {name!r}: {replacing[0].describe()} replaces (replace_where), which "
                 "commits once, when the pipeline finishes: pass bounded=True (a backfill)"
             )
-        expiring = [s for s in sinks if s.prepared_work_expires]
-        if replacing and expiring:
+        holding = [s for s in sinks if s.prepared_work_holds_resources]
+        if replacing and holding:
+            why = (
+                "they expire"
+                if holding[0].prepared_work_expires
+                else "their row locks block the pipeline's next batches, and a long backfill "
+                "runs out of max_prepared_transactions"
+            )
             raise ConfigError(
                 f"pipeline {name!r}: {replacing[0].describe()} replaces (replace_where), so "
                 "every sink of the pipeline commits only when it finishes, and "
-                f"{expiring[0].describe()} would hold its transactions open that long (they "
-                "expire); write to it from another pipeline"
+                f"{holding[0].describe()} would hold its transactions open that long ({why}); "
+                "write to it from a pipeline of its own (reading the same input), or make it "
+                "replace too (replace_where=)"
             )
         if event_time is not None and transform is None:
             raise ConfigError(

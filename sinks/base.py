@@ -221,6 +221,12 @@ class Sink(abc.ABC):
     #: their pipeline, so that their work waits as briefly as possible
     prepared_work_expires: bool = False
 
+    #: whether each pre-committed batch holds resources of the target until it is
+    #: committed (a PostgreSQL prepared transaction: its row locks and a slot of
+    #: ``max_prepared_transactions``; a Kafka transaction): such a sink cannot wait,
+    #: batch after batch, for a deferred pipeline to finish (``commits_at_finish``)
+    prepared_work_holds_resources: bool = False
+
     #: whether the sink's work is committed once, at the checkpoint that finishes
     #: its pipeline (a replace: ``replace_where``); until then every batch of the
     #: pipeline stays prepared, across restarts. Bounded pipelines only.

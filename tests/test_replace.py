@@ -130,6 +130,31 @@ def test_replace_is_for_bounded_pipelines_without_expiring_sinks(spark, pg_dsn, 
         PostgresSink(pg_dsn, "events", key=["id"], replace_where=DAY)
 
 
+def test_a_replacing_pipeline_refuses_sinks_that_hold_prepared_transactions(
+    spark, pg_dsn, tmp_path
+):  # type: ignore[no-untyped-def]
+    """A replace keeps every batch of its pipeline prepared until the pipeline
+    finishes. A keyed PostgresSink beside it used to block forever on the row
+    locks of its own prepared batch 0 (LockWaitError, again after a restart),
+    and a plain one piles up prepared transactions past max_prepared_transactions
+    on a long backfill: both are refused when the pipeline is added."""
+    from sinks import DeltaSink
+
+    job = Job(spark, "bad", tmp_path / "s")
+    df = spark.readStream.schema(SCHEMA).json(str(tmp_path))
+    replacing = DeltaSink(str(tmp_path / "t"), replace_where=DAY)
+    for other in (
+        PostgresSink(pg_dsn, "events", key=["id"], delete_when=("v", "gone"), lock_timeout=5),
+        PostgresSink(pg_dsn, "events"),
+    ):
+        with pytest.raises(ConfigError, match=r"row locks block .* max_prepared_transactions"):
+            job.add_pipeline("q", df, [replacing, other], bounded=True)
+    # Two replaces in one pipeline stage their batches and hold nothing: allowed.
+    job.add_pipeline(
+        "r", df, [replacing, PostgresSink(pg_dsn, "events", replace_where=DAY)], bounded=True
+    )
+
+
 # -- Delta ------------------------------------------------------------------------------
 
 

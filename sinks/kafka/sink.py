@@ -189,6 +189,7 @@ class KafkaSink(Sink):
     kind = "kafka"
     _driver_only = ("_conns", "_store")
     prepared_work_expires = True
+    prepared_work_holds_resources = True
 
     def prepared_work_timeout(self) -> float | None:
         return self.transaction_timeout_ms / 1000

@@ -446,6 +446,12 @@ class PostgresSink(Sink):
     def commits_at_finish(self) -> bool:  # type: ignore[override]
         return self.replace_where is not None
 
+    @property
+    def prepared_work_holds_resources(self) -> bool:  # type: ignore[override]
+        """A batch's tasks hold prepared transactions (row locks, prepared
+        slots) until the commit; a replace's tasks stage into a table instead."""
+        return self.replace_where is None
+
     def staging(self, scope: JobScope) -> sql.Composable:
         """The staging table of a replacing scope."""
         return sql.Identifier(self.marker_schema, replace.staging_name(scope))
