@@ -18,7 +18,7 @@ from sinks.errors import (
     UnconfirmedWriteError,
 )
 from sinks.kafka import KafkaSink
-from sinks.keys import DuplicateKeyError, NullKeyError
+from sinks.keys import DuplicateKeyError, NullKeyError, NullValueError
 from sinks.postgres import PostgresSink
 from sinks.settings import from_settings
 
@@ -34,6 +34,7 @@ __all__ = [
     "LingeringTxn",
     "LockWaitError",
     "NullKeyError",
+    "NullValueError",
     "PostgresSink",
     "PreflightError",
     "PreparedLimitError",

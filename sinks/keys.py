@@ -26,7 +26,10 @@ once here, for every sink that writes by key (:class:`KeyedWrite`):
   column is true (a boolean column), or equals the given value (``("op",
   "D")``). A null there is an error: the row is neither a write nor a delete.
   The column tells the sink what to do; it is not written (a table does not
-  need it; a Kafka delete is a tombstone, the key and no value).
+  need it; a Kafka delete is a tombstone, the key and no value). So in a Kafka
+  changelog a write whose ``value`` column is null is an error
+  (:class:`NullValueError`, naming the key), never a tombstone: only
+  ``delete_when`` deletes.
 
 Every keyed sink repartitions its input by the key, so one key is written by
 one task per batch. Preflight logs a warning for every key or ``order_by``
@@ -51,6 +54,11 @@ log = logging.getLogger("sinks.keys")
 class NullKeyError(DataError):
     """A row of a keyed write has a null in a key, ``order_by`` or
     ``delete_when`` column."""
+
+
+class NullValueError(DataError):
+    """A write (not a delete) of a Kafka changelog has a null value: it would be
+    a tombstone, which deletes the key, where the other sinks keep the row."""
 
 
 class DuplicateKeyError(DataError):

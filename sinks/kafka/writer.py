@@ -52,7 +52,7 @@ from sinks.kafka import encode, partitioner, records
 from sinks.kafka.produce import ProducerOptions, TxnProducer
 from sinks.kafka.registry import announcement
 from sinks.kafka.wire import KafkaWire
-from sinks.keys import KeyedWrite
+from sinks.keys import KeyedWrite, NullValueError
 from sinks.last_write import LastWriteWins, Winners
 
 log = logging.getLogger("sinks.kafka")
@@ -171,6 +171,8 @@ class KafkaWriter(SinkWriter):
         # of this batch is sent (and before a producer is opened for the first one)
         keys = encode.to_binary(batch.column(cfg.key)) if cfg.key else None
         values = encode.to_binary(batch.column(cfg.value)) if cfg.value else self._json(batch)
+        if cfg.value and cfg.rules is not None and values.null_count:
+            self._check_changelog_nulls(batch, values, tombstones)
         if tombstones is not None:
             values = pc.if_else(tombstones, pa.scalar(None, values.type), values)
         elif cfg.value and values.null_count:
@@ -211,6 +213,27 @@ class KafkaWriter(SinkWriter):
                 f"{self._settings.where}: batch rows {self._rows} to "
                 f"{self._rows + batch.num_rows - 1} of this task: {e}"
             ) from e
+
+    def _check_changelog_nulls(
+        self, batch: pa.RecordBatch, values: pa.Array, tombstones: pa.BooleanArray | None
+    ) -> None:
+        """A changelog's write (a row ``delete_when`` does not mark) must have a
+        value: a null one would be a tombstone, a delete after compaction, where
+        PostgreSQL and Delta keep the row. Refuse it, naming the key."""
+        nulls = pc.is_null(values)
+        if tombstones is not None:
+            nulls = pc.and_(nulls, pc.invert(tombstones))
+        hits = np.flatnonzero(nulls.to_numpy(zero_copy_only=False))
+        if len(hits):
+            cfg = self._settings
+            assert cfg.rules is not None
+            row = int(hits[0])
+            key = {k: batch.column(k)[row].as_py() for k in cfg.rules.key}
+            raise NullValueError(
+                f"{cfg.where}: the write of key {key} has a null value column {cfg.value!r}; "
+                "in a changelog a null value is a tombstone, which deletes the key, so a "
+                "write needs a value (mark deletes with delete_when, or fill the value)"
+            )
 
     def _check_nulls(self, keys: pa.Array | None, values: pa.Array) -> None:
         both = pc.is_null(values) if keys is None else pc.and_(pc.is_null(keys), pc.is_null(values))
