@@ -104,7 +104,14 @@ class CheckpointCommitError(JobFailedError):
     each), ``cause`` (that of the first failed sink)."""
 
     def __init__(
-        self, job: str, checkpoint: int, kind: str, failed: dict[str, str], *, trace: str
+        self,
+        job: str,
+        checkpoint: int,
+        kind: str,
+        failed: dict[str, str],
+        *,
+        trace: str,
+        refused: bool = False,
     ) -> None:
         self.job = job
         self.checkpoint = checkpoint
@@ -113,10 +120,15 @@ class CheckpointCommitError(JobFailedError):
         self.cause = next(iter(failed.values()), "")
         sinks = ", ".join(failed)
         causes = "; ".join(f"{label}: {why}" for label, why in failed.items())
+        then = (
+            "no retry can pass that: its decision stays in the ledger, and the next start "
+            "finishes it once what the cause names is changed"
+            if refused
+            else "its decision stays in the ledger and the next start finishes it"
+        )
         super().__init__(
             f"job {job!r}: checkpoint {checkpoint} ({kind}) could not commit "
-            f"{len(failed)} sink(s) [{sinks}]: {causes}; its decision stays in the ledger "
-            f"and the next start finishes it {POINTER}",
+            f"{len(failed)} sink(s) [{sinks}]: {causes}; {then} {POINTER}",
             trace=trace,
         )
 

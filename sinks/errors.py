@@ -26,6 +26,13 @@ class CommitError(TwoPhaseError):
     and the next start finishes it."""
 
 
+class CommitRefusedError(CommitError):
+    """The target refused a commit for a reason no retry can pass (a Delta table
+    made append-only, a table feature the sink does not write): it fails at once,
+    with the target's reason. The decision stays recorded; the next start
+    finishes it only after what the message names is changed."""
+
+
 class LockWaitError(TwoPhaseError):
     """A task waited longer than its sink's lock timeout for rows another
     transaction holds. The task fails so that Spark retries it (a retry rolls

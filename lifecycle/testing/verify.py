@@ -266,6 +266,19 @@ def data_files_delta(table_uri: str | Path) -> set[str]:
     return out
 
 
+def _engine_file(rel: str, added: set[str]) -> bool:
+    """A file another Delta engine keeps beside the data, never one the sink
+    stages: delta-spark's deletion vectors (``deletion_vector_<uuid>.bin``) and
+    Hadoop's checksums (``.<name>.crc``) of added files and of those."""
+    name = Path(rel).name
+    if name.startswith("deletion_vector_") and name.endswith(".bin"):
+        return True
+    if name.startswith(".") and name.endswith(".crc"):
+        base = str(Path(rel).with_name(name[1:-4]))
+        return base in added or Path(base).name.startswith("deletion_vector_")
+    return False
+
+
 def staged_delta(table_uri: str | Path) -> list[str]:
     """What the sink left staged in a local table: data files that no version
     of the table ever added (a merge's removed files are history, not
@@ -284,7 +297,7 @@ def staged_delta(table_uri: str | Path) -> list[str]:
             add = json.loads(line).get("add") if line.strip() else None
             if add:
                 added.add(unquote(add["path"]))
-    left = sorted(data_files_delta(root) - added)
+    left = sorted(f for f in data_files_delta(root) - added if not _engine_file(f, added))
     for d in (STAGING_DIR, SPARK_STAGING_DIR, CHANGES_DIR):
         if (root / d).exists():
             left += [f"{d}/{n}" for n in sorted(os.listdir(root / d))]

@@ -76,7 +76,7 @@ from sinks.delta.storage import (
     marker_path,
     split_stem,
 )
-from sinks.errors import TransactionLostError
+from sinks.errors import CommitRefusedError, TransactionLostError
 from sinks.keys import KeyedWrite
 from sinks.naming import TxnName, scope_prefixes
 from sinks.progress import conflict
@@ -84,6 +84,17 @@ from sinks.progress import conflict
 log = logging.getLogger("sinks.delta")
 
 _TRANSIENT = (CommitFailedError, OSError)
+
+_REFUSALS = ("append-only", "feature", "unsupported")
+"""what delta-rs says when it refuses a commit whatever the table's version
+(``DeltaTableAppendOnly``, ``UnsupportedTableFeatures``,
+``TableFeaturesRequired``); other commit failures are conflicts with another
+writer, which a new plan on the new version passes"""
+
+
+def _refusal(e: CommitFailedError) -> bool:
+    text = str(e).lower()
+    return any(r in text for r in _REFUSALS)
 
 
 def app_id(scope: JobScope) -> str:
@@ -122,8 +133,22 @@ class DeltaCommitter:
         scope = scopes.pop()
         version = max(n.batch_id for n in names)
         app = app_id(scope)
+
+        def once() -> None:
+            try:
+                self._commit_once(cs, scope, version)
+            except DeltaSchemaError as e:  # the table changed since preflight
+                raise CommitRefusedError(str(e)) from e
+            except CommitFailedError as e:
+                if not _refusal(e):
+                    raise  # another writer first, or the store: plan again
+                raise CommitRefusedError(
+                    f"{self.where} refused the commit of {app} v{version}: {e} (retrying "
+                    "cannot pass this)"
+                ) from e
+
         retry_transient(
-            lambda: self._commit_once(cs, scope, version),
+            once,
             what=f"commit of {len(cs)} staged transaction(s) as {app} v{version} to {self.where}",
             transient=_TRANSIENT,
             deadline=self.commit_timeout,
@@ -161,7 +186,7 @@ class DeltaCommitter:
                         self.storage.delete(a["path"])
                     self.storage.delete(marker_path(a["path"]))
             return
-        table.check_writable(dt, where)
+        table.check_writable(dt, where, removes=self.rules.keyed or self.replace_where is not None)
         layout = table.layout_of(dt)
         if self.rules.keyed:
             merge.commit(

@@ -311,7 +311,7 @@ class DeltaSink(Sink):
             dt = self._load()
             if dt is None:
                 raise DeltaSchemaError(f"{where} vanished right after it was created")
-        table.check_writable(dt, where)
+        table.check_writable(dt, where, removes=self.rules.keyed or self.replace_where is not None)
         retention = dt.metadata().configuration.get(progress.RETENTION_PROPERTY)
         if retention is not None:
             raise DeltaSchemaError(

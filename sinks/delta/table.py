@@ -56,10 +56,16 @@ def layout_of(dt: DeltaTable) -> Layout:
     return Layout.of(schema, dt.metadata().partition_columns)
 
 
-def check_writable(dt: DeltaTable, where: str) -> None:
+def check_writable(dt: DeltaTable, where: str, *, removes: bool = False) -> None:
     """Refuse a table whose protocol or metadata asks writers for more than this
-    sink does (it appends plain Parquet files whose columns carry logical names)."""
+    sink does (it appends plain Parquet files whose columns carry logical names).
+
+    ``removes``: the sink's commits also remove files (a keyed merge, a
+    partition replace), which reads the files it replaces and asks more of the
+    table (:func:`check_rewritable`)."""
     proto = dt.protocol()
+    if removes:
+        check_rewritable(dt, where)
     unknown = sorted(set(proto.writer_features or ()) - _WRITER_FEATURES)
     if proto.min_writer_version > 7 or unknown:
         raise DeltaSchemaError(
@@ -90,6 +96,41 @@ def check_writable(dt: DeltaTable, where: str) -> None:
                 f"{where}: column {field['name']!r} has {keys}; DeltaSink does not compute or "
                 "enforce invariants, generated or identity columns"
             )
+
+
+DELETION_VECTORS = "deletionVectors"
+
+
+def check_rewritable(dt: DeltaTable, where: str) -> None:
+    """Refuse a table whose files a keyed merge or a replace cannot remove.
+
+    * **Deletion vectors**: the merge and the replace read a candidate file's
+      Parquet, which still holds the rows its deletion vector deletes (they
+      would come back), and a remove action must name the deletion vector of
+      the file it removes (else log replay keeps the file live: every row
+      twice). Any table whose protocol lists the feature can carry them.
+    * **``delta.appendOnly``**: Delta forbids removing files (delta-rs refuses
+      the commit), so the rewrite could never commit.
+
+    Appends touch neither: an add never names a deletion vector."""
+    proto = dt.protocol()
+    features = set(proto.reader_features or ()) | set(proto.writer_features or ())
+    if DELETION_VECTORS in features:
+        raise DeltaSchemaError(
+            f"{where} has the table feature deletionVectors: a keyed DeltaSink (key=) or a "
+            "replace (replace_where=) rewrites and removes files, and DeltaSink does not "
+            "honour deletion vectors yet (deleted rows would come back, replaced files would "
+            "stay live). Drop the feature with delta-spark (ALTER TABLE ... DROP FEATURE "
+            "deletionVectors), write to a table without it, or append (no key=, no "
+            "replace_where=)"
+        )
+    config = dt.metadata().configuration or {}
+    if str(config.get("delta.appendOnly", "false")).lower() == "true":
+        raise DeltaSchemaError(
+            f"{where} is append-only (delta.appendOnly=true): a keyed DeltaSink (key=) or a "
+            "replace (replace_where=) removes files, which Delta forbids there. Append (no "
+            "key=, no replace_where=), or unset the property"
+        )
 
 
 def create(table_uri: str, storage_options: dict[str, str] | None, layout: Layout) -> bool:
