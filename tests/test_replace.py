@@ -236,6 +236,32 @@ def test_delta_replace_checks_its_predicate_and_rows(spark, tmp_path):  # type: 
     assert _delta_rows(uri) == before
 
 
+def test_an_empty_partition_value_is_replaced_as_null(spark, tmp_path):  # type: ignore[no-untyped-def]
+    """Delta stores day "" as null. ``replace_where="day = ''"`` used to accept
+    the batch's "" rows but match no stored file (null = '' is null), so every
+    re-run added the slice again; now the batch is refused, saying to write
+    ``day IS NULL``, which replaces the slice once, as often as it runs."""
+    from sinks import DeltaSink
+
+    uri = tmp_path / "delta"
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "part-0.json").write_text(json.dumps({"day": "", "id": 1, "v": "old"}) + "\n")
+    assert _run(
+        spark, src, tmp_path / "s0", [DeltaSink(uri, partition_by=["day"], sink_id="a")]
+    ).committed
+    (src / "part-0.json").write_text(json.dumps({"day": "", "id": 1, "v": "new"}) + "\n")
+    with pytest.raises(TaskFailedError, match=r"as null: day is null here; say `day IS NULL`"):
+        _run(spark, src, tmp_path / "s1", [DeltaSink(uri, replace_where="day = ''", sink_id="b")])
+    assert _delta_rows(uri) == [(None, 1, "old")]
+    for run in ("s2", "s3"):  # a re-run replaces the same slice again
+        sink = DeltaSink(uri, replace_where="day IS NULL", sink_id=run)
+        assert _run(spark, src, tmp_path / run, [sink]).committed
+        assert _delta_rows(uri) == [(None, 1, "new")]
+        read = spark.read.format("delta").load(str(uri)).collect()
+        assert [tuple(r) for r in read] == [(None, 1, "new")]
+
+
 @pytest.mark.crash
 def test_a_killed_backfill_stays_staged_and_replaces_once(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
     """SIGKILLed at random and while recording batches: every restart keeps what

@@ -12,6 +12,11 @@ so commit, abort and sweep find it) but under :data:`CHANGES_DIR`, never in the
 table. The committable lists it with what the planner prunes by: the first key
 column's range and, when every partition column is a key column, the
 partitions the changes fall in.
+
+An empty string in a partition column is null, in change files as in every
+Delta path (Delta stores it so, as delta-spark does): the merge matches keys
+null-safely, so an upsert or a delete of ``("", 1)`` finds the row an append of
+``("", 1)`` stored.
 """
 
 from __future__ import annotations
@@ -57,6 +62,20 @@ def range_value(value: Any) -> Any:
     if isinstance(value, (dt.date, dt.datetime)):
         return value.isoformat()
     return None
+
+
+def _partition_order(values: list[str | None]) -> list[tuple[bool, str]]:
+    """A sort key of partition value tuples that may hold nulls (null first)."""
+    return [(v is not None, v or "") for v in values]
+
+
+def empty_as_null(arr: pa.Array) -> pa.Array:
+    """A partition column's values as Delta stores them: an empty string is
+    null (:func:`sinks.delta.layout.partition_value`), so that a key written
+    with ``""`` matches the row an append or an earlier merge stored."""
+    if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+        return arr
+    return pc.if_else(pc.equal(arr, ""), pa.scalar(None, arr.type), arr)
 
 
 class ChangeWriter(SinkWriter):
@@ -114,8 +133,11 @@ class ChangeWriter(SinkWriter):
         the rows that write (a delete needs only its key), and the flag."""
         batch, deletes = winners.rows, pa.array(winners.deletes)
         arrays = []
+        partitions = set(self._layout.partition_by)
         for field in self._layout.schema:
             arr = table_column(batch, field)
+            if field.name in partitions:
+                arr = empty_as_null(arr)
             if not field.nullable and arr.null_count:
                 writes = pc.invert(deletes)
                 nulls = pc.sum(pc.and_(pc.is_null(arr), writes)).as_py() or 0
@@ -147,7 +169,11 @@ class ChangeWriter(SinkWriter):
             "rows": self._rows,
             "deletes": self._deletes,
             "key_range": [self._low, self._high] if self._low is not None else None,
-            "partitions": (sorted(list(p) for p in self._partitions) if self._partitions else None),
+            "partitions": (
+                sorted((list(p) for p in self._partitions), key=_partition_order)
+                if self._partitions
+                else None
+            ),
         }
         return {"txn": self._txn, "rows": self._rows, "bytes": info[0], "changes": [change]}
 

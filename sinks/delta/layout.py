@@ -238,6 +238,11 @@ def partition_value(value: Any) -> str | None:
     raise TypeError(f"unsupported partition value {value!r}")
 
 
+def quoted(name: str) -> str:
+    """A column name quoted for a Spark SQL expression (backticks)."""
+    return "`" + name.replace("`", "``") + "`"
+
+
 def escape_path_part(text: str) -> str:
     """Escape ``text`` for a Hive-style directory name, as Spark does."""
     return "".join(f"%{ord(c):02X}" if c in _ESCAPED else c for c in text)

@@ -50,7 +50,7 @@ from deltalake.transaction import AddAction, RemoveAction
 from sinks import _faults
 from sinks.base import Committable, JobScope
 from sinks.delta.changes import DELETE_COLUMN, change_schema, range_value
-from sinks.delta.layout import Layout, partition_value
+from sinks.delta.layout import Layout, partition_value, quoted
 from sinks.delta.spark_stage import SparkStage
 from sinks.delta.storage import TableStorage, marker_path
 from sinks.errors import TransactionLostError
@@ -175,10 +175,6 @@ def removes(candidates: Sequence[Candidate]) -> list[RemoveAction]:
     ]
 
 
-def _quoted(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
 def _spark_type(t: pa.DataType) -> Any:
     from pyspark.sql.pandas.types import from_arrow_type
 
@@ -210,7 +206,7 @@ def _winners(
     df = functools.reduce(lambda a, b: a.unionByName(b), frames)
     if len(frames) == 1:
         return df.drop(_BATCH)  # one row per key already (one task per key)
-    w = Window.partitionBy(*[F.col(_quoted(k)) for k in rules.key]).orderBy(F.col(_BATCH).desc())
+    w = Window.partitionBy(*[F.col(quoted(k)) for k in rules.key]).orderBy(F.col(_BATCH).desc())
     return df.withColumn(_RANK, F.row_number().over(w)).where(F.col(_RANK) == 1).drop(_RANK, _BATCH)
 
 
@@ -233,7 +229,7 @@ def _targets(
         for col, value in zip(layout.partition_by, values, strict=True):
             t = _spark_type(layout.schema.field(col).type)
             df = df.withColumn(col, F.lit(value).cast(t))
-        frames.append(df.select(*[F.col(_quoted(n)) for n in layout.schema.names]))
+        frames.append(df.select(*[F.col(quoted(n)) for n in layout.schema.names]))
     return functools.reduce(lambda a, b: a.unionByName(b), frames)
 
 
@@ -256,10 +252,11 @@ def rewrite(
     if targets is None:
         result = upserts
     else:
-        keys = winners.select(*[F.col(_quoted(k)).alias(f"_k{i}") for i, k in enumerate(rules.key)])
+        keys = winners.select(*[F.col(quoted(k)).alias(f"_k{i}") for i, k in enumerate(rules.key)])
         match = functools.reduce(
             lambda a, b: a & b,
-            [targets[_quoted(k)] == keys[f"_k{i}"] for i, k in enumerate(rules.key)],
+            # null-safe: a partition key column's "" is stored (and staged) as null
+            [targets[quoted(k)].eqNullSafe(keys[f"_k{i}"]) for i, k in enumerate(rules.key)],
         )
         kept = targets.join(keys, match, "left_anti")
         result = kept.unionByName(upserts)

@@ -9,7 +9,10 @@ staged file, with the app transaction of the highest batch (a retried commit is
 recognised and skipped). The predicate is Spark SQL over partition columns,
 checked at preflight; each batch checks its rows against it before staging
 anything (:func:`check_rows`), so a row outside the slice fails the backfill
-with nothing committed.
+with nothing committed. Both evaluate it on values as Delta stores them: an
+empty string in a partition column is null, so ``region = ''`` matches no row
+(say ``region IS NULL``), and a batch row the commit would not find again is
+refused instead of piling up on every re-run.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from deltalake import DeltaTable
 from deltalake.transaction import RemoveAction
 
 from sinks.delta import merge
-from sinks.delta.layout import DeltaSchemaError, Layout
+from sinks.delta.layout import DeltaSchemaError, Layout, quoted
 from sinks.delta.merge import Candidate
 from sinks.errors import DataError
 
@@ -71,17 +74,44 @@ def check_predicate(predicate: str, layout: Layout, where: str) -> None:
         ) from e
 
 
-def check_rows(df: DataFrame, predicate: str, where: str, batch_id: int) -> None:
-    """Raise :class:`ReplaceError` when a row of the batch is outside the slice."""
+def stored(df: DataFrame, layout: Layout) -> DataFrame:
+    """``df`` with its partition columns as Delta stores them: an empty string
+    is null (:func:`sinks.delta.layout.partition_value`)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StringType
+
+    for c in layout.partition_by:
+        if isinstance(df.schema[c].dataType, StringType):
+            col = F.col(quoted(c))
+            df = df.withColumn(c, F.when(col == F.lit(""), F.lit(None)).otherwise(col))
+    return df
+
+
+def check_rows(df: DataFrame, predicate: str, layout: Layout, where: str, batch_id: int) -> None:
+    """Raise :class:`ReplaceError` when a row of the batch is outside the slice.
+
+    The predicate is evaluated on the rows as they will be stored (an empty
+    partition value is null), as the commit evaluates it on the table's
+    partition values: a row the slice would not remove again is refused."""
     from pyspark.sql import functions as F
 
-    outside = df.where(~F.coalesce(F.expr(predicate), F.lit(False))).limit(1).collect()
+    outside = (
+        stored(df, layout).where(~F.coalesce(F.expr(predicate), F.lit(False))).limit(1).collect()
+    )
     if outside:
+        row = outside[0].asDict()
+        empty = [c for c in layout.partition_by if row.get(c) is None]
+        hint = (
+            " (Delta stores an empty string in a partition column as null: "
+            f"{', '.join(empty)} is null here; say `{empty[0]} IS NULL` to replace that slice)"
+            if empty
+            else ""
+        )
         raise ReplaceError(
             f"{where}: batch {batch_id} holds a row that does not match replace_where "
-            f"{predicate!r} (e.g. {outside[0].asDict()}): a replace writes only inside the "
-            "slice it replaces. Nothing of the backfill was committed; filter the rows, or "
-            "widen the predicate"
+            f"{predicate!r} (e.g. {row}){hint}: a replace writes only inside the slice it "
+            "replaces. Nothing of the backfill was committed; filter the rows, or widen the "
+            "predicate"
         )
 
 

@@ -384,7 +384,8 @@ class DeltaSink(Sink):
     ) -> list[Committable] | None:
         self._ready()
         if self.replace_where is not None:
-            replace.check_rows(df, self.replace_where, self.describe(), batch_id)
+            assert self._layout is not None
+            replace.check_rows(df, self.replace_where, self._layout, self.describe(), batch_id)
         if self.rules.keyed or not self.spark_writes():
             return None
         staged = SparkStage(self._storage, self._layout, self.describe()).stage(

@@ -52,6 +52,7 @@ from sinks.delta.layout import (
     Layout,
     check_file_schema,
     partition_path,
+    quoted,
 )
 from sinks.delta.stats import FileStats
 from sinks.delta.storage import (
@@ -106,10 +107,6 @@ def _has_timestamp(t: pa.DataType) -> bool:
     return False
 
 
-def _quoted(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
 def conform(df: DataFrame, layout: Layout) -> DataFrame:
     """``df``'s columns in the table's order, each cast to the table's type where
     Spark's differs (the lossless widenings the preflight admitted)."""
@@ -120,7 +117,7 @@ def conform(df: DataFrame, layout: Layout) -> DataFrame:
     cols = []
     for field in layout.schema:
         want = from_arrow_type(field.type, prefer_timestamp_ntz=True)
-        col = F.col(_quoted(field.name))
+        col = F.col(quoted(field.name))
         if have.get(field.name) != want:
             col = col.cast(want).alias(field.name)
         cols.append(col)
