@@ -260,3 +260,32 @@ def test_a_merge_that_landed_before_a_crash_is_recognised_on_restart(spark, tmp_
     assert _rows(uri) == model
     verify.assert_nothing_left_delta(uri)
     assert len(DeltaTable(str(uri)).history()) >= versions
+
+
+def test_an_error_after_the_merge_landed_keeps_its_files(spark, tmp_path):  # type: ignore[no-untyped-def]
+    """An error between the merge's version landing and the commit returning
+    (a post-commit hook, an interrupt) used to delete the staged files the new
+    version adds: a committed version pointing at missing files, which no
+    reader can read. The files are kept when the table shows the version, and
+    the restart recognises it as committed."""
+    from sinks._faults import InjectedFault
+
+    model = write_feed(tmp_path / "in", files=2, rows_per_file=30, keys=10, seed=3)
+    uri = tmp_path / "t"
+
+    def sink() -> DeltaSink:
+        return DeltaSink(uri, key=["id"], order_by="seq", delete_when=("op", "D"))
+
+    def fail() -> None:
+        raise InjectedFault("inside the commit, after the version landed")
+
+    _faults.register("driver.merge_landed.delta", fail)
+    with pytest.raises(Exception, match="after the version landed"):
+        _feed_job(spark, tmp_path, sink(), interval=0).run()
+    dt = DeltaTable(str(uri))
+    assert all(Path(u).exists() for u in dt.file_uris())  # every file of the version is there
+    dt.to_pyarrow_table()  # and the table reads
+    assert _feed_job(spark, tmp_path, sink(), interval=0).run().committed
+    assert _rows(uri) == model
+    assert {r["id"] for r in spark.read.format("delta").load(str(uri)).collect()} == set(model)
+    verify.assert_nothing_left_delta(uri)

@@ -340,10 +340,12 @@ def commit(
                 max_commit_retries=0,  # another writer first: plan again on its version
             ),
         )
+        _faults.hit("driver.merge_landed", batch=version, sink="delta")
     except BaseException:
-        for a in staged["adds"] if staged else ():
-            storage.delete(a["path"])
-            storage.delete(marker_path(a["path"]))
+        if _did_not_land(dt, app, version, where):
+            for a in staged["adds"] if staged else ():
+                storage.delete(a["path"])
+                storage.delete(marker_path(a["path"]))
         raise
     log.info(
         "%s: merged %d change(s) of %d batch(es) as %s v%d: %d file(s) (%d bytes) rewritten, "
@@ -361,6 +363,24 @@ def commit(
     for a in staged["adds"] if staged else ():
         storage.delete(marker_path(a["path"]))
     discard_changes(storage, committables)
+
+
+def _did_not_land(dt: DeltaTable, app: str, version: int, where: str) -> bool:
+    """Whether the table, read again, shows that the merge's version is not in
+    it (its app transaction is below ``version``). An error can come after the
+    version landed (a post-commit hook, an interrupt), and deleting its staged
+    files then would leave a committed version pointing at missing files: when
+    the table cannot be read, or holds the version, they are kept (their
+    markers let the sweep delete them only if no version references them)."""
+    try:
+        dt.update_incremental()  # to the latest version
+        done = dt.transaction_version(app)
+    except Exception:
+        log.warning(
+            "%s: cannot tell whether %s v%d landed; its files are kept", where, app, version
+        )
+        return False
+    return done is None or done < version
 
 
 def discard_changes(storage: TableStorage, committables: Sequence[Committable]) -> None:
