@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -260,6 +261,37 @@ def test_an_empty_partition_value_is_replaced_as_null(spark, tmp_path):  # type:
         assert _delta_rows(uri) == [(None, 1, "new")]
         read = spark.read.format("delta").load(str(uri)).collect()
         assert [tuple(r) for r in read] == [(None, 1, "new")]
+
+
+def test_a_predicate_whose_value_changes_is_refused(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
+    """A replace evaluates its predicate on every batch and again at the commit
+    that finishes the backfill, maybe days apart: current_date() (or rand())
+    could name two slices, keeping rows of one and adding the other's. Both
+    sinks refuse such a predicate before writing anything."""
+    import pyarrow as pa
+
+    from sinks import DeltaSink, PreflightError
+
+    schema = pa.schema([("day", pa.string()), ("id", pa.int64()), ("v", pa.string())])
+    uri = tmp_path / "delta"
+    _delta_table(uri)
+    for predicate, named in (
+        ("day = cast(current_date() as string)", "current_date()"),
+        ("day > date_sub(current_date(), 3) and day < '2027'", "current_date()"),
+        ("rand() < 0.5 and day = '2026-11-01'", "rand()"),
+    ):
+        with pytest.raises(PreflightError, match=re.escape(f"uses {named}, whose value changes")):
+            DeltaSink(uri, replace_where=predicate).preflight(schema)
+    DeltaSink(uri, replace_where="day = '2026-11-01' or day = date_add('2026-11-01', 1)").preflight(
+        schema
+    )
+    _pg_table(pg_dsn)
+    for predicate in ("day = current_date::text", "day::date > now() - interval '1 day'"):
+        with pytest.raises(PreflightError, match=r"may change between evaluations"):
+            PostgresSink(pg_dsn, "events", replace_where=predicate).preflight(schema)
+    with pytest.raises(PreflightError, match=r"is not a predicate over the table's columns"):
+        PostgresSink(pg_dsn, "events", replace_where="nope = 1").preflight(schema)
+    PostgresSink(pg_dsn, "events", replace_where="day = '2026-11-01'").preflight(schema)
 
 
 @pytest.mark.crash

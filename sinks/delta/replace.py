@@ -65,13 +65,45 @@ def check_predicate(predicate: str, layout: Layout, where: str) -> None:
         )
     empty = _spark().createDataFrame([], _partition_schema(layout)).drop("path")
     try:
-        empty.where(F.expr(predicate)).schema  # noqa: B018  (analysis only)
+        filtered = empty.where(F.expr(predicate))
+        filtered.schema  # noqa: B018  (analysis only)
     except (AnalysisException, ParseException) as e:
         first = str(e).strip().splitlines()[0]
         raise DeltaSchemaError(
             f"{where}: replace_where {predicate!r} must be a Spark SQL predicate over the "
             f"partition columns {list(layout.partition_by)} only ({first})"
         ) from e
+    varying = _varying(filtered._jdf.queryExecution().analyzed().condition())
+    if varying:
+        raise DeltaSchemaError(
+            f"{where}: replace_where {predicate!r} uses {', '.join(varying)}, whose value "
+            "changes between evaluations: the predicate is evaluated on every batch and again "
+            "at the commit that finishes the backfill, maybe days apart, and the two must "
+            "name the same slice. Write the value out (e.g. day = '2026-11-01')"
+        )
+
+
+_CURRENT_TIME = frozenset(
+    {"CurrentDate", "CurrentTimestamp", "Now", "LocalTimestamp", "CurrentTime"}
+)
+"""Spark's expressions of the current time: deterministic within one query (Spark
+fixes them when it plans it), different in the next"""
+
+
+def _varying(condition: Any) -> list[str]:
+    """The expressions of an analyzed Spark condition (a JVM object) that may
+    give another value when it is evaluated again: the current time, and the
+    innermost non-deterministic ones (``rand()``, ``uuid()``)."""
+    found: set[str] = set()
+    stack = [condition]
+    while stack:
+        e = stack.pop()
+        kids = [e.children().apply(i) for i in range(e.children().size())]
+        source = not e.deterministic() and all(k.deterministic() for k in kids)
+        if source or str(e.getClass().getSimpleName()) in _CURRENT_TIME:
+            found.add(f"{e.prettyName()}()")
+        stack.extend(kids)
+    return sorted(found)
 
 
 def stored(df: DataFrame, layout: Layout) -> DataFrame:

@@ -210,3 +210,41 @@ def check_columns(
             f"the DataFrame cannot be written to {where}:\n  - " + "\n  - ".join(problems)
         )
     return targets
+
+
+def check_replace_predicate(
+    conn: psycopg.Connection, table: sql.Composable, column: str, predicate: str, where: str
+) -> None:
+    """Refuse a ``replace_where`` that is not valid SQL over the table's columns,
+    or whose value may change between evaluations: it is evaluated by every
+    task and again by the commit that finishes the backfill, maybe days apart,
+    and both must name the same slice. PostgreSQL says which: an index
+    predicate must be IMMUTABLE (``now()``, ``current_date`` and ``random()``
+    are not), so a partial index of a scratch copy of the table is built with
+    it, then rolled back."""
+    try:
+        with conn.transaction(force_rollback=True):
+            conn.execute(
+                sql.SQL("CREATE TEMP TABLE _twophase_predicate (LIKE {}) ON COMMIT DROP").format(
+                    table
+                )
+            )
+            conn.execute(
+                sql.SQL("CREATE INDEX ON _twophase_predicate ({}) WHERE {}").format(
+                    sql.Identifier(column), sql.SQL(predicate)
+                )
+            )
+    except psycopg.Error as e:
+        first = (e.diag.message_primary or str(e)).strip().splitlines()[0]
+        immutable = "IMMUTABLE" in first
+        raise PreflightError(
+            f"{where}: replace_where {predicate!r} "
+            + (
+                "uses a function whose value may change between evaluations (PostgreSQL: "
+                f"{first}); the predicate is evaluated by every task and again at the commit "
+                "that finishes the backfill, and both must name the same slice. Write the "
+                "value out (e.g. day = '2026-11-01')"
+                if immutable
+                else f"is not a predicate over the table's columns ({first})"
+            )
+        ) from e
