@@ -40,3 +40,47 @@ def write_feed(
         part.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.utime(part, (1_700_000_000 + f, 1_700_000_000 + f))
     return model
+
+
+HOSTILE_SCHEMA = "region string, id long, seq long, op string, name string, k string"
+"""a feed keyed by ``(region, id)`` whose ``region`` is often "" (a key column,
+and Delta's partition column), whose ``name`` is often null or "", with ``k``
+the key as one string (``region/id``) for a Kafka changelog"""
+
+
+def write_hostile_feed(
+    directory: Path, *, files: int, rows_per_file: int, keys: int, seed: int
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """Like :func:`write_feed`, keyed by ``(region, id)``: the model maps each
+    live key to its last row (without ``op``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rnd = random.Random(seed)
+    model: dict[tuple[str, int], dict[str, Any]] = {}
+    seq = 0
+    for f in range(files):
+        rows = []
+        for _ in range(rows_per_file):
+            seq += 1
+            region, i = rnd.choice(("", "", "a", "b")), rnd.randrange(keys)
+            name = rnd.choice((None, "", f"n{seq}", f"n{seq}"))
+            op = rnd.choice("IUD")
+            rows.append(
+                {
+                    "region": region,
+                    "id": i,
+                    "seq": seq,
+                    "op": op,
+                    "name": name,
+                    "k": f"{region}/{i}",
+                }
+            )
+        for r in rows:
+            if r["op"] == "D":
+                model.pop((r["region"], r["id"]), None)
+            else:
+                model[(r["region"], r["id"])] = {k: v for k, v in r.items() if k != "op"}
+        rnd.shuffle(rows)
+        part = directory / f"part-{f:05d}.json"
+        part.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.utime(part, (1_700_000_000 + f, 1_700_000_000 + f))
+    return model

@@ -212,18 +212,32 @@ def spark_rows(spark: Any, uri: str | Path) -> list[tuple[Any, ...]]:
     if not files:
         return []
     df = spark.read.option("basePath", str(Path(uri).resolve())).parquet(*files)
-    return sorted((tuple(r) for r in df.select(*columns).collect()), key=_order)
+    return sorted((tuple(r) for r in df.select(*columns).collect()), key=row_order)
 
 
 def delta_rows(uri: str | Path) -> list[tuple[Any, ...]]:
     """The table's rows read by deltalake, as sorted tuples in table order."""
     t = DeltaTable(str(uri)).to_pyarrow_table()
-    return sorted(zip(*(t.column(c).to_pylist() for c in t.column_names), strict=True), key=_order)
+    return sorted(
+        zip(*(t.column(c).to_pylist() for c in t.column_names), strict=True), key=row_order
+    )
 
 
-def _order(row: tuple[Any, ...]) -> tuple[tuple[bool, Any], ...]:
+def row_order(row: tuple[Any, ...]) -> tuple[tuple[bool, Any], ...]:
     """Sort key of a row that may hold nulls."""
     return tuple((v is None, "" if v is None else v) for v in row)
+
+
+def delta_spark_rows(spark: Any, uri: str | Path) -> list[tuple[Any, ...]]:
+    """The table read by delta-spark (``format("delta")``, the engine Delta
+    users run), as sorted tuples of the table's columns in table order; the
+    test is skipped when delta-spark's jars are not fetched."""
+    from lifecycle.testing import jars
+
+    jars.require("delta")
+    columns = [f.name for f in DeltaTable(str(uri)).schema().fields]
+    df = spark.read.format("delta").load(str(Path(uri).resolve()))
+    return sorted((tuple(r) for r in df.select(*columns).collect()), key=row_order)
 
 
 def duckdb_rows(uri: str | Path) -> list[tuple[Any, ...]]:
@@ -245,4 +259,4 @@ def duckdb_rows(uri: str | Path) -> list[tuple[Any, ...]]:
         rows = con.execute(f"SELECT {cols} FROM delta_scan('{path}')").fetchall()
     finally:
         con.close()
-    return sorted((tuple(r) for r in rows), key=_order)
+    return sorted((tuple(r) for r in rows), key=row_order)

@@ -32,7 +32,7 @@ import pytest
 
 from lifecycle.testing import crash_test, verify
 from tests import deltacheck
-from tests.changefeed import write_feed
+from tests.changefeed import write_feed, write_hostile_feed
 from tests.pgcheck import job_prepared
 
 JOB = str(Path(__file__).parent / "jobs" / "changefeed_job.py")
@@ -46,11 +46,24 @@ DELTA_FAULTS = ("driver.merge_staged", "driver.mid_commit", *FAULTS)
 class Model:
     """One scenario: the feed, its model, the sinks' targets and the checks."""
 
-    def __init__(self, tmp: Path, sinks: str, seed: int, files: int, rows: int, keys: int) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        sinks: str,
+        seed: int,
+        files: int,
+        rows: int,
+        keys: int,
+        hostile: bool = False,
+    ) -> None:
         self.tmp = tmp
         self.sinks = sinks.split(",")
         self.seed = seed
-        self.model = write_feed(tmp / "in", files=files, rows_per_file=rows, keys=keys, seed=seed)
+        self.hostile = hostile
+        feed = write_hostile_feed if hostile else write_feed
+        self.model: dict[Any, dict[str, Any]] = feed(
+            tmp / "in", files=files, rows_per_file=rows, keys=keys, seed=seed
+        )
         self.job = f"km{uuid.uuid4().hex[:8]}"
         self.delta = tmp / "delta"
         self.dsn: str | None = None
@@ -64,38 +77,53 @@ class Model:
             a += ["--dsn", self.dsn]
         if self.bootstrap and self.topic:
             a += ["--bootstrap", self.bootstrap, "--topic", self.topic]
-        return a
+        return a + (["--hostile"] if self.hostile else [])
 
-    def rows(self) -> dict[int, tuple[Any, ...]]:
-        return {k: (r["id"], r["seq"], r["name"]) for k, r in self.model.items()}
+    def columns(self) -> tuple[str, ...]:
+        return ("region", "id", "seq", "name", "k") if self.hostile else ("id", "seq", "name")
+
+    def rows(self) -> dict[Any, tuple[Any, ...]]:
+        """Each live key's row (the Kafka key: ``id``, or ``k`` of the hostile feed)."""
+        key = "k" if self.hostile else "id"
+        return {r[key]: tuple(r[c] for c in self.columns()) for r in self.model.values()}
+
+    def delta_rows(self) -> list[tuple[Any, ...]]:
+        """The model as Delta stores it: "" in the partition column is null."""
+        rows = list(self.rows().values())
+        if self.hostile:
+            rows = [(r[0] or None, *r[1:]) for r in rows]
+        return sorted(rows, key=deltacheck.row_order)
 
     def check(self, spark: Any) -> None:
         want = self.rows()
         if "pg" in self.sinks:
             assert self.dsn is not None
             with psycopg.connect(self.dsn) as c:
-                got = c.execute("SELECT id, seq, name FROM model").fetchall()
-            assert {r[0]: r for r in got} == want and len(got) == len(want)
+                got = c.execute(f"SELECT {', '.join(self.columns())} FROM model").fetchall()
+            assert sorted(got, key=deltacheck.row_order) == sorted(
+                want.values(), key=deltacheck.row_order
+            )
             assert job_prepared(self.dsn, self.job) == []
         if "kafka" in self.sinks:
             assert self.bootstrap is not None and self.topic is not None
             log = verify.assert_nothing_left_kafka(self.bootstrap, self.topic, self.job)
-            table: dict[int, bytes | None] = {}
+            table: dict[Any, bytes | None] = {}
             for r in sorted(log.committed, key=lambda r: (r.partition, r.offset)):
                 assert r.key is not None
-                table[int(r.key)] = r.value
+                table[r.key.decode() if self.hostile else int(r.key)] = r.value
             got_k = {
-                k: (v["id"], v["seq"], v["name"])
+                k: tuple(v[c] for c in self.columns())
                 for k, raw in table.items()
                 if raw is not None
                 for v in [json.loads(raw)]
             }
             assert got_k == want
         if "delta" in self.sinks:
-            expected = sorted(want.values())
+            expected = self.delta_rows()
             assert deltacheck.delta_rows(self.delta) == expected
             assert deltacheck.spark_rows(spark, self.delta) == expected
             assert deltacheck.duckdb_rows(self.delta) == expected
+            assert deltacheck.delta_spark_rows(spark, self.delta) == expected
             verify.assert_nothing_left_delta(self.delta)
 
 
@@ -110,13 +138,19 @@ def _scenario(
     pg_dsn: str | None = None,
     kafka_topic: Callable[..., str] | None = None,
     kafka_bootstrap: str | None = None,
+    hostile: bool = False,
 ) -> Model:
-    m = Model(tmp_path, sinks, seed, files, rows, keys)
+    m = Model(tmp_path, sinks, seed, files, rows, keys, hostile)
     if "pg" in m.sinks:
         assert pg_dsn is not None
         m.dsn = pg_dsn
         with psycopg.connect(pg_dsn, autocommit=True) as c:
-            c.execute("CREATE TABLE model (id bigint PRIMARY KEY, seq bigint, name text)")
+            c.execute(
+                "CREATE TABLE model (region text, id bigint, seq bigint, name text, k text, "
+                "PRIMARY KEY (region, id))"
+                if hostile
+                else "CREATE TABLE model (id bigint PRIMARY KEY, seq bigint, name text)"
+            )
     if "kafka" in m.sinks:
         assert kafka_topic is not None
         m.bootstrap, m.topic = kafka_bootstrap, kafka_topic(3)
@@ -174,6 +208,26 @@ def test_all_three_equal_the_model_after_kills(  # type: ignore[no-untyped-def]
         kafka_bootstrap=kafka_bootstrap,
     )
     _crash(m, spark, kills=4)
+
+
+def test_hostile_keys_equal_the_model_after_kills(  # type: ignore[no-untyped-def]
+    spark, pg_dsn, kafka_bootstrap, kafka_topic, tmp_path
+):
+    """Keys of (region, id) whose region is often "" (Delta's partition column,
+    where "" is stored as null), names often null or "": every sink equals the
+    model (PostgreSQL keeps "", Delta and its readers give null, the Kafka
+    changelog is keyed by the text "region/id"), delta-spark included."""
+    m = _scenario(
+        tmp_path,
+        "pg,kafka,delta",
+        seed=105,
+        keys=6,
+        pg_dsn=pg_dsn,
+        kafka_topic=kafka_topic,
+        kafka_bootstrap=kafka_bootstrap,
+        hostile=True,
+    )
+    _crash(m, spark, kills=3)
 
 
 # -- the long tier (-m soak) ----------------------------------------------------------------

@@ -6,7 +6,9 @@ separate driver process by the model tests, which SIGKILL it at random.
 Sinks (``--sinks``, a comma-separated subset): ``pg`` (table ``--table`` of
 ``--dsn``, which must exist with a primary key on ``id``), ``kafka`` (a
 changelog topic ``--topic`` at ``--bootstrap``), ``delta`` (table ``--delta``,
-created on first use). Exit status 0 only when the run committed.
+created on first use). ``--hostile``: the feed of ``write_hostile_feed``, keyed
+by ``(region, id)`` (Kafka: by ``k``), Delta partitioned by ``region``. Exit
+status 0 only when the run committed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lifecycle import Job
 from sinks import DeltaSink, KafkaSink, PostgresSink, Sink
-from tests.changefeed import SCHEMA
+from tests.changefeed import HOSTILE_SCHEMA, SCHEMA
 from tests.jobs._driver import finish, start_driver
 
 RULES = {"order_by": "seq", "delete_when": ("op", "D")}
@@ -37,17 +39,24 @@ def main() -> int:
     ap.add_argument("--delta", default=None)
     ap.add_argument("--job", default="model")
     ap.add_argument("--interval", type=float, default=0.0)
+    ap.add_argument("--hostile", action="store_true", help="the (region, id) feed")
     args = ap.parse_args()
     spark = start_driver(args.job)
-    df = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).json(args.input)
+    schema = HOSTILE_SCHEMA if args.hostile else SCHEMA
+    df = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(args.input)
+    key = ["region", "id"] if args.hostile else ["id"]
     sinks: list[Sink] = []
     for kind in args.sinks.split(","):
         if kind == "pg":
-            sinks.append(PostgresSink(args.dsn, args.table, key=["id"], sink_id="pg", **RULES))
+            sinks.append(PostgresSink(args.dsn, args.table, key=key, sink_id="pg", **RULES))
         elif kind == "kafka":
-            sinks.append(KafkaSink(args.bootstrap, args.topic, key="id", sink_id="kafka", **RULES))
+            k = "k" if args.hostile else "id"
+            sinks.append(KafkaSink(args.bootstrap, args.topic, key=k, sink_id="kafka", **RULES))
         elif kind == "delta":
-            sinks.append(DeltaSink(args.delta, key=["id"], sink_id="delta", **RULES))
+            parts = ["region"] if args.hostile else None
+            sinks.append(
+                DeltaSink(args.delta, key=key, partition_by=parts, sink_id="delta", **RULES)
+            )
         else:
             ap.error(f"unknown sink {kind!r}")
     job = Job(spark, args.job, args.state, checkpoint_interval=args.interval)
