@@ -60,7 +60,7 @@ from lifecycle.spark_log import SparkCommitLog
 from sinks import _faults, _retry
 from sinks._parallel import raise_first, run_all
 from sinks.base import Committable, JobScope, Sink
-from sinks.errors import CommitRefusedError
+from sinks.errors import CommitRefusedError, ConfigError
 from sinks.naming import TxnName
 from sinks.progress import SinkProgress, claim_order, conflict
 
@@ -469,7 +469,9 @@ class Coordinator:
     ) -> CheckpointCommitError:
         causes = {sink_label(*k): cause_of(e, sinks[k]) for k, e in failed.items()}
         trace = "\n\n".join(f"{sink_label(*k)}:\n{full_trace(e)}" for k, e in failed.items())
-        refused = all(isinstance(e, CommitRefusedError) for e in failed.values())
+        # a target that refuses for good, or a table that no longer fits (a
+        # ConfigError at commit): retrying as it is cannot pass
+        refused = all(isinstance(e, (CommitRefusedError, ConfigError)) for e in failed.values())
         error = CheckpointCommitError(
             self.job, cp.id, cp.kind, causes, trace=trace, refused=refused
         )

@@ -8,6 +8,7 @@ from sinks.base import Committable, JobScope, LingeringTxn, Sink, SinkWriter, Wr
 from sinks.delta import DeltaSink
 from sinks.errors import (
     CommitError,
+    CommitRefusedError,
     ConfigError,
     DataError,
     LockWaitError,
@@ -24,6 +25,7 @@ from sinks.settings import from_settings
 
 __all__ = [
     "CommitError",
+    "CommitRefusedError",
     "Committable",
     "ConfigError",
     "DataError",

@@ -137,8 +137,6 @@ class DeltaCommitter:
         def once() -> None:
             try:
                 self._commit_once(cs, scope, version)
-            except DeltaSchemaError as e:  # the table changed since preflight
-                raise CommitRefusedError(str(e)) from e
             except CommitFailedError as e:
                 if not _refusal(e):
                     raise  # another writer first, or the store: plan again
