@@ -20,8 +20,13 @@ Fixtures:
     (prepared transactions left in it rolled back first).
 ``twophase_kafka`` (session)
     ``host:port`` of a Kafka broker: embedded tansu
-    (:mod:`lifecycle.testing.kafka_broker`, in memory), a container with
-    ``TWOPHASE_TEST_DOCKER=1``, or ``TWOPHASE_KAFKA_BOOTSTRAP``.
+    (:mod:`lifecycle.testing.kafka_broker`, in memory), Apache Kafka with
+    ``TWOPHASE_TEST_KAFKA=apache`` (the ``twophase_apache_kafka`` broker), a
+    container with ``TWOPHASE_TEST_DOCKER=1``, or ``TWOPHASE_KAFKA_BOOTSTRAP``.
+``twophase_apache_kafka`` (session)
+    An Apache Kafka broker (:class:`~lifecycle.testing.apache_kafka.ApacheKafka`:
+    KRaft on loopback, from the jars :mod:`lifecycle.testing.jars` fetches; the
+    test is skipped, saying how to fetch them, when they are missing).
 ``twophase_kafka_topic``
     ``twophase_kafka_topic(partitions=3)`` creates a fresh topic, returns its name.
 ``twophase_delta_table``
@@ -49,6 +54,7 @@ import pytest
 DOCKER_ENV = "TWOPHASE_TEST_DOCKER"
 PG_DSN_ENV = "TWOPHASE_PG_DSN"
 KAFKA_ENV = "TWOPHASE_KAFKA_BOOTSTRAP"
+KAFKA_KIND_ENV = "TWOPHASE_TEST_KAFKA"
 
 
 @dataclass(frozen=True)
@@ -139,10 +145,27 @@ def twophase_pg_dsn(twophase_postgres: PostgresService) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def twophase_kafka() -> Iterator[str]:
+def twophase_apache_kafka() -> Iterator[Any]:
+    from lifecycle.testing import jars
+    from lifecycle.testing.apache_kafka import ApacheKafka
+
+    jars.require("kafka-broker")
+    broker = ApacheKafka()
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.cleanup()
+
+
+@pytest.fixture(scope="session")
+def twophase_kafka(request: pytest.FixtureRequest) -> Iterator[str]:
     given = os.environ.get(KAFKA_ENV)
     if given:
         yield given
+        return
+    if os.environ.get(KAFKA_KIND_ENV) == "apache":
+        yield request.getfixturevalue("twophase_apache_kafka").bootstrap
         return
     if _docker():
         from testcontainers.kafka import KafkaContainer

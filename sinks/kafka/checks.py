@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from typing import Any
 
 import kafka.errors as Errors
@@ -113,6 +114,29 @@ def broker_max_timeout(wire: KafkaWire) -> int | None:
     return min(found) if found else None
 
 
+_PASSING = (
+    Errors.CoordinatorLoadInProgressError,
+    Errors.CoordinatorNotAvailableError,
+    Errors.NotCoordinatorError,
+    Errors.ConcurrentTransactionsError,
+)
+"""InitProducerId answers a client retries (a new cluster's transaction log
+being created or loaded, a coordinator that moved, the probe's earlier abort
+still completing)"""
+
+
+def _init_probe(wire: KafkaWire, probe: str, timeout_ms: int, within: float = 60.0) -> Any:
+    """InitProducerId for ``probe``, retried while the answer is one that passes;
+    the error class of the last answer."""
+    deadline = time.monotonic() + within
+    while True:
+        coordinator = wire.find_coordinators([probe])[probe]
+        error, _, _ = wire.init_producer_id(coordinator, probe, timeout_ms)
+        if error not in _PASSING or time.monotonic() > deadline:
+            return error
+        time.sleep(0.2)
+
+
 def check_transaction_timeout(wire: KafkaWire, where: str, mine: int, probe: str) -> None:
     """Refuse a ``transaction_timeout_ms`` (``mine``) above the brokers' maximum,
     and a cluster that will not start a transaction (disabled, or ACLs), found
@@ -137,8 +161,7 @@ def check_transaction_timeout(wire: KafkaWire, where: str, mine: int, probe: str
     # The definitive test: InitProducerId with a timeout above the maximum is
     # refused (INVALID_TRANSACTION_TIMEOUT), as is one the ACLs do not allow.
     try:
-        coordinator = wire.find_coordinators([probe])[probe]
-        error, _, _ = wire.init_producer_id(coordinator, probe, mine)
+        error = _init_probe(wire, probe, mine)
     except Exception as e:
         raise PreflightError(
             f"{where}: the broker cannot start a transaction ({e!r}); "

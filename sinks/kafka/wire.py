@@ -21,6 +21,7 @@ network layer and these names do not exist there):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,12 @@ _INIT_PID_MAX_VERSION = 4
 # wait with no records below its high watermark. (Nor ListOffsets to skip the read:
 # tansu on S3 answered it short of the last control batches.)
 _WAITS = (1, 50, 200, 1000)
+
+_COORDINATOR_NOT_READY = (
+    Errors.CoordinatorNotAvailableError,
+    Errors.CoordinatorLoadInProgressError,
+)
+"""FindCoordinator answers that pass: the coordinator's log is being created or loaded"""
 
 
 # What a retry may cure: RetriableError covers dropped connections, timeouts,
@@ -166,27 +173,52 @@ class KafkaWire:
 
     # -- transactions ------------------------------------------------------------------
 
-    def find_coordinators(self, transactional_ids: list[str]) -> dict[str, Any]:
-        """``{transactional id: coordinator node id}`` (FindCoordinator, key type 1)."""
+    def find_coordinators(
+        self, transactional_ids: list[str], timeout: float = 30.0
+    ) -> dict[str, Any]:
+        """``{transactional id: coordinator node id}`` (FindCoordinator, key type 1).
+
+        COORDINATOR_NOT_AVAILABLE and COORDINATOR_LOAD_IN_PROGRESS are retried
+        for up to ``timeout`` seconds, as Kafka's clients do: Apache Kafka
+        answers so while it creates ``__transaction_state`` (at the first
+        FindCoordinator of a new cluster) or loads a partition of it."""
         cluster = self._manager.cluster
         kind = CoordinatorType.TRANSACTION
         found: dict[str, Any] = {}
-        if not transactional_ids:
-            return found
-        if self.api_version(FindCoordinatorRequest) >= 4:
-            response = self.send(
-                FindCoordinatorRequest(
-                    key_type=kind.value, coordinator_keys=list(transactional_ids), min_version=4
-                )
-            )
-            for c in response.coordinators:
-                found[c.key] = cluster.add_coordinator(c, kind, c.key, synthesize_node_id=False)
-        else:
-            for tid in transactional_ids:
+        pending = list(dict.fromkeys(transactional_ids))
+        deadline = time.monotonic() + timeout
+        while pending:
+            answers: list[tuple[str, Any]] = []
+            if self.api_version(FindCoordinatorRequest) >= 4:
                 response = self.send(
-                    FindCoordinatorRequest(key=tid, key_type=kind.value, max_version=3)
+                    FindCoordinatorRequest(
+                        key_type=kind.value, coordinator_keys=pending, min_version=4
+                    )
                 )
-                found[tid] = cluster.add_coordinator(response, kind, tid, synthesize_node_id=False)
+                answers = [(c.key, c) for c in response.coordinators]
+            else:
+                for tid in pending:
+                    answers.append(
+                        (
+                            tid,
+                            self.send(
+                                FindCoordinatorRequest(key=tid, key_type=kind.value, max_version=3)
+                            ),
+                        )
+                    )
+            retry = []
+            for tid, answer in answers:
+                try:
+                    found[tid] = cluster.add_coordinator(
+                        answer, kind, tid, synthesize_node_id=False
+                    )
+                except _COORDINATOR_NOT_READY:
+                    if time.monotonic() > deadline:
+                        raise
+                    retry.append(tid)
+            pending = retry
+            if pending:
+                time.sleep(0.2)
         return found
 
     def end_txn(
