@@ -365,6 +365,22 @@ def test_not_null_and_lossy_casts_are_refused_while_writing(uri: str, scope: Job
     assert "isAdjustedToUTC=false, timeUnit=microseconds" in str(meta.schema.column(1).logical_type)
 
 
+def test_an_empty_string_in_a_not_null_partition_column_is_refused(
+    uri: str, scope: JobScope
+) -> None:
+    """ "" in a partition column is stored as null; under NOT NULL the pyarrow
+    route refuses it as Spark's route and the keyed writer do (it used to pass
+    the check and be stored as null)."""
+    schema = pa.schema([pa.field("region", pa.string(), nullable=False), ("id", pa.int64())])
+    write_deltalake(uri, schema.empty_table(), partition_by=["region"])
+    s = DeltaSink(uri, sink_id="orders", write_with="arrow")
+    s.preflight(schema)
+    w = s.open_writer(WriteContext(scope, 1, 1, 0, 1), schema)
+    with pytest.raises(DeltaSchemaError, match=r"'region' is NOT NULL .* empty string"):
+        w.write(pa.record_batch({"region": ["eu", ""], "id": [1, 2]}, schema))
+    w.close(failed=True)
+
+
 # -- sweeping lingering work ------------------------------------------------------------
 
 

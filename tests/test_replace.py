@@ -240,9 +240,10 @@ def test_delta_replace_checks_its_predicate_and_rows(spark, tmp_path):  # type: 
 def test_an_empty_partition_value_is_replaced_as_null(spark, tmp_path):  # type: ignore[no-untyped-def]
     """Delta stores day "" as null. ``replace_where="day = ''"`` used to accept
     the batch's "" rows but match no stored file (null = '' is null), so every
-    re-run added the slice again; now the batch is refused, saying to write
-    ``day IS NULL``, which replaces the slice once, as often as it runs."""
-    from sinks import DeltaSink
+    re-run added the slice again; now such a predicate is refused before
+    anything runs, a batch row "" outside another slice names the rule, and
+    ``day IS NULL`` replaces the slice once, as often as it runs."""
+    from sinks import DeltaSink, PreflightError
 
     uri = tmp_path / "delta"
     src = tmp_path / "in"
@@ -252,8 +253,11 @@ def test_an_empty_partition_value_is_replaced_as_null(spark, tmp_path):  # type:
         spark, src, tmp_path / "s0", [DeltaSink(uri, partition_by=["day"], sink_id="a")]
     ).committed
     (src / "part-0.json").write_text(json.dumps({"day": "", "id": 1, "v": "new"}) + "\n")
-    with pytest.raises(TaskFailedError, match=r"as null: day is null here; say `day IS NULL`"):
+    with pytest.raises(PreflightError, match=r"compares with '', .* Say IS NULL"):
         _run(spark, src, tmp_path / "s1", [DeltaSink(uri, replace_where="day = ''", sink_id="b")])
+    other = DeltaSink(uri, replace_where="day = '2026-11-01'", sink_id="c")
+    with pytest.raises(TaskFailedError, match=r"as null: day is null here; say `day IS NULL`"):
+        _run(spark, src, tmp_path / "s1b", [other])
     assert _delta_rows(uri) == [(None, 1, "old")]
     for run in ("s2", "s3"):  # a re-run replaces the same slice again
         sink = DeltaSink(uri, replace_where="day IS NULL", sink_id=run)
@@ -279,6 +283,8 @@ def test_a_predicate_whose_value_changes_is_refused(spark, pg_dsn, tmp_path):  #
         ("day = cast(current_date() as string)", "current_date()"),
         ("day > date_sub(current_date(), 3) and day < '2027'", "current_date()"),
         ("rand() < 0.5 and day = '2026-11-01'", "rand()"),
+        ("day = cast(DATE 'today' as string)", "'today'"),  # a constant once parsed
+        ("day = (SELECT cast(max(id) AS string) FROM range(3))", "a subquery"),
     ):
         with pytest.raises(PreflightError, match=re.escape(f"uses {named}, whose value changes")):
             DeltaSink(uri, replace_where=predicate).preflight(schema)
@@ -286,8 +292,12 @@ def test_a_predicate_whose_value_changes_is_refused(spark, pg_dsn, tmp_path):  #
         schema
     )
     _pg_table(pg_dsn)
-    for predicate in ("day = current_date::text", "day::date > now() - interval '1 day'"):
-        with pytest.raises(PreflightError, match=r"may change between evaluations"):
+    for predicate in (
+        "day = current_date::text",
+        "day::date > now() - interval '1 day'",
+        "day::date = 'Yesterday'::date",
+    ):
+        with pytest.raises(PreflightError, match=r"whose value changes between evaluations"):
             PostgresSink(pg_dsn, "events", replace_where=predicate).preflight(schema)
     with pytest.raises(PreflightError, match=r"is not a predicate over the table's columns"):
         PostgresSink(pg_dsn, "events", replace_where="nope = 1").preflight(schema)

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from sinks.base import Committable, SinkWriter, WriteContext
-from sinks.delta.layout import DeltaSchemaError, Layout, partition_value
+from sinks.delta.layout import DeltaSchemaError, Layout, empty_as_null, partition_value
 from sinks.delta.storage import DATA_SUFFIX, TableStorage, file_stem, marker_path
 from sinks.delta.writer import table_column
 from sinks.keys import KeyedWrite
@@ -67,15 +67,6 @@ def range_value(value: Any) -> Any:
 def _partition_order(values: list[str | None]) -> list[tuple[bool, str]]:
     """A sort key of partition value tuples that may hold nulls (null first)."""
     return [(v is not None, v or "") for v in values]
-
-
-def empty_as_null(arr: pa.Array) -> pa.Array:
-    """A partition column's values as Delta stores them: an empty string is
-    null (:func:`sinks.delta.layout.partition_value`), so that a key written
-    with ``""`` matches the row an append or an earlier merge stored."""
-    if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
-        return arr
-    return pc.if_else(pc.equal(arr, ""), pa.scalar(None, arr.type), arr)
 
 
 class ChangeWriter(SinkWriter):

@@ -85,7 +85,11 @@ log = logging.getLogger("sinks.delta")
 
 _TRANSIENT = (CommitFailedError, OSError)
 
-_REFUSALS = ("append-only", "feature", "unsupported")
+_REFUSALS = (
+    "delta table is append-only",
+    "unsupported table features",
+    "table features must be specified",
+)
 """what delta-rs says when it refuses a commit whatever the table's version
 (``DeltaTableAppendOnly``, ``UnsupportedTableFeatures``,
 ``TableFeaturesRequired``); other commit failures are conflicts with another

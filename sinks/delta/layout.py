@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from sinks.errors import ConfigError
@@ -236,6 +237,16 @@ def partition_value(value: Any) -> str | None:
     if isinstance(value, str):
         return value or None
     raise TypeError(f"unsupported partition value {value!r}")
+
+
+def empty_as_null(arr: pa.Array) -> pa.Array:
+    """A partition column's values as Delta stores them: an empty string is
+    null (:func:`partition_value`), so that a key written with ``""`` matches the
+    row an append or an earlier merge stored, and a NOT NULL partition column
+    refuses it on every route."""
+    if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+        return arr
+    return pc.if_else(pc.equal(arr, ""), pa.scalar(None, arr.type), arr)
 
 
 def quoted(name: str) -> str:

@@ -45,6 +45,7 @@ from urllib.parse import unquote
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 
 from sinks import _faults
@@ -187,6 +188,19 @@ def _spark_schema(schema: pa.Schema) -> Any:
     return StructType([StructField(f.name, _spark_type(f.type), True) for f in schema])
 
 
+def as_stored(df: DataFrame, layout: Layout) -> DataFrame:
+    """``df`` with its string partition columns as Delta stores them: an empty
+    string is null (:func:`sinks.delta.layout.partition_value`)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StringType
+
+    for c in layout.partition_by:
+        if isinstance(df.schema[c].dataType, StringType):
+            col = F.col(quoted(c))
+            df = df.withColumn(c, F.when(col == F.lit(""), F.lit(None)).otherwise(col))
+    return df
+
+
 def _winners(
     spark: SparkSession,
     storage: TableStorage,
@@ -203,7 +217,8 @@ def _winners(
     for batch in sorted({ch.batch for ch in changes}):
         paths = [storage.path(ch.path) for ch in changes if ch.batch == batch]
         frames.append(spark.read.schema(schema).parquet(*paths).withColumn(_BATCH, F.lit(batch)))
-    df = functools.reduce(lambda a, b: a.unionByName(b), frames)
+    # change files of an earlier version may hold "" in a partition key column
+    df = as_stored(functools.reduce(lambda a, b: a.unionByName(b), frames), layout)
     if len(frames) == 1:
         return df.drop(_BATCH)  # one row per key already (one task per key)
     w = Window.partitionBy(*[F.col(quoted(k)) for k in rules.key]).orderBy(F.col(_BATCH).desc())
@@ -341,8 +356,8 @@ def commit(
             ),
         )
         _faults.hit("driver.merge_landed", batch=version, sink="delta")
-    except BaseException:
-        if _did_not_land(dt, app, version, where):
+    except BaseException as e:
+        if _did_not_land(e, dt, app, version, where):
             for a in staged["adds"] if staged else ():
                 storage.delete(a["path"])
                 storage.delete(marker_path(a["path"]))
@@ -365,13 +380,17 @@ def commit(
     discard_changes(storage, committables)
 
 
-def _did_not_land(dt: DeltaTable, app: str, version: int, where: str) -> bool:
-    """Whether the table, read again, shows that the merge's version is not in
-    it (its app transaction is below ``version``). An error can come after the
-    version landed (a post-commit hook, an interrupt), and deleting its staged
-    files then would leave a committed version pointing at missing files: when
-    the table cannot be read, or holds the version, they are kept (their
-    markers let the sweep delete them only if no version references them)."""
+def _did_not_land(e: BaseException, dt: DeltaTable, app: str, version: int, where: str) -> bool:
+    """Whether the merge's version is certainly not in the table, so that its
+    staged files may go. Only a commit Delta refused (a conflict, a protocol
+    refusal; not a store error, whose write may still land) whose table, read
+    again, holds no version of the app at ``version``. An error after the
+    version landed (a post-commit hook, an interrupt), or a write in doubt,
+    keeps them: deleting them would leave a committed version pointing at
+    missing files, and their markers let the sweep delete them only if no
+    version references them."""
+    if not isinstance(e, CommitFailedError) or "object store" in str(e).lower():
+        return False
     try:
         dt.update_incremental()  # to the latest version
         done = dt.transaction_version(app)

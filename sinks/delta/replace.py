@@ -27,6 +27,7 @@ from sinks.delta import merge
 from sinks.delta.layout import DeltaSchemaError, Layout, quoted
 from sinks.delta.merge import Candidate
 from sinks.errors import DataError
+from sinks.predicates import changes_between_evaluations, time_words
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -73,13 +74,15 @@ def check_predicate(predicate: str, layout: Layout, where: str) -> None:
             f"{where}: replace_where {predicate!r} must be a Spark SQL predicate over the "
             f"partition columns {list(layout.partition_by)} only ({first})"
         ) from e
-    varying = _varying(filtered._jdf.queryExecution().analyzed().condition())
+    condition = filtered._jdf.queryExecution().analyzed().condition()
+    varying = _varying(condition) + time_words(predicate)
     if varying:
+        raise DeltaSchemaError(changes_between_evaluations(", ".join(varying), predicate, where))
+    if _has_empty_string(condition):
         raise DeltaSchemaError(
-            f"{where}: replace_where {predicate!r} uses {', '.join(varying)}, whose value "
-            "changes between evaluations: the predicate is evaluated on every batch and again "
-            "at the commit that finishes the backfill, maybe days apart, and the two must "
-            "name the same slice. Write the value out (e.g. day = '2026-11-01')"
+            f"{where}: replace_where {predicate!r} compares with '', which no partition of "
+            "a Delta table holds: Delta stores an empty string in a partition column as null "
+            "(as the sink's batches are stored). Say IS NULL for that slice"
         )
 
 
@@ -90,33 +93,42 @@ _CURRENT_TIME = frozenset(
 fixes them when it plans it), different in the next"""
 
 
-def _varying(condition: Any) -> list[str]:
-    """The expressions of an analyzed Spark condition (a JVM object) that may
-    give another value when it is evaluated again: the current time, and the
-    innermost non-deterministic ones (``rand()``, ``uuid()``)."""
-    found: set[str] = set()
-    stack = [condition]
+def _nodes(condition: Any) -> list[Any]:
+    """Every expression of an analyzed Spark condition (a JVM object)."""
+    found, stack = [], [condition]
     while stack:
         e = stack.pop()
+        found.append(e)
+        stack.extend(e.children().apply(i) for i in range(e.children().size()))
+    return found
+
+
+def _varying(condition: Any) -> list[str]:
+    """The expressions of an analyzed Spark condition that may give another value
+    when it is evaluated again: the current time, the innermost non-deterministic
+    ones (``rand()``, ``uuid()``), and subqueries (of tables that change; Spark
+    calls them deterministic and keeps their plans out of ``children``)."""
+    found: set[str] = set()
+    for e in _nodes(condition):
         kids = [e.children().apply(i) for i in range(e.children().size())]
         source = not e.deterministic() and all(k.deterministic() for k in kids)
-        if source or str(e.getClass().getSimpleName()) in _CURRENT_TIME:
+        name = str(e.getClass().getSimpleName())
+        if source or name in _CURRENT_TIME:
             found.add(f"{e.prettyName()}()")
-        stack.extend(kids)
+        elif "Subquery" in name or name in ("Exists", "ListQuery"):
+            found.add("a subquery")
     return sorted(found)
 
 
-def stored(df: DataFrame, layout: Layout) -> DataFrame:
-    """``df`` with its partition columns as Delta stores them: an empty string
-    is null (:func:`sinks.delta.layout.partition_value`)."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import StringType
-
-    for c in layout.partition_by:
-        if isinstance(df.schema[c].dataType, StringType):
-            col = F.col(quoted(c))
-            df = df.withColumn(c, F.when(col == F.lit(""), F.lit(None)).otherwise(col))
-    return df
+def _has_empty_string(condition: Any) -> bool:
+    """Whether the condition holds the string literal ''."""
+    return any(
+        str(e.getClass().getSimpleName()) == "Literal"
+        and str(e.dataType().typeName()) == "string"
+        and e.value() is not None
+        and str(e.value().toString()) == ""
+        for e in _nodes(condition)
+    )
 
 
 def check_rows(df: DataFrame, predicate: str, layout: Layout, where: str, batch_id: int) -> None:
@@ -127,12 +139,18 @@ def check_rows(df: DataFrame, predicate: str, layout: Layout, where: str, batch_
     partition values: a row the slice would not remove again is refused."""
     from pyspark.sql import functions as F
 
+    parts = list(layout.partition_by)
+    raw = [f"_twophase_raw{i}" for i in range(len(parts))]
+    with_raw = df.select("*", *[F.col(quoted(c)).alias(r) for c, r in zip(parts, raw, strict=True)])
     outside = (
-        stored(df, layout).where(~F.coalesce(F.expr(predicate), F.lit(False))).limit(1).collect()
+        merge.as_stored(with_raw, layout)
+        .where(~F.coalesce(F.expr(predicate), F.lit(False)))
+        .limit(1)
+        .collect()
     )
     if outside:
         row = outside[0].asDict()
-        empty = [c for c in layout.partition_by if row.get(c) is None]
+        empty = [c for c, r in zip(parts, raw, strict=True) if row.pop(r) == ""]
         hint = (
             " (Delta stores an empty string in a partition column as null: "
             f"{', '.join(empty)} is null here; say `{empty[0]} IS NULL` to replace that slice)"

@@ -120,9 +120,10 @@ def check_rewritable(dt: DeltaTable, where: str) -> None:
             f"{where} has the table feature deletionVectors: a keyed DeltaSink (key=) or a "
             "replace (replace_where=) rewrites and removes files, and DeltaSink does not "
             "honour deletion vectors yet (deleted rows would come back, replaced files would "
-            "stay live). Drop the feature with delta-spark (ALTER TABLE ... DROP FEATURE "
-            "deletionVectors), write to a table without it, or append (no key=, no "
-            "replace_where=)"
+            "stay live). Write to a table without it, or append (no key=, no replace_where=): "
+            "appends are honoured. (Dropping the feature with delta-spark's ALTER TABLE ... "
+            "DROP FEATURE deletionVectors leaves the writer feature checkpointProtection "
+            "unless TRUNCATE HISTORY is given, and DeltaSink writes no table with that)"
         )
     config = dt.metadata().configuration or {}
     if str(config.get("delta.appendOnly", "false")).lower() == "true":

@@ -19,7 +19,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from sinks.base import Committable, SinkWriter, WriteContext
-from sinks.delta.layout import DeltaSchemaError, Layout, partition_path, partition_value
+from sinks.delta.layout import (
+    DeltaSchemaError,
+    Layout,
+    empty_as_null,
+    partition_path,
+    partition_value,
+)
 from sinks.delta.stats import FileStats
 from sinks.delta.storage import DATA_SUFFIX, TableStorage, file_stem, marker_path
 from sinks.errors import DataError
@@ -156,12 +162,20 @@ class DeltaWriter(SinkWriter):
     def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """Columns in table order, cast to the table's types; NOT NULL enforced."""
         arrays = []
+        partitions = set(self._layout.partition_by)
         for field in self._layout.schema:
             arr = table_column(batch, field)
+            if field.name in partitions:
+                arr = empty_as_null(arr)  # how Delta stores "" there
             if not field.nullable and arr.null_count:
                 raise DeltaSchemaError(
                     f"column {field.name!r} is NOT NULL in the Delta table but the data "
                     f"holds {arr.null_count} null value(s)"
+                    + (
+                        " (an empty string in a partition column is null)"
+                        if field.name in partitions
+                        else ""
+                    )
                 )
             arrays.append(arr)
         return pa.RecordBatch.from_arrays(arrays, schema=self._layout.schema)

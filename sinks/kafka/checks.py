@@ -173,6 +173,11 @@ def check_transaction_timeout(wire: KafkaWire, where: str, mine: int, probe: str
             f"transaction.max.timeout.ms ({where}); lower it, or raise "
             "transaction.max.timeout.ms on the brokers"
         )
+    if error in _PASSING:
+        raise PreflightError(
+            f"{where}: the transaction coordinator did not become available within a minute "
+            f"({error.__name__}); is the broker's __transaction_state topic healthy?"
+        )
     if error is not Errors.NoError:
         raise PreflightError(
             f"{where}: the broker refused a transaction ({error.__name__}); "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import psycopg
@@ -10,6 +11,9 @@ from psycopg import sql
 
 from sinks.errors import PreflightError
 from sinks.postgres.types import PgColumn, ddl_type, incompatibility, unsupported
+from sinks.predicates import changes_between_evaluations, time_words
+
+log = logging.getLogger("sinks.postgres")
 
 MARKER_DDL = """
 CREATE TABLE IF NOT EXISTS {marker} (
@@ -213,38 +217,55 @@ def check_columns(
 
 
 def check_replace_predicate(
-    conn: psycopg.Connection, table: sql.Composable, column: str, predicate: str, where: str
+    conn: psycopg.Connection, table: sql.Composable, predicate: str, where: str
 ) -> None:
     """Refuse a ``replace_where`` that is not valid SQL over the table's columns,
-    or whose value may change between evaluations: it is evaluated by every
-    task and again by the commit that finishes the backfill, maybe days apart,
-    and both must name the same slice. PostgreSQL says which: an index
-    predicate must be IMMUTABLE (``now()``, ``current_date`` and ``random()``
-    are not), so a partial index of a scratch copy of the table is built with
-    it, then rolled back."""
+    or whose value may change between evaluations (:mod:`sinks.predicates`).
+    PostgreSQL says which: an index predicate must be IMMUTABLE (``now()``,
+    ``current_date`` and ``random()`` are not), so a partial index of a scratch
+    copy of the table (with a column of its own to index) is built with it, then
+    rolled back. A check that cannot run (no TEMP privilege, say) is logged."""
+    words = time_words(predicate)
+    if words:
+        raise PreflightError(changes_between_evaluations(", ".join(words), predicate, where))
     try:
         with conn.transaction(force_rollback=True):
             conn.execute(
-                sql.SQL("CREATE TEMP TABLE _twophase_predicate (LIKE {}) ON COMMIT DROP").format(
-                    table
-                )
+                sql.SQL(
+                    "CREATE TEMP TABLE _twophase_predicate (LIKE {}, _twophase_probe int) "
+                    "ON COMMIT DROP"
+                ).format(table)
             )
             conn.execute(
-                sql.SQL("CREATE INDEX ON _twophase_predicate ({}) WHERE {}").format(
-                    sql.Identifier(column), sql.SQL(predicate)
+                sql.SQL("CREATE INDEX ON _twophase_predicate (_twophase_probe) WHERE {}").format(
+                    sql.SQL(predicate)
                 )
             )
     except psycopg.Error as e:
         first = (e.diag.message_primary or str(e)).strip().splitlines()[0]
-        immutable = "IMMUTABLE" in first
-        raise PreflightError(
-            f"{where}: replace_where {predicate!r} "
-            + (
-                "uses a function whose value may change between evaluations (PostgreSQL: "
-                f"{first}); the predicate is evaluated by every task and again at the commit "
-                "that finishes the backfill, and both must name the same slice. Write the "
-                "value out (e.g. day = '2026-11-01')"
-                if immutable
-                else f"is not a predicate over the table's columns ({first})"
-            )
-        ) from e
+        if "IMMUTABLE" in first:
+            raise PreflightError(
+                changes_between_evaluations(f"a function ({first})", predicate, where)
+            ) from e
+        if isinstance(e, _NOT_A_PREDICATE):
+            raise PreflightError(
+                f"{where}: replace_where {predicate!r} is not a predicate over the table's "
+                f"columns ({first})"
+            ) from e
+        log.warning(
+            "%s: could not check replace_where %r for functions whose value changes (%s)",
+            where,
+            predicate,
+            first,
+        )
+
+
+_NOT_A_PREDICATE = (
+    psycopg.errors.SyntaxError,
+    psycopg.errors.UndefinedColumn,
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.DatatypeMismatch,
+    psycopg.errors.InvalidTextRepresentation,
+    psycopg.errors.FeatureNotSupported,  # a subquery, an aggregate
+    psycopg.errors.GroupingError,
+)

@@ -383,10 +383,9 @@ class PostgresSink(Sink):
             if self._new_columns:  # evolve_schema adds them, then comes back here
                 written = pa.schema([f for f in written if f not in self._new_columns])
             targets = catalog.check_columns(where, columns, written, self.key)
-            if self.replace_where is not None:
-                catalog.check_replace_predicate(
-                    conn, self.table_ident, columns[0].name, self.replace_where, where
-                )
+            if self.replace_where is not None and not self._new_columns:
+                # (with new columns to add, the pass after evolve_schema checks it)
+                catalog.check_replace_predicate(conn, self.table_ident, self.replace_where, where)
             if self.key and set(self.key) not in catalog.unique_keys(conn, self.schema, self.table):
                 raise PreflightError(
                     f"upsert by key {self.key} needs a unique index or primary key on exactly "
