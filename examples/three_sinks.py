@@ -3,8 +3,8 @@ and restarted, then checked from the sinks themselves.
 
 What it does (``bash scripts/example.sh`` runs it):
 
-1. starts a private PostgreSQL server and a Kafka-protocol broker (tansu) on
-   loopback, and writes the input: a bounded backfill of order files, and a
+1. starts a private PostgreSQL server and Apache Kafka (tansu when the broker's
+   jars are not fetched) on loopback, and writes the input: a bounded backfill of order files, and a
    live directory that a feeder fills with event files while the job runs;
 2. runs the job in a process of its own (``three_sinks.py job ...``): pipeline
    ``backfill`` (bounded) upserts the orders into PostgreSQL and appends them to
@@ -192,6 +192,8 @@ def demo(args: argparse.Namespace) -> int:
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
 
+    from lifecycle.testing import jars
+    from lifecycle.testing.apache_kafka import ApacheKafka
     from lifecycle.testing.kafka_broker import KafkaBroker
     from lifecycle.testing.postgres_server import PostgresServer
 
@@ -200,12 +202,17 @@ def demo(args: argparse.Namespace) -> int:
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="twophase-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     log = work / "job.log"
-    pg, broker = PostgresServer(), KafkaBroker()
+    # Apache Kafka, the broker users run, when its jars are fetched (scripts/_venv.sh
+    # does); else the embedded tansu, so that the demo runs without Maven too
+    apache = jars.available("kafka-broker")
+    pg = PostgresServer()
+    broker = ApacheKafka() if apache else KafkaBroker()
     try:
         pg.start()
         broker.start()
         dsn, bootstrap = pg.dsn(), broker.bootstrap
-        print(f"services: PostgreSQL {dsn}, Kafka (tansu) {bootstrap}")
+        kind = f"Apache Kafka {jars.KAFKA_VERSION}" if apache else "Kafka (tansu)"
+        print(f"services: PostgreSQL {dsn}, {kind} {bootstrap}")
         import psycopg
 
         with psycopg.connect(dsn, autocommit=True) as c:

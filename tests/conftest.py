@@ -6,7 +6,9 @@ The services are the test kit's (``lifecycle.testing.plugin``, loaded by its
 * PostgreSQL: a private cluster started on a free loopback port for the test
   session, or an existing server when ``TWOPHASE_PG_DSN`` is set (a superuser
   DSN; tests that restart the server are then skipped);
-* Kafka: tansu on a free loopback port, or ``TWOPHASE_KAFKA_BOOTSTRAP``.
+* Kafka: Apache Kafka (KRaft, from the fetched jars) on free loopback ports for
+  the test session; tansu with ``TWOPHASE_TEST_KAFKA=tansu`` (or when the jars
+  are missing outside CI); or ``TWOPHASE_KAFKA_BOOTSTRAP``.
 The names the tests use (``pg_dsn``, ``kafka_bootstrap``, ``kafka_topic``) are
 the kit's fixtures under the names the tests grew up with.
 """
@@ -98,9 +100,10 @@ def write_input(directory: Path, files: int, rows_per_file: int, start: int = 0)
 
 
 # -- Kafka ---------------------------------------------------------------------------------
-# A Kafka-protocol broker for the Spark-level Kafka tests: tansu on a free loopback
-# port for the test session (``lifecycle/testing/kafka_broker.py``), or an existing cluster when
-# ``TWOPHASE_KAFKA_BOOTSTRAP`` is set (e.g. Apache Kafka from docker-compose.yml).
+# The broker of the Kafka tests: Apache Kafka for the test session
+# (``lifecycle/testing/apache_kafka.py``), tansu with TWOPHASE_TEST_KAFKA=tansu
+# (``lifecycle/testing/kafka_broker.py``), or an existing cluster when
+# ``TWOPHASE_KAFKA_BOOTSTRAP`` is set (e.g. the one of docker-compose.yml).
 # Every test writes to fresh topics, so a shared cluster needs no cleaning.
 
 

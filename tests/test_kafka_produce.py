@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 from kafka.partitioner.default import murmur2
 
+from lifecycle.testing import verify
 from sinks.base import JobScope, WriteContext
 from sinks.kafka import KafkaSink, encode
 from sinks.kafka.log import read_topic
@@ -124,7 +125,8 @@ def _write_and_commit(sink: KafkaSink, batches: list[pa.RecordBatch]) -> None:
     w.close()
     assert c is not None
     sink.commit([c])
-    log = read_topic(sink.bootstrap_servers, sink.topic)
+    # Apache Kafka answers EndTxn before it writes the markers (asynchronously)
+    log = verify.read_settled(sink.bootstrap_servers, sink.topic)
     assert log.n_open == 0 and log.n_aborted == 0
     assert len(log.committed) == sum(b.num_rows for b in batches)
 
@@ -199,6 +201,10 @@ def test_a_fenced_writer_fails_its_attempt_with_nothing_committed(
     with KafkaWire(kafka_bootstrap) as wire:
         coordinator = wire.find_coordinators([tid])[tid]
         wire.init_producer_id(coordinator, tid, 60_000)
+    # Apache Kafka writes the fence's abort markers after it answers; until they
+    # land, a partition leader still takes the old epoch (and the markers then
+    # abort those records too): wait for them, so the leader knows the new epoch
+    assert verify.read_settled(kafka_bootstrap, topic).n_open == 0
     w.write(_batch(100, 100))
     with pytest.raises(ProduceError, match=r"Fenced|Epoch"):
         w.prepare()

@@ -81,9 +81,14 @@ def test_the_plugin_is_registered_once_and_imports_nothing_heavy(tmp_path: Path)
     assert probe.stdout.strip() == "[]", probe.stdout
 
 
-def test_a_missing_broker_is_a_skip_not_an_error(tmp_path: Path) -> None:
-    """Without the embedded broker (no ``testing`` extra), only the tests that ask
-    for it are skipped, saying what to install; the rest of a user's suite runs."""
+@pytest.mark.parametrize(
+    ("kind", "advice"),
+    [("tansu", "twophase[testing]"), ("apache", "lifecycle.testing.jars fetch kafka-broker")],
+)
+def test_a_missing_broker_is_a_skip_not_an_error(tmp_path: Path, kind: str, advice: str) -> None:
+    """Without the embedded broker (no ``testing`` extra), or without Apache
+    Kafka's jars, only the tests that ask for it are skipped, saying what to
+    install or fetch; the rest of a user's suite runs."""
     (tmp_path / "test_mine.py").write_text(
         textwrap.dedent(
             """
@@ -95,8 +100,13 @@ def test_a_missing_broker_is_a_skip_not_an_error(tmp_path: Path) -> None:
             """
         )
     )
-    env = {"TWOPHASE_TANSU": str(tmp_path / "no-such-tansu")}
-    env_clean = {k: v for k, v in os.environ.items() if k != "TWOPHASE_KAFKA_BOOTSTRAP"}
+    env = {
+        "TWOPHASE_TANSU": str(tmp_path / "no-such-tansu"),
+        "TWOPHASE_JARS": str(tmp_path / "no-jars"),
+        "TWOPHASE_TEST_KAFKA": kind,
+    }
+    unset = ("TWOPHASE_KAFKA_BOOTSTRAP", "TWOPHASE_REQUIRE_JARS")
+    env_clean = {k: v for k, v in os.environ.items() if k not in unset}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"],
         cwd=tmp_path,
@@ -107,7 +117,7 @@ def test_a_missing_broker_is_a_skip_not_an_error(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 passed, 1 skipped" in done.stdout and "twophase[testing]" in done.stdout, done.stdout
+    assert "1 passed, 1 skipped" in done.stdout and advice in done.stdout, done.stdout
 
 
 def test_crash_test_runs_a_module_function_and_fails_a_job_that_does_not_finish(

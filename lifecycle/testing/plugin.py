@@ -19,10 +19,11 @@ Fixtures:
     A fresh, empty database on that server for one test, dropped afterwards
     (prepared transactions left in it rolled back first).
 ``twophase_kafka`` (session)
-    ``host:port`` of a Kafka broker: embedded tansu
-    (:mod:`lifecycle.testing.kafka_broker`, in memory), Apache Kafka with
-    ``TWOPHASE_TEST_KAFKA=apache`` (the ``twophase_apache_kafka`` broker), a
-    container with ``TWOPHASE_TEST_DOCKER=1``, or ``TWOPHASE_KAFKA_BOOTSTRAP``.
+    ``host:port`` of a Kafka broker: ``TWOPHASE_KAFKA_BOOTSTRAP``; a container
+    with ``TWOPHASE_TEST_DOCKER=1``; else ``TWOPHASE_TEST_KAFKA``: ``apache``
+    (the ``twophase_apache_kafka`` broker) or ``tansu`` (embedded,
+    :mod:`lifecycle.testing.kafka_broker`, in memory); unset: Apache Kafka when
+    its jars are fetched, else tansu.
 ``twophase_apache_kafka`` (session)
     An Apache Kafka broker (:class:`~lifecycle.testing.apache_kafka.ApacheKafka`:
     KRaft on loopback, from the jars :mod:`lifecycle.testing.jars` fetches; the
@@ -144,6 +145,13 @@ def twophase_pg_dsn(twophase_postgres: PostgresService) -> Iterator[str]:
         yield dsn
 
 
+def _default_kafka() -> str:
+    """Apache Kafka when its jars are fetched, else the embedded tansu."""
+    from lifecycle.testing import jars
+
+    return "apache" if jars.available("kafka-broker") else "tansu"
+
+
 @pytest.fixture(scope="session")
 def twophase_apache_kafka() -> Iterator[Any]:
     from lifecycle.testing import jars
@@ -164,15 +172,18 @@ def twophase_kafka(request: pytest.FixtureRequest) -> Iterator[str]:
     if given:
         yield given
         return
-    if os.environ.get(KAFKA_KIND_ENV) == "apache":
-        yield request.getfixturevalue("twophase_apache_kafka").bootstrap
-        return
     if _docker():
         from testcontainers.kafka import KafkaContainer
 
         with KafkaContainer().with_kraft() as kafka:
             yield kafka.get_bootstrap_server()
         return
+    kind = os.environ.get(KAFKA_KIND_ENV) or _default_kafka()
+    if kind == "apache":
+        yield request.getfixturevalue("twophase_apache_kafka").bootstrap
+        return
+    if kind != "tansu":
+        raise pytest.UsageError(f"{KAFKA_KIND_ENV}={kind!r}: say 'apache' or 'tansu'")
     try:
         from lifecycle.testing.kafka_broker import KafkaBroker, find_tansu
 
