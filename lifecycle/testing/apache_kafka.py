@@ -27,17 +27,14 @@ import argparse
 import base64
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import IO
 
 from lifecycle.testing import jars
-from lifecycle.testing.services import NativeService, free_port, serve
+from lifecycle.testing.services import ProcessService, free_port, serve
 
 KafkaJarsMissing = jars.JarsMissingError
 
@@ -71,7 +68,7 @@ def _java() -> str:
     return found
 
 
-class ApacheKafka(NativeService):
+class ApacheKafka(ProcessService):
     """One Apache Kafka broker (KRaft, combined mode) on 127.0.0.1.
 
     ``bootstrap`` is ``"127.0.0.1:PORT"`` once ``start()`` returned; ports and
@@ -79,15 +76,12 @@ class ApacheKafka(NativeService):
 
     def __init__(self, config: dict[str, str] | None = None, *, heap: str = "512m") -> None:
         self.classpath = os.pathsep.join(str(p) for p in jars.jars("kafka-broker"))
+        super().__init__("apachekafka-", "server.log")
         self.config = {**DEFAULTS, **(config or {})}
         self.heap = heap
         self.port: int | None = None
         self.controller_port: int | None = None
-        self.workdir = Path(tempfile.mkdtemp(prefix="apachekafka-"))
-        self.logfile = self.workdir / "server.log"
         self._formatted = False
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -95,14 +89,6 @@ class ApacheKafka(NativeService):
         if self.port is None:
             raise ApacheKafkaError("the broker has not been started yet")
         return f"127.0.0.1:{self.port}"
-
-    def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    @property
-    def pid(self) -> int | None:
-        """The broker JVM's process id while it runs."""
-        return self._proc.pid if self.is_running() and self._proc is not None else None
 
     def _properties(self) -> Path:
         assert self.port is not None and self.controller_port is not None
@@ -163,14 +149,7 @@ class ApacheKafka(NativeService):
         props = self._properties()
         if not self._formatted:
             self._format(props)
-        self._log = open(self.logfile, "ab")  # noqa: SIM115 - kept open while running
-        self._proc = subprocess.Popen(
-            self._java("kafka.Kafka", str(props)),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self._spawn(self._java("kafka.Kafka", str(props)))
         try:
             self._wait_ready(timeout)
         except BaseException:
@@ -178,10 +157,9 @@ class ApacheKafka(NativeService):
             raise
 
     def _check_alive(self) -> None:
-        if self._proc is not None and self._proc.poll() is not None:
-            raise ApacheKafkaError(
-                f"Apache Kafka exited with status {self._proc.returncode}\n{self.log_tail()}"
-            )
+        status = self._exit_status()
+        if status is not None:
+            raise ApacheKafkaError(f"Apache Kafka exited with status {status}\n{self.log_tail()}")
 
     def _wait_ready(self, timeout: float) -> None:
         from kafka import KafkaAdminClient
@@ -213,37 +191,9 @@ class ApacheKafka(NativeService):
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the broker (SIGTERM: a controlled shutdown; SIGKILL after
-        ``timeout`` s). Its log directory and ports are kept."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._close_log()
-
-    def kill(self) -> None:
-        """SIGKILL the broker JVM at once (a crash); ``start()`` recovers it
-        from the same log directory on the same ports."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-        self._close_log()
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def cleanup(self) -> None:
-        """Stop the broker and delete its directory (log directory and log)."""
-        try:
-            self.stop()
-        finally:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        ``timeout`` s). Its log directory and ports are kept; ``kill()`` is a
+        crash, after which ``start()`` recovers the same log directory."""
+        super().stop(timeout)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,16 +31,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import tempfile
 import time
 from pathlib import Path
-from typing import IO
 
-from lifecycle.testing.services import NativeService, free_port, serve
+from lifecycle.testing.services import ProcessService, free_port, serve
 
 ENV_BINARY = "TWOPHASE_TANSU"
 
@@ -74,7 +69,7 @@ def find_tansu() -> Path:
 MEMORY = "memory://tansu/"
 
 
-class KafkaBroker(NativeService):
+class KafkaBroker(ProcessService):
     """A tansu broker subprocess on 127.0.0.1.
 
     ``bootstrap`` is ``"127.0.0.1:PORT"`` once ``start()`` returned; the port is
@@ -92,13 +87,10 @@ class KafkaBroker(NativeService):
         env: dict[str, str] | None = None,
     ) -> None:
         self.binary: Path = Path(binary) if binary else find_tansu()
+        super().__init__("kafkabroker-", "tansu.log")
         self.port: int | None = port
         self.storage = storage
         self.env = dict(env or {})
-        self.workdir: Path = Path(tempfile.mkdtemp(prefix="kafkabroker-"))
-        self.logfile: Path = self.workdir / "tansu.log"
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -107,9 +99,6 @@ class KafkaBroker(NativeService):
             raise KafkaBrokerError("the broker has not been started yet")
         return f"127.0.0.1:{self.port}"
 
-    def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
     def start(self, timeout: float = 60.0) -> None:
         """Start the broker and wait until it answers a metadata request."""
         if self.is_running():
@@ -117,8 +106,7 @@ class KafkaBroker(NativeService):
         if self.port is None:
             self.port = free_port()
         url = f"tcp://127.0.0.1:{self.port}"
-        self._log = open(self.logfile, "ab")  # noqa: SIM115 - kept open while running
-        self._proc = subprocess.Popen(
+        self._spawn(
             [
                 str(self.binary),
                 "broker",
@@ -129,16 +117,12 @@ class KafkaBroker(NativeService):
                 "--storage-engine",
                 self.storage,
             ],
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
             env={
                 **os.environ,
                 **self.env,
                 "NO_COLOR": "1",
                 "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
             },
-            start_new_session=True,  # Ctrl-C in a terminal goes to us, not straight to it
         )
         try:
             self._wait_ready(timeout)
@@ -147,10 +131,9 @@ class KafkaBroker(NativeService):
             raise
 
     def _check_alive(self) -> None:
-        if self._proc is not None and self._proc.poll() is not None:
-            raise KafkaBrokerError(
-                f"tansu exited with status {self._proc.returncode}\n{self.log_tail()}"
-            )
+        status = self._exit_status()
+        if status is not None:
+            raise KafkaBrokerError(f"tansu exited with status {status}\n{self.log_tail()}")
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -196,36 +179,7 @@ class KafkaBroker(NativeService):
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the broker (SIGTERM, SIGKILL after ``timeout`` s: tansu waits for
         open client connections); in memory its data is gone, the port is kept."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._close_log()
-
-    def kill(self) -> None:
-        """SIGKILL the broker at once (a crash: nothing is flushed or closed
-        cleanly); the port is kept for ``start()``."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-        self._close_log()
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def cleanup(self) -> None:
-        """Stop the broker and delete its work directory (log included)."""
-        try:
-            self.stop()
-        finally:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        super().stop(timeout)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,13 +4,16 @@ context manager, and running one as a program until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TypeVar
+from typing import IO, TypeVar
 
 
 def free_port() -> int:
@@ -58,6 +61,77 @@ class NativeService:
         tb: TracebackType | None,
     ) -> None:
         self.cleanup()
+
+
+class ProcessService(NativeService):
+    """A service that is one child process of ours, logging to ``logfile`` in its
+    own ``workdir``: started by :meth:`_spawn`, stopped (SIGTERM, then SIGKILL)
+    or killed (SIGKILL, a crash) by its PID; :meth:`cleanup` also deletes the
+    work directory."""
+
+    def __init__(self, prefix: str, logname: str) -> None:
+        self.workdir: Path = Path(tempfile.mkdtemp(prefix=prefix))
+        self.logfile: Path = self.workdir / logname
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """The process id while it runs."""
+        return self._proc.pid if self._proc is not None and self.is_running() else None
+
+    def _spawn(self, command: list[str], env: dict[str, str] | None = None) -> None:
+        """Start ``command`` in a session of its own (Ctrl-C in a terminal goes to
+        us, not straight to it), its output appended to ``logfile``."""
+        self._log = open(self.logfile, "ab")  # noqa: SIM115 - kept open while running
+        self._proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def _exit_status(self) -> int | None:
+        """The status of a process that exited by itself (None while it runs)."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop the process (SIGTERM; SIGKILL after ``timeout`` s)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._close_log()
+
+    def kill(self) -> None:
+        """SIGKILL the process at once (a crash: nothing is flushed or closed
+        cleanly)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def cleanup(self) -> None:
+        """Stop the process and delete its work directory (log included)."""
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def serve(
