@@ -79,7 +79,7 @@ def ledger_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[L
 def spark():  # type: ignore[no-untyped-def]
     from tests.sparkutil import make_spark
 
-    session = make_spark("twophase-tests")
+    session = make_spark("twophase-tests", jvm_packages=True)
     yield session
     session.stop()
 

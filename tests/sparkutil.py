@@ -44,9 +44,14 @@ MASTER_ENV = "TWOPHASE_TEST_MASTER"
 EXECUTOR_ENV_ENV = "TWOPHASE_TEST_EXECUTOR_ENV"
 
 
-def make_spark(app: str, master: str = "local[2,2]") -> SparkSession:
+def make_spark(app: str, master: str = "local[2,2]", jvm_packages: bool = False) -> SparkSession:
     """A local session (``local[N,F]`` lets a failed task be retried F times),
-    or, in a job ``spark-submit`` started on a cluster, that cluster's session."""
+    or, in a job ``spark-submit`` started on a cluster, that cluster's session.
+
+    ``jvm_packages`` adds delta-spark and Spark's Kafka source to a local session
+    when their jars are cached: the tests' own session reads with them; a job
+    process asks for them only when it reads Kafka, since they cost each JVM
+    start about 1.5 s here."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = SparkSession.builder
@@ -61,7 +66,7 @@ def make_spark(app: str, master: str = "local[2,2]") -> SparkSession:
         for k, v in os.environ.items():
             if k.startswith("TWOPHASE_") and k not in (MASTER_ENV, EXECUTOR_ENV_ENV):
                 builder = builder.config(f"spark.executorEnv.{k}", v)
-    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+    if jvm_packages and "PYSPARK_GATEWAY_PORT" not in os.environ:
         # A local session gets delta-spark and Spark's Kafka source when their jars are
         # cached (lifecycle/testing/jars.py); spark-submit's driver JVM is started already.
         builder = _with_jvm_packages(builder)
