@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lifecycle.coordinator import Coordinator
     from lifecycle.errors import (
+        BatchLostError,
         CheckpointCommitError,
         JobFailedError,
         PipelineFailedError,
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from lifecycle.pipeline import PipelineState
 
 _EXPORTS = {
+    "BatchLostError": "lifecycle.errors",
     "Checkpoint": "lifecycle.ledger",
     "CheckpointCommitError": "lifecycle.errors",
     "Coordinator": "lifecycle.coordinator",
@@ -42,6 +44,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "BatchLostError",
     "Checkpoint",
     "CheckpointCommitError",
     "Coordinator",

@@ -25,6 +25,22 @@ Recovery rules (``recover``, run at every start before any query starts):
 4. Every prepared transaction of this job's sinks that no ledger entry owns is
    aborted (failed or speculative task attempts, a crash between prepare and
    registration, zombies of an earlier run).
+5. Lost work is written again, never dropped. Before rules 1 and 2 commit
+   any of a sink's share, the sink checks every transaction of it
+   (``Sink.classify``). When one was lost before it committed (a Kafka
+   transaction the broker aborted at its timeout, a prepared transaction
+   someone rolled back, staged files a VACUUM removed), none of that sink's
+   share from the first batch with a loss on commits: its surviving
+   transactions are aborted, and those batches are recorded in the ledger as
+   *owed* to the sink. The rest of the checkpoint commits, so the decision is
+   final for every other sink, and for this one up to the loss. The job then
+   writes each owed batch again, to the owing sinks only, from its source
+   with its original offsets, before any new batch (:mod:`lifecycle.replay`).
+   A loss found when part of the owed batches committed already stops the job
+   as before (a ``CheckpointCommitError`` whose cause is
+   ``TransactionLostError``): writing them again would duplicate that part.
+   Only a coordinator made with ``replay_lost`` (the job's) applies this rule;
+   ``twophase recover``, which cannot run the source, reports the loss.
 
 During a run, each checkpoint also sweeps orphans of batches at or below its
 cut, and of earlier runs, so late zombies do not linger until the next start.
@@ -59,7 +75,7 @@ from lifecycle.metrics import JobMetrics
 from lifecycle.spark_log import SparkCommitLog
 from sinks import _faults, _retry
 from sinks._parallel import raise_first, run_all
-from sinks.base import Committable, JobScope, Sink
+from sinks.base import COMMITTED, LOST, PREPARED, Committable, JobScope, Sink
 from sinks.errors import CommitRefusedError, ConfigError
 from sinks.naming import TxnName
 from sinks.progress import SinkProgress, claim_order, conflict
@@ -99,6 +115,8 @@ def sink_label(pipeline: str, sink_id: str) -> str:
 
 
 _RULES = {"aborted": "abort_replayed", "swept": "sweep_orphans", "skipped": "skip_abandoned"}
+Shares = dict[tuple[str, str], dict[int, list[Committable]]]
+"""per (pipeline, sink id), the committables of each batch (ascending)"""
 """The recovery rule a move on a sink follows (see :mod:`lifecycle.metrics`).
 Commits follow one only in recovery: ``commit_decided`` when a checkpoint
 decided before a stop is finished, ``commit_completed`` in a checkpoint of kind
@@ -116,7 +134,8 @@ class Coordinator:
     refusals that suggest one (see :func:`lifecycle.ledger.new_state_advice`).
     ``commit_parallelism``: how many sinks (of different targets) a checkpoint
     commits at once. ``metrics``: told of registrations, checkpoints, retries and
-    recovery actions."""
+    recovery actions. ``replay_lost``: apply recovery rule 5 (the job writes owed
+    batches again; without it a loss fails the commit)."""
 
     def __init__(
         self,
@@ -128,8 +147,10 @@ class Coordinator:
         new_state: str = "a new state_dir",
         commit_parallelism: int = 4,
         metrics: JobMetrics | None = None,
+        replay_lost: bool = False,
     ) -> None:
         self.job = job
+        self.replay_lost = replay_lost
         self.commit_parallelism = commit_parallelism
         self.ledger = ledger
         self.new_state = new_state
@@ -350,22 +371,34 @@ class Coordinator:
             cp = self.ledger.decide(kind, cut, finished)
             return self._commit(cp, started)
 
-    def committables_of(
-        self, cp: Checkpoint, *, abandoned: bool = False
-    ) -> dict[tuple[str, str], list[Committable]]:
+    def shares(self, cp: Checkpoint, *, abandoned: bool = False) -> Shares:
         """The pending committables checkpoint ``cp`` commits, per (pipeline,
-        sink id): those of every pending batch at or below its cut, without the
-        transactions abandoned in it (only those, with ``abandoned``)."""
+        sink id) and batch: those of every pending batch at or below its cut,
+        without the transactions abandoned in it (only those, with
+        ``abandoned``) and without the batches owed to the sink (rule 5)."""
         skip = self.ledger.abandoned_txns(cp.id)
-        groups: dict[tuple[str, str], list[Committable]] = {}
+        owed = self.ledger.owed()
+        shares: Shares = {}
         for p, last in cp.cut.items():
             for b in self.ledger.pending_batch_ids(p):  # ascending
                 if b > last:
                     break
+                owing = owed.get(p, {}).get(b, {})
                 for sid, cs in (self.ledger.pending_batch(p, b) or {}).items():
-                    group = groups.setdefault((p, sid), [])
-                    group.extend(c for c in cs if (c.get("txn") in skip) == abandoned)
-        return groups
+                    share = shares.setdefault((p, sid), {})
+                    if sid in owing and not abandoned:
+                        continue
+                    share[b] = [c for c in cs if (c.get("txn") in skip) == abandoned]
+        return shares
+
+    def committables_of(
+        self, cp: Checkpoint, *, abandoned: bool = False
+    ) -> dict[tuple[str, str], list[Committable]]:
+        """The committables of :meth:`shares`, per (pipeline, sink id)."""
+        return {
+            key: [c for cs in batches.values() for c in cs]
+            for key, batches in self.shares(cp, abandoned=abandoned).items()
+        }
 
     def _commit(
         self, cp: Checkpoint, started: float | None = None, rule: str | None = None
@@ -381,6 +414,8 @@ class Coordinator:
         an operator abandoned in this checkpoint are skipped."""
         if rule is None and cp.kind == "recovery":
             rule = "commit_completed"
+        if rule is not None and self.replay_lost:
+            self._owe_lost(cp)  # rule 5
         groups = self.committables_of(cp)
         abandoned = (
             self.committables_of(cp, abandoned=True) if self.ledger.abandoned_txns(cp.id) else {}
@@ -430,6 +465,75 @@ class Coordinator:
         )
         self._forget_and_sweep(groups, cp.cut)
         return done
+
+    def _owe_lost(self, cp: Checkpoint) -> None:
+        """Rule 5 for decided checkpoint ``cp``: per sink, when a transaction of
+        its share was lost before it committed, record the batches from the
+        first one with a loss on as owed to the sink and abort the rest of its
+        work of them, unless any of it committed already (the commit then
+        reports the loss)."""
+        for (p, sid), batches in self.shares(cp).items():
+            sink = self._sink(p, sid)
+            if sink.commits_at_finish or not any(batches.values()):
+                continue  # a replace commits its whole backfill at once: no batch to owe
+            try:
+                verdicts = sink.classify([c for cs in batches.values() for c in cs])
+            except NotImplementedError:
+                continue  # the commit finds a loss out
+            lost = [
+                b for b, cs in batches.items() if any(verdicts.get(c["txn"]) == LOST for c in cs)
+            ]
+            if not lost:
+                continue
+            owed = [b for b in batches if b >= min(lost)]
+            work = [c for b in owed for c in batches[b]]
+            done = [c["txn"] for c in work if verdicts.get(c["txn"]) == COMMITTED]
+            if done:
+                log.error(
+                    "%s: transactions of batch(es) %s of %s were lost, and %d of that work "
+                    "committed already (%s): writing it again would duplicate it, so the "
+                    "loss stops the job",
+                    sink.describe(),
+                    lost,
+                    p,
+                    len(done),
+                    done[:3],
+                )
+                continue
+            for b in owed:
+                self.ledger.record_owed(p, b, {sid: sum(int(c.get("rows", 0)) for c in batches[b])})
+            alive = [c for c in work if verdicts.get(c["txn"]) == PREPARED]
+            if alive:
+                sink.abort(alive)
+            self.metrics.recovery_action("owe_lost", p, sid, len(work))
+            log.warning(
+                "%s lost its transaction(s) of batch(es) %s of pipeline %s before they "
+                "committed (%s); batch(es) %s (%d row(s)) are owed to it: written again from "
+                "the source before any new batch",
+                sink.describe(),
+                lost,
+                p,
+                ", ".join(c["txn"] for c in work if verdicts.get(c["txn"]) == LOST)[:300],
+                owed,
+                sum(int(c.get("rows", 0)) for c in work),
+            )
+
+    def repay(self, pipeline: str, batch_id: int, work: dict[str, list[Committable]]) -> None:
+        """Commit ``work`` (sink id -> committables), the owed batch
+        ``batch_id`` of ``pipeline`` written again (rule 5), and record it
+        repaid; then the sinks forget their bookkeeping of it."""
+        with self._checkpointing:
+            for sid, cs in work.items():
+                counting = _retry.on_retry.set(self.metrics.retried(pipeline, sid))
+                try:
+                    self._sink(pipeline, sid).commit(cs)
+                finally:
+                    _retry.on_retry.reset(counting)
+                self._tell("committed", pipeline, sid, (c["txn"] for c in cs), "repay_owed")
+            rows = {sid: sum(int(c.get("rows", 0)) for c in cs) for sid, cs in work.items()}
+            self.ledger.record_repaid(pipeline, batch_id, rows)
+            for sid, cs in work.items():
+                self._sink(pipeline, sid).forget(cs)
 
     def _commit_sinks(
         self,

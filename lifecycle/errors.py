@@ -133,6 +133,48 @@ class CheckpointCommitError(JobFailedError):
         )
 
 
+class BatchLostError(PipelineFailedError):
+    """A batch owed to sinks (their transactions of it were lost before they
+    committed: a Kafka transaction the broker aborted at its timeout, a
+    prepared transaction someone rolled back, staged files a VACUUM removed)
+    could not be written again from its source: the source no longer has the
+    data (retention, a deleted file), or gave other rows than the lost work
+    held (a transform that is not deterministic). Nothing of the batch was
+    committed to those sinks, the ledger still owes it, and the job does not
+    run on until it is written: restore the source and run the job again.
+
+    Attributes: ``job``, ``pipeline``, ``batch``, ``sinks`` (sink id -> the
+    rows lost), ``rows`` (their sum), ``offsets`` (the batch's source offsets
+    as Spark recorded them), ``cause``."""
+
+    def __init__(
+        self,
+        job: str,
+        pipeline: str,
+        batch: int,
+        sinks: dict[str, int],
+        offsets: str,
+        cause: str,
+        *,
+        trace: str = "",
+    ) -> None:
+        self.sinks = dict(sinks)
+        self.rows = sum(sinks.values())
+        self.offsets = offsets
+        self.why = cause
+        owed = ", ".join(f"{sid} ({n} row(s))" for sid, n in sorted(sinks.items()))
+        super().__init__(
+            job,
+            pipeline,
+            f"its work for sink(s) {owed} was lost before it committed, and writing it "
+            f"again from the source (offsets {offsets or 'unknown'}) failed: {cause}; "
+            f"{self.rows} row(s) are missing from those sinks until the source has that data "
+            "again and the job runs again",
+            batch=batch,
+            trace=trace,
+        )
+
+
 class RecoveryRefusedError(JobFailedError, ConfigError):
     """Recovery at start refuses to go on: going on could write input twice or
     leave recorded work uncommitted. Nothing was started. The message says what

@@ -23,7 +23,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from pyspark.sql import DataFrame, SparkSession
 
-from lifecycle import control
+from lifecycle import control, replay
 from lifecycle.binding import batch_handler
 from lifecycle.coordinator import Coordinator, PipelineSinks, sink_label
 from lifecycle.errors import JobFailedError, PipelineFailedError, RecoveryRefusedError
@@ -451,6 +451,7 @@ class Job:
             ],
             new_state=new_state_advice(self.ledger_location),
             metrics=self._watch.metrics,
+            replay_lost=True,
         )
         coord.progress_note = self._watch.progress_note
         self._check_spark_state(ledger)
@@ -475,6 +476,7 @@ class Job:
         for p in self._pipelines.values():
             for s in p.sinks:
                 s.evolve_schema(p.schema)
+        replay.pay_owed(self.name, coord, self._pipelines)  # recovery rule 5
         stale = control.take_request(self.store)
         if stale is not None:
             log.warning("ignoring a stop request made while the job was not running")

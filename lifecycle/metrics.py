@@ -42,8 +42,11 @@ checkpoint decided before a crash is finished), ``commit_completed`` (work
 Spark completed is committed at start), ``abort_replayed`` (work Spark did not
 complete is rolled back; Spark replays it), ``abort_rerun`` (an earlier attempt
 of a batch Spark ran again), ``sweep_orphans`` (work no ledger entry owns:
-failed or speculative task attempts, earlier runs) and ``skip_abandoned``
-(transactions an operator gave up with ``twophase abandon``).
+failed or speculative task attempts, earlier runs), ``skip_abandoned``
+(transactions an operator gave up with ``twophase abandon``), ``owe_lost``
+(a sink's work of a checkpoint from its first lost transaction on, owed and
+written again from the source: :mod:`lifecycle.replay`) and ``repay_owed``
+(the transactions that wrote it again, committed).
 """
 
 from __future__ import annotations

@@ -162,6 +162,20 @@ class Pipeline:
         )
         self.query = w.start()
 
+    def start_replay(self, job: str, location: str, handler: BatchHandler) -> StreamingQuery:
+        """Start a query on the Spark checkpoint at ``location`` (a copy that
+        ends with one uncompleted batch, :mod:`lifecycle.replay`) that runs
+        that batch again and stops (a once trigger)."""
+        w = (
+            self._dataframe()
+            .writeStream.queryName(f"{job}.{self.name}.replay")
+            .outputMode(self.output_mode)
+            .option("checkpointLocation", self.store.uri(location))
+            .foreachBatch(handler)
+            .trigger(once=True)
+        )
+        return w.start()
+
     def stop_query(self, grace: float = 0.0) -> None:
         """Stop the query. With ``grace``, first wait up to that many seconds for
         the micro-batch in flight (if any) to finish, so that a stop rarely

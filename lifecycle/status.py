@@ -15,7 +15,10 @@
 ``pipelines``         per pipeline: ``finished``, ``last_committed_batch``,
                       ``rows_committed`` (sink -> rows), ``pending_batches``,
                       ``pending_committables``, ``pending_rows``,
-                      ``oldest_pending_age_s`` (null when nothing is pending)
+                      ``oldest_pending_age_s`` (null when nothing is pending),
+                      ``owed`` (batch -> sink -> rows: work lost in a target before
+                      it committed, written again from the source at the next start;
+                      see :mod:`lifecycle.replay`)
 ``decided``           a checkpoint decided but not yet committed: id, kind, age_s; or null
 ``last_checkpoint``   id, kind, committed_at, age_s of the newest committed one; or null
 ``stuck_after_s``     the threshold the verdict used
@@ -23,8 +26,8 @@
 Verdicts and exit codes: 0 ``healthy`` (running, or ended with nothing
 pending), 1 ``stuck`` (running, but pending work or a decided checkpoint is
 older than ``stuck_after``), 2 ``not_found`` (no ledger), 3 ``pending`` (not
-running, and pre-committed work or a decided checkpoint waits for the next
-start), 4 ``failed`` (the last run ended with an error, or its driver died
+running, and pre-committed work, a decided checkpoint or an owed batch waits
+for the next start), 4 ``failed`` (the last run ended with an error, or its driver died
 without a word and left nothing pending: ``lost``). A held ledger lock counts
 as running when there is no heartbeat, or when it lapsed.
 """
@@ -140,7 +143,9 @@ def _verdict(status: Mapping[str, Any], stuck_after: float) -> int:
         waiting.append(decided["age_s"])
     if status["alive"]:
         return STUCK if any(age > stuck_after for age in waiting) else HEALTHY
-    pending = decided is not None or any(p["pending_batches"] for p in status["pipelines"].values())
+    pending = decided is not None or any(
+        p["pending_batches"] or p["owed"] for p in status["pipelines"].values()
+    )
     if pending:
         return PENDING
     return FAILED if status["state"] == "lost" else HEALTHY
@@ -149,6 +154,8 @@ def _verdict(status: Mapping[str, Any], stuck_after: float) -> int:
 def _pipelines(doc: Mapping[str, Any], now: float) -> dict[str, dict[str, Any]]:
     names = set(doc.get("finished") or ()) | set(doc.get("committed_cut") or ())
     names |= set(doc.get("pending") or ())
+    owed = doc.get("owed") or {}
+    names |= set(owed)
     totals: dict[str, dict[str, int]] = {}
     for label, rows in (doc.get("totals") or {}).items():
         p, _, sid = label.partition("/")
@@ -177,6 +184,7 @@ def _pipelines(doc: Mapping[str, Any], now: float) -> dict[str, dict[str, Any]]:
             "pending_committables": txns,
             "pending_rows": rows,
             "oldest_pending_age_s": _age(now, oldest),
+            "owed": {str(b): dict(sinks) for b, sinks in (owed.get(p) or {}).items()},
         }
     return out
 
@@ -245,6 +253,13 @@ def format_text(status: Mapping[str, Any], doc: Mapping[str, Any] | None = None)
         out.append("  none yet")
     else:
         out.extend(aligned(rows))
+    for p, v in status["pipelines"].items():
+        for b, sinks in v["owed"].items():
+            lost = ", ".join(f"{sid} {n:,} row(s)" for sid, n in sorted(sinks.items()))
+            out.append(
+                f"OWED: batch {b} of {p} to {lost}: lost in the target before it committed; "
+                "the next start writes it again from the source"
+            )
     if doc is not None:
         out.append(_ledger_details(doc))
     return "\n".join(out)

@@ -18,7 +18,16 @@ class PreflightError(TwoPhaseError):
 class TransactionLostError(TwoPhaseError):
     """Prepared work vanished without having been committed: data would be lost.
 
-    Never swallowed: the job fails and the ledger keeps the decision."""
+    Never swallowed: the job fails and the ledger keeps the decision. Its next
+    start writes the batch again from the source (recovery rule 5 in
+    :mod:`lifecycle.coordinator`), unless part of the batch committed already."""
+
+
+REWRITE_ADVICE = (
+    "Nothing is dropped silently: the job's next start writes the batch again from its "
+    "source (unless part of it committed already; then `twophase abandon` decides)."
+)
+"""What a :class:`TransactionLostError` message ends with."""
 
 
 class CommitError(TwoPhaseError):

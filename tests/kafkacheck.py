@@ -111,3 +111,36 @@ def open_txns(
 def assert_nothing_open(bootstrap: str, topic: str, job: str) -> None:
     """No record of ``topic`` and no transaction of ``job`` is left open."""
     verify.assert_nothing_left_kafka(bootstrap, topic, job)
+
+
+def consume_ids(bootstrap: str, topic: str, isolation: str) -> list[int]:
+    """The ``id`` of every record a librdkafka consumer reads from the start, with
+    ``isolation.level`` ``isolation``: how users read the sink's topic."""
+    import uuid
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"g-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "isolation.level": isolation,
+        }
+    )
+    try:
+        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        ends = {}
+        for p in parts:
+            _, high = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            ends[p] = high
+        c.assign([TopicPartition(topic, p, 0) for p in parts])
+        ids: list[int] = []
+        idle = 0
+        while idle < 5:
+            msgs = c.consume(500, timeout=1.0)
+            idle = idle + 1 if not msgs else 0
+            ids += [json.loads(m.value())["id"] for m in msgs if not m.error()]
+        return ids
+    finally:
+        c.close()

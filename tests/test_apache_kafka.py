@@ -9,7 +9,6 @@ makes meaningful (it sends the aborted-transactions list that tansu does not).
 
 from __future__ import annotations
 
-import json
 import signal
 import uuid
 from collections import Counter
@@ -20,7 +19,7 @@ import pytest
 
 from lifecycle.testing.plugin import wait_for_topic
 from tests.conftest import write_input
-from tests.kafkacheck import assert_exactly_once, assert_nothing_open
+from tests.kafkacheck import assert_exactly_once, assert_nothing_open, consume_ids
 from tests.procs import run_job
 
 
@@ -36,36 +35,6 @@ def _topic(bootstrap: str, partitions: int = 3) -> str:
         admin.close()
     wait_for_topic(bootstrap, name, partitions)
     return name
-
-
-def _consume(bootstrap: str, topic: str, isolation: str) -> list[int]:
-    """The ``id`` of every record a librdkafka consumer reads from the start."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    c = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"g-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": False,
-            "isolation.level": isolation,
-        }
-    )
-    try:
-        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = {}
-        for p in parts:
-            _, high = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            ends[p] = high
-        c.assign([TopicPartition(topic, p, 0) for p in parts])
-        ids: list[int] = []
-        idle = 0
-        while idle < 5:
-            msgs = c.consume(500, timeout=1.0)
-            idle = idle + 1 if not msgs else 0
-            ids += [json.loads(m.value())["id"] for m in msgs if not m.error()]
-        return ids
-    finally:
-        c.close()
 
 
 def _spark_read(spark: Any, bootstrap: str, topic: str, isolation: str) -> list[int]:
@@ -114,7 +83,7 @@ def test_a_killed_job_into_apache_kafka_reads_once_read_committed(  # type: igno
     assert_nothing_open(bootstrap, topic, job)
     everything = set(range(n))
     for name, ids in (
-        ("librdkafka", _consume(bootstrap, topic, "read_committed")),
+        ("librdkafka", consume_ids(bootstrap, topic, "read_committed")),
         ("spark", _spark_read(spark, bootstrap, topic, "read_committed")),
     ):
         twice = [i for i, c in Counter(ids).items() if c > 1]

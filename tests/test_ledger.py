@@ -9,6 +9,7 @@ format 1) use :class:`FileLedger` directly. The PostgreSQL ledger's own
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -16,15 +17,19 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from inspect import signature
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg import sql
 
 from lifecycle.cli import format_status
 from lifecycle.ledger import (
+    FORMAT,
     HISTORY,
     Checkpoint,
     CorruptLedgerError,
@@ -37,8 +42,11 @@ from lifecycle.ledger import (
 )
 from lifecycle.state.file_ledger import read_directory
 from lifecycle.state.frames import scan
+from lifecycle.state.pg_location import PgLocation
+from lifecycle.state.snapshot import generations, read_snapshot, write_snapshot
 from sinks.errors import ConfigError
 from tests.ledgers import LedgerBackend
+from tests.procs import ROOT
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NEVER = 1 << 40  # compact_bytes that never compacts
@@ -52,7 +60,7 @@ def test_both_backends_have_the_ledger_interface() -> None:
     """FileLedger and PostgresLedger offer every member of the Ledger protocol,
     with the same parameters; the coordinator and the job type against it."""
     members = [m for m in vars(Ledger) if not m.startswith("_")]
-    assert len(members) == 30
+    assert len(members) == 33
     for cls in (FileLedger, PostgresLedger):
         for name in members:
             ours, theirs = getattr(Ledger, name), getattr(cls, name, None)
@@ -842,3 +850,101 @@ def test_read_ledger_follows_compactions(tmp_path: Path) -> None:
     assert led.generation > 3
     assert read_ledger(tmp_path / "nothing") is None
     assert not os.path.exists(tmp_path / "nothing")
+
+
+def test_owed_batches_are_recorded_paid_and_kept(ledger_factory: LedgerBackend) -> None:
+    led = ledger_factory.open(compact_bytes=300)
+    led.record_owed("p", 4, {"kafka": 10})
+    led.record_owed("p", 5, {"kafka": 7})
+    led.record_owed("p", 5, {"pg": 7})  # another sink owed the same batch
+    for b in range(20):  # compactions
+        led.record_batch("q", b, {"s": [_c(f"t{b}")]})
+    assert led.owed() == {"p": {4: {"kafka": 10}, 5: {"kafka": 7, "pg": 7}}}
+    led.owed()["p"].clear()  # a copy
+    led.record_repaid("p", 5, {"kafka": 7})
+    assert led.owed() == {"p": {4: {"kafka": 10}, 5: {"pg": 7}}}
+    assert led.totals() == {"p/kafka": 7}  # what was written again counts
+    assert ledger_factory.read()["owed"] == {"p": {"4": {"kafka": 10}, "5": {"pg": 7}}}
+    led.close()
+    led = ledger_factory.open()
+    assert led.owed() == {"p": {4: {"kafka": 10}, 5: {"pg": 7}}}
+    led.record_repaid("p", 4, {"kafka": 10})
+    led.record_repaid("p", 5, {"pg": 7})
+    assert led.owed() == {} and led.totals() == {"p/kafka": 17, "p/pg": 7}
+    led.close()
+    assert ledger_factory.open().owed() == {}
+
+
+def _as_format_2(backend: LedgerBackend) -> None:
+    """Make the closed ledger of job ``j`` look as a format-2 version left it."""
+    if backend.location is None:
+        directory = backend.state_dir / "ledger"
+        gen = generations(directory)[0]
+        doc = read_snapshot(directory, gen)
+        doc["format"] = 2
+        del doc["owed"]
+        write_snapshot(directory, gen, doc)
+        return
+    where = PgLocation.parse(backend.location)
+    with psycopg.connect(where.conninfo(), autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(where.schema, "owed")))
+        table = sql.Identifier(where.schema, "ledgers")
+        conn.execute(sql.SQL("UPDATE {} SET format = 2").format(table))
+
+
+def test_a_format_2_ledger_opens_as_format_3_and_an_older_version_then_refuses_it(
+    ledger_factory: LedgerBackend,
+) -> None:
+    """Format 3 added the owed batches (recovery rule 5). A ledger of format 2
+    reads as owing nothing; opening it for writing makes it format 3, so a
+    version that knows only format 2 refuses it instead of skipping a debt."""
+    led = ledger_factory.open()
+    led.record_batch("p", 1, {"s": [_c("t1")]})
+    led.close()
+    _as_format_2(ledger_factory)
+    assert ledger_factory.read()["owed"] == {}  # readable as it is
+    led = ledger_factory.open()
+    assert led.pending_batch_ids("p") == [1] and led.owed() == {}
+    led.record_owed("p", 1, {"s": 3})
+    led.close()
+    doc = ledger_factory.read()
+    assert doc["format"] == FORMAT == 3 and doc["owed"] == {"p": {"1": {"s": 3}}}
+    assert 2 not in _formats_on_disk(ledger_factory)
+    if ledger_factory.location is None:  # the last format-2 version itself refuses it
+        old = ledger_factory.state_dir.parent / "format2"
+        tar = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", "--format=tar", LAST_FORMAT_2],
+            check=True,
+            capture_output=True,
+        ).stdout
+        with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+            t.extractall(old, filter="data")
+        opening = (
+            "from lifecycle.state.file_ledger import FileLedger; "
+            f"FileLedger({str(ledger_factory.state_dir / 'ledger')!r}, 'j')"
+        )
+        refused = subprocess.run(
+            [sys.executable, "-c", opening],
+            cwd=old,
+            env={**os.environ, "PYTHONPATH": str(old)},
+            capture_output=True,
+            text=True,
+        )
+        assert refused.returncode != 0 and "unknown ledger format 3" in refused.stderr, (
+            refused.stderr[-2000:]
+        )
+
+
+LAST_FORMAT_2 = "9e4b99a"
+"""the last commit whose ledger is of format 2"""
+
+
+def _formats_on_disk(backend: LedgerBackend) -> set[int]:
+    """The formats the stored ledger says it has: its snapshots', or its row's."""
+    if backend.location is None:
+        directory = backend.state_dir / "ledger"
+        return {int(read_snapshot(directory, g)["format"]) for g in generations(directory)}
+    where = PgLocation.parse(backend.location)
+    with psycopg.connect(where.conninfo(), autocommit=True) as conn:
+        table = sql.Identifier(where.schema, "ledgers")
+        return {r[0] for r in conn.execute(sql.SQL("SELECT format FROM {}").format(table))}

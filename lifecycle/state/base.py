@@ -146,6 +146,13 @@ class StateLedger:
         with self._mutex:
             return set(self._state.abandoned_txns.get(int(checkpoint_id), ()))
 
+    def owed(self) -> dict[str, dict[int, dict[str, int]]]:
+        """Batches owed to sinks that lost their transactions of them, per
+        pipeline and batch: sink id -> the rows the lost work held (see
+        :mod:`lifecycle.replay`)."""
+        with self._mutex:
+            return copy.deepcopy(self._state.owed)
+
     def sinks_settings(self) -> dict[str, dict[str, Any]]:
         """The recorded settings of every sink of the job, by ``pipeline/sink_id``
         (see :meth:`record_sinks`)."""
@@ -252,6 +259,21 @@ class StateLedger:
                 return False
             self._change({"op": "sinks", "s": payload})
             return True
+
+    def record_owed(self, pipeline: str, batch_id: int, sinks: dict[str, int]) -> None:
+        """Record that batch ``batch_id`` of ``pipeline`` is owed to ``sinks``
+        (sink id -> rows): their work of it was lost before it committed, and
+        the batch is to be written to them again from its source."""
+        if sinks:
+            op = {"op": "owe", "p": pipeline, "b": int(batch_id), "s": dict(sinks)}
+            self._change(op)
+
+    def record_repaid(self, pipeline: str, batch_id: int, sinks: dict[str, int]) -> None:
+        """Record that ``sinks`` (sink id -> rows committed) hold batch
+        ``batch_id`` of ``pipeline`` again."""
+        if sinks:
+            op = {"op": "repaid", "p": pipeline, "b": int(batch_id), "s": dict(sinks)}
+            self._change(op)
 
     def record_abandoned(self, checkpoint_id: int, txns: list[str], note: str) -> None:
         """Keep the record that checkpoint ``checkpoint_id`` abandoned ``txns``."""

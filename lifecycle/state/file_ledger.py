@@ -33,7 +33,14 @@ from lifecycle.state.base import StateLedger
 from lifecycle.state.files import fsync_dir, remove_quietly
 from lifecycle.state.frames import CorruptLedgerError
 from lifecycle.state.journal import Journal, Record, read_records
-from lifecycle.state.model import DIGEST_WINDOW, FORMAT, HISTORY, LedgerState, Op
+from lifecycle.state.model import (
+    DIGEST_WINDOW,
+    FORMAT,
+    HISTORY,
+    READABLE_FORMATS,
+    LedgerState,
+    Op,
+)
 from lifecycle.state.protocol import LedgerLockedError, new_incarnation
 from lifecycle.state.snapshot import (
     generations,
@@ -57,7 +64,7 @@ __all__ = ["FileLedger", "LedgerLockedError", "is_locked", "read_directory", "re
 
 
 def _check_format(path: Path, doc: dict[str, Any]) -> None:
-    if doc.get("format") != FORMAT:
+    if doc.get("format") not in READABLE_FORMATS:
         raise ConfigError(f"{path}: unknown ledger format {doc.get('format')!r}")
 
 
@@ -138,12 +145,14 @@ class FileLedger(StateLedger):
     def _open(self, job: str, history: int, digest_window: int) -> None:
         legacy = self.dir / LEGACY
         gens = generations(self.dir)
+        older = False  # a snapshot of an earlier format, written anew below
         if gens:
             gen = gens[0]
             doc = read_snapshot(self.dir, gen)
             _check_format(snapshot_path(self.dir, gen), doc)
             _check_job(snapshot_path(self.dir, gen), doc, job)
             state = LedgerState.from_doc(doc)
+            older = doc.get("format") != FORMAT
             if legacy.exists():  # a crash right after the conversion
                 retire_v1(legacy)
         elif legacy.exists():
@@ -171,6 +180,9 @@ class FileLedger(StateLedger):
         self._state = state
         self._gen = gen
         self._snapshot_bytes = snapshot_path(self.dir, gen).stat().st_size
+        if older:
+            self._compact()  # in the current format, which a version before refuses
+            log.info("ledger %s upgraded to format %d", self.dir, FORMAT)
         if (state.history_limit, state.digest_window) != (history, digest_window):
             self._change({"op": "limits", "history": history, "digests": digest_window})
 

@@ -66,6 +66,7 @@ class HadoopStore(StateStore):
         ``Configuration`` in it and its gateway (:meth:`from_spark`, :func:`standalone`)."""
         self.root = root.rstrip("/")
         self._jvm = jvm
+        self._conf = hadoop_conf
         self._gateway = gateway
         try:
             self._fs = jvm.org.apache.hadoop.fs.Path(self.root).getFileSystem(hadoop_conf)
@@ -161,6 +162,11 @@ class HadoopStore(StateStore):
         self._fs.delete(self._path(rel), True)
         self._fs.delete(self._path(rel, TMP), False)
         self._fs.delete(self._path(rel, PART), False)
+
+    def copy(self, rel: str, to: str) -> None:
+        fs_util = self._jvm.org.apache.hadoop.fs.FileUtil
+        if not fs_util.copy(self._fs, self._path(rel), self._fs, self._path(to), False, self._conf):
+            raise OSError(f"state store: could not copy {self.uri(rel)} to {self.uri(to)}")
 
     def exists(self, rel: str) -> bool:
         return bool(self._fs.exists(self._path(rel)) or self._fs.exists(self._path(rel, TMP)))

@@ -24,6 +24,16 @@ Operations:
 ``sinks s``                 the settings of every sink of the job (label -> the
                             sink's non-secret ``settings()``), replacing the last ones
 ``limits history digests``  how many checkpoints and digests are kept
+``owe p b s``               batch ``b`` of ``p`` is owed to sinks ``s`` (sink id -> rows):
+                            their transactions of it were lost in the target before
+                            they committed, so the batch is written to them again
+                            from its source (:mod:`lifecycle.replay`)
+``repaid p b s``            sinks ``s`` (sink id -> rows) of batch ``b`` of ``p`` hold it
+                            again: it leaves ``owed``, its rows count in the totals
+
+Format 3 added ``owe`` and ``repaid`` (the ``owed`` field of the document); a
+format-2 document reads as one that owes nothing. A version that knows only
+format 2 refuses a format-3 ledger rather than skip what it owes.
 """
 
 from __future__ import annotations
@@ -37,7 +47,9 @@ from typing import Any
 from sinks.base import Committable
 from sinks.naming import TxnName
 
-FORMAT = 2
+FORMAT = 3
+READABLE_FORMATS = (2, 3)
+"""the document formats this version reads (and writes as :data:`FORMAT`)"""
 HISTORY = 50
 DIGEST_WINDOW = 1000
 KINDS = ("periodic", "final", "savepoint", "recovery")
@@ -106,6 +118,8 @@ class LedgerState:
         # checkpoint id -> names of the transactions abandoned in it (index of the above)
         self.abandoned_txns: dict[int, set[str]] = {}
         self.sinks: dict[str, dict[str, Any]] = {}  # label -> non-secret settings
+        # pipeline -> batch id -> sink id -> rows: lost batches written again from source
+        self.owed: dict[str, dict[int, dict[str, int]]] = {}
         self.history_limit = history
         self.digest_window = digest_window
         self._ops: dict[str, Callable[[Op], None]] = {
@@ -118,6 +132,8 @@ class LedgerState:
             "abandon": self._abandon,
             "sinks": self._sinks,
             "limits": self._limits,
+            "owe": self._owe,
+            "repaid": self._repaid,
         }
 
     # -- operations -------------------------------------------------------------------
@@ -212,6 +228,23 @@ class LedgerState:
         self._trim_history()
         for p in self.committed_digests:
             self._trim_digests(p)
+
+    def _owe(self, op: Op) -> None:
+        owed = self.owed.setdefault(op["p"], {}).setdefault(int(op["b"]), {})
+        owed.update({str(k): int(v) for k, v in op["s"].items()})
+
+    def _repaid(self, op: Op) -> None:
+        p: str = op["p"]
+        b = int(op["b"])
+        owed = self.owed.get(p, {}).get(b, {})
+        for sid, n in op["s"].items():
+            owed.pop(sid, None)
+            label = f"{p}/{sid}"
+            self.totals[label] = self.totals.get(label, 0) + int(n)
+        if not owed:
+            self.owed.get(p, {}).pop(b, None)
+        if not self.owed.get(p):
+            self.owed.pop(p, None)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -309,11 +342,15 @@ class LedgerState:
             "abandoned": self.abandoned,
             "sinks": self.sinks,
             "limits": {"history": self.history_limit, "digests": self.digest_window},
+            "owed": {
+                p: {str(b): dict(sinks) for b, sinks in sorted(batches.items())}
+                for p, batches in sorted(self.owed.items())
+            },
         }
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> LedgerState:
-        """The state a document of format 2 describes (see :meth:`to_doc`)."""
+        """The state a document of format 2 or 3 describes (see :meth:`to_doc`)."""
         limits = doc["limits"]
         state = cls(
             doc["job"],
@@ -341,5 +378,8 @@ class LedgerState:
         for a in doc.get("abandoned", []):
             state._abandon(a)
         state.sinks = dict(doc.get("sinks", {}))
+        for p, batches in doc.get("owed", {}).items():  # format 3
+            for b, sinks in batches.items():
+                state._owe({"p": p, "b": b, "s": sinks})
         state._trim_history()
         return state

@@ -42,7 +42,14 @@ import psycopg
 from psycopg import sql
 
 from lifecycle.state.base import StateLedger
-from lifecycle.state.model import DIGEST_WINDOW, FORMAT, HISTORY, LedgerState, Op
+from lifecycle.state.model import (
+    DIGEST_WINDOW,
+    FORMAT,
+    HISTORY,
+    READABLE_FORMATS,
+    LedgerState,
+    Op,
+)
 from lifecycle.state.pg_location import PgLocation, lock_key, lock_tag
 from lifecycle.state.pg_rows import load_doc, write_op
 from lifecycle.state.pg_schema import Statements, ensure_schema, has_evidence_column
@@ -144,13 +151,15 @@ class PostgresLedger(StateLedger):
                 bumped = conn.execute(st.create, (job, FORMAT, new_incarnation(), *limits))
             else:
                 fmt, incarnation, run = found
-                if fmt != FORMAT:
+                if fmt not in READABLE_FORMATS:
                     raise ConfigError(
                         f"the ledger of job {job!r} at {self.location.display()} has the "
                         f"unknown format {fmt!r}"
                     )
                 if new_state and run > 0:
                     raise ConfigError(self._second_state(job, incarnation, run))
+                if fmt != FORMAT:  # a version before refuses the ledger from now on
+                    conn.execute(st.set_format, (FORMAT, job))
                 bumped = conn.execute(st.bump_token, (job,))
             self._token = bumped.fetchone()[0]  # type: ignore[index]
             doc = load_doc(conn, st, job)

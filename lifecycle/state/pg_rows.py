@@ -2,7 +2,7 @@
 operation of :mod:`lifecycle.state.model` written as the rows it touches.
 
 :func:`load_doc` gives the document :meth:`LedgerState.to_doc` would (format
-2), so the state in memory is built by :meth:`LedgerState.from_doc`, as the
+3), so the state in memory is built by :meth:`LedgerState.from_doc`, as the
 file ledger builds it from a snapshot. :func:`write_op` runs inside the write
 transaction, after the operation was applied to the state in memory: it writes
 the rows the operation changes, and for the trims (history beyond its length,
@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from lifecycle.state.model import LedgerState, Op
@@ -23,7 +24,7 @@ from lifecycle.state.pg_schema import Statements
 
 
 def load_doc(conn: psycopg.Connection, st: Statements, job: str) -> dict[str, Any] | None:
-    """The ledger of ``job`` as a format-2 document, or None when it has none. The
+    """The ledger of ``job`` as a document (its format recorded), or None when it has none. The
     caller makes the reads consistent (a transaction holding the job's row, or
     one snapshot)."""
     row = conn.execute(st.load_ledger, (job,)).fetchone()
@@ -63,6 +64,12 @@ def load_doc(conn: psycopg.Connection, st: Statements, job: str) -> dict[str, An
             spark[p] = completed
         if cut is not None:
             cuts[p] = cut
+    owed: dict[str, dict[str, dict[str, int]]] = {}
+    table = sql.Identifier(st.schema, "owed").as_string(conn)
+    if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone() != (None,):
+        # (a schema no format-3 ledger has opened yet has no such table)
+        for p, b, sinks in conn.execute(st.load_owed, (job,)):
+            owed.setdefault(p, {})[str(b)] = sinks
     digests: dict[str, dict[str, str]] = {}
     for p, b, digest in conn.execute(st.load_digests, (job,)):
         digests.setdefault(p, {})[str(b)] = digest
@@ -86,6 +93,7 @@ def load_doc(conn: psycopg.Connection, st: Statements, job: str) -> dict[str, An
             for c, txns, note, at in conn.execute(st.load_abandoned, (job,))
         ],
         "sinks": dict(conn.execute(st.load_sinks, (job,)).fetchall()),
+        "owed": owed,
         "limits": {"history": history_limit, "digests": digest_window},
     }
 
@@ -117,6 +125,15 @@ def write_op(
         conn.execute(st.clear_sinks, (job,))
         if op["s"]:
             conn.execute(st.put_sinks, (job, Jsonb(op["s"])))
+    elif kind in ("owe", "repaid"):
+        now = state.owed.get(op["p"], {}).get(int(op["b"]))
+        if now:
+            conn.execute(st.put_owed, (job, op["p"], op["b"], Jsonb(now)))
+        else:
+            conn.execute(st.drop_owed, (job, op["p"], op["b"]))
+        if kind == "repaid":
+            labels = [f"{op['p']}/{sid}" for sid in op["s"]]
+            conn.execute(st.add_totals, (job, labels, [int(n) for n in op["s"].values()]))
     elif kind == "limits":
         conn.execute(st.set_limits, (op["history"], op["digests"], job))
         _trim_history(conn, st, job, state)

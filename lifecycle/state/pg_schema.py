@@ -20,6 +20,8 @@ ledgers of several jobs share the tables, one ledger per job name.
 ``sinks``              one row per sink of the job (``pipeline/sink_id``): its
                        recorded non-secret settings (JSONB), as the
                        ``twophase`` commands rebuild it
+``owed``               one row per batch owed to sinks whose transactions of it
+                       were lost (format 3): sink id -> rows (JSONB)
 
 Deleting a job's ``ledgers`` row deletes its whole ledger (foreign keys cascade).
 """
@@ -115,10 +117,18 @@ DDL = [
         settings jsonb NOT NULL,
         PRIMARY KEY (job, label)
     )""",
+    f"""CREATE TABLE IF NOT EXISTS {{s}}.owed (
+        {_JOB},
+        pipeline text NOT NULL,
+        batch_id bigint NOT NULL,
+        sinks jsonb NOT NULL,
+        PRIMARY KEY (job, pipeline, batch_id)
+    )""",
 ]
-LAST_TABLE = "sinks"
-"""The table created last: when it exists, so do the others (a schema created
-before a table was added gets it the next time a ledger opens there)."""
+LATER_TABLES = ("sinks", "owed")
+"""Tables added after the first version: when they exist, so do the others (a
+schema created before a table was added gets it the next time a ledger opens
+there)."""
 
 
 def ensure_schema(conn: psycopg.Connection, schema: str) -> bool:
@@ -127,9 +137,10 @@ def ensure_schema(conn: psycopg.Connection, schema: str) -> bool:
     nothing is created (no privilege needed) when the tables exist. Returns
     whether the checkpoints keep audit evidence (a schema of an earlier version
     gets the column when this role may add it without waiting)."""
-    last = sql.Identifier(schema, LAST_TABLE).as_string(conn)
+    later = [sql.Identifier(schema, t).as_string(conn) for t in LATER_TABLES]
     with conn.transaction():
-        if conn.execute("SELECT to_regclass(%s)", (last,)).fetchone() != (None,):
+        found = conn.execute("SELECT to_regclass(t) FROM unnest(%s::text[]) AS t", (later,))
+        if all(r[0] is not None for r in found):
             return _add_later_columns(conn, schema)
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_key(schema),))
         s = sql.Identifier(schema)
@@ -248,12 +259,21 @@ class Statements:
             "ORDER BY pipeline, seq"
         )
         self.load_sinks = q("SELECT label, settings FROM {s}.sinks WHERE job = %s")
+        self.load_owed = q("SELECT pipeline, batch_id, sinks FROM {s}.owed WHERE job = %s")
         self.load_abandoned = q(
             "SELECT checkpoint_id, txns, note, abandoned_at FROM {s}.abandoned WHERE job = %s "
             "ORDER BY seq"
         )
         # -- changes ----------------------------------------------------------------------
         self.set_run = q("UPDATE {s}.ledgers SET run = %s WHERE job = %s")
+        self.set_format = q("UPDATE {s}.ledgers SET format = %s WHERE job = %s")
+        self.put_owed = q(
+            "INSERT INTO {s}.owed (job, pipeline, batch_id, sinks) VALUES (%s, %s, %s, %s) "
+            "ON CONFLICT (job, pipeline, batch_id) DO UPDATE SET sinks = EXCLUDED.sinks"
+        )
+        self.drop_owed = q(
+            "DELETE FROM {s}.owed WHERE job = %s AND pipeline = %s AND batch_id = %s"
+        )
         self.set_next_checkpoint = q("UPDATE {s}.ledgers SET next_checkpoint = %s WHERE job = %s")
         self.set_limits = q(
             "UPDATE {s}.ledgers SET history_limit = %s, digest_window = %s WHERE job = %s"

@@ -73,6 +73,11 @@ class StateStore(abc.ABC):
         """Whether file or directory ``rel`` exists (a file: :meth:`read` finds it)."""
 
     @abc.abstractmethod
+    def copy(self, rel: str, to: str) -> None:
+        """Copy file or directory tree ``rel`` to ``to`` (parents created; ``to``
+        must not exist). Not atomic: the caller removes a partial copy."""
+
+    @abc.abstractmethod
     def uri(self, rel: str = "") -> str:
         """Where ``rel`` is, as Spark takes it (a ``checkpointLocation``) and as
         messages show it: a URI, or a plain path for a local store."""
@@ -166,6 +171,14 @@ class LocalStore(StateStore):
 
     def exists(self, rel: str) -> bool:
         return self.path(rel).exists()
+
+    def copy(self, rel: str, to: str) -> None:
+        src, dst = self.path(rel), self.path(to)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy2(src, dst)
 
     def uri(self, rel: str = "") -> str:
         return str(self.path(rel))

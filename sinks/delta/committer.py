@@ -76,7 +76,7 @@ from sinks.delta.storage import (
     marker_path,
     split_stem,
 )
-from sinks.errors import CommitRefusedError, TransactionLostError
+from sinks.errors import REWRITE_ADVICE, CommitRefusedError, TransactionLostError
 from sinks.keys import KeyedWrite
 from sinks.naming import TxnName, scope_prefixes
 from sinks.progress import conflict
@@ -243,7 +243,7 @@ class DeltaCommitter:
             raise TransactionLostError(
                 f"{where}: staged file {rel} of transaction {txn} is gone without having "
                 "been committed (deleted by someone else?); its rows are not in the table. "
-                "The job stops rather than lose them silently; re-run the batch from source."
+                + REWRITE_ADVICE
             )
         if info[0] != add["size"]:
             raise TransactionLostError(

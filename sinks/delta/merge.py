@@ -54,7 +54,7 @@ from sinks.delta.changes import DELETE_COLUMN, change_schema, range_value
 from sinks.delta.layout import Layout, partition_value, quoted
 from sinks.delta.spark_stage import SparkStage
 from sinks.delta.storage import TableStorage, marker_path
-from sinks.errors import TransactionLostError
+from sinks.errors import REWRITE_ADVICE, TransactionLostError
 from sinks.keys import KeyedWrite
 from sinks.naming import TxnName
 
@@ -314,8 +314,7 @@ def commit(
             raise TransactionLostError(
                 f"{where}: change file {ch.path} of batch {ch.batch} is "
                 f"{'gone' if info is None else 'changed'} without having been merged; its "
-                "changes are not in the table. The job stops rather than lose them silently; "
-                "re-run the batch from source"
+                "changes are not in the table. " + REWRITE_ADVICE
             )
     candidates = plan(dt, layout, rules, changes)
     run = max(TxnName.require(c["txn"]).run for c in committables)

@@ -46,7 +46,7 @@ from typing import Any
 
 import kafka.errors as Errors
 
-from sinks.errors import TransactionLostError
+from sinks.errors import REWRITE_ADVICE, TransactionLostError
 from sinks.kafka import outcome
 from sinks.kafka.wire import KafkaWire
 
@@ -107,8 +107,7 @@ def commit(
         f"epoch {c['epoch']}, {c.get('rows', '?')} rows) {what} (EndTxn answered: "
         f"{refusal}). Typical causes: transaction_timeout_ms ({timeout_ms} "
         "ms) expired before the checkpoint committed it, or another producer used the same "
-        "transactional id. The job stops rather than lose rows silently; re-run the "
-        "affected batches from source to restore them."
+        "transactional id. " + REWRITE_ADVICE
     )
 
 

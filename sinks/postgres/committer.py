@@ -38,7 +38,7 @@ from sinks.base import (
     LingeringTxn,
     OrphanTest,
 )
-from sinks.errors import TransactionLostError
+from sinks.errors import REWRITE_ADVICE, TransactionLostError
 from sinks.naming import TxnName, scope_prefixes
 from sinks.postgres.progress import ProgressTable
 
@@ -150,8 +150,8 @@ class PreparedCommitter:
                 f"{self.where}: {len(lost)} prepared transaction(s) are gone without "
                 f"having been committed (rolled back by someone else?): {', '.join(lost[:5])}"
                 + (" ..." if len(lost) > 5 else "")
-                + ". Their rows are not in the table; the job stops rather than lose them "
-                "silently. Re-run the affected batches from source to restore them."
+                + ". Their rows are not in the table. "
+                + REWRITE_ADVICE
             )
 
     def classify(self, committables: Sequence[Committable]) -> dict[str, str]:

@@ -7,6 +7,10 @@ table's partition column. Sinks (``--sinks``, a comma-separated subset, in
 commit order): ``pg`` (table ``--table`` of ``--dsn``, which must exist),
 ``kafka`` (topic ``--topic`` at ``--bootstrap``, key ``id``), ``delta`` (table
 ``--delta``, created on first use, partitioned by ``part``).
+``--kafka-timeout-ms`` gives the Kafka sink a transaction timeout below what
+its preflight accepts: a broker then aborts a transaction while the driver is
+down for seconds, standing for a driver down longer than the preflight's
+allowance for a restart (the expiry tests of ``tests/test_lost_work.py``).
 Exit status 0 only when the run committed (``JobResult.committed``).
 """
 
@@ -28,6 +32,13 @@ from tests.sparkutil import INPUT_SCHEMA
 SINK_IDS = {"pg": "pg", "kafka": "kafka", "delta": "delta"}
 
 
+class _ShortTimeoutKafkaSink(KafkaSink):
+    """A KafkaSink whose timeout is not checked against the checkpoint interval."""
+
+    def check_checkpoint_interval(self, checkpoint_interval_s: float, **_: float) -> None:
+        pass
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dsn", default=None)
@@ -43,6 +54,7 @@ def main() -> int:
     ap.add_argument("--sinks", default="pg,kafka,delta")
     ap.add_argument("--commit-timeout", type=float, default=120.0, help="the Kafka sink's")
     ap.add_argument("--start-over-from", default=None)
+    ap.add_argument("--kafka-timeout-ms", type=int, default=None)
     ap.add_argument(
         "--ledger",
         default=None,
@@ -69,13 +81,18 @@ def main() -> int:
         if kind == "pg":
             sinks.append(PostgresSink(args.dsn, args.table, sink_id=SINK_IDS["pg"]))
         elif kind == "kafka":
+            timeout = (
+                {"transaction_timeout_ms": args.kafka_timeout_ms} if args.kafka_timeout_ms else {}
+            )
+            kind_of = _ShortTimeoutKafkaSink if timeout else KafkaSink
             sinks.append(
-                KafkaSink(
+                kind_of(
                     args.bootstrap,
                     args.topic,
                     key="id",
                     sink_id=SINK_IDS["kafka"],
                     commit_timeout=args.commit_timeout,
+                    **timeout,
                 )
             )
         elif kind == "delta":

@@ -1,0 +1,190 @@
+"""Writing owed batches again from their source (recovery rule 5 of
+:mod:`lifecycle.coordinator`).
+
+A batch is *owed* to a sink when the sink's transactions of it were lost
+before they committed: Apache Kafka aborted them at ``transaction.timeout.ms``
+while the driver was down, someone rolled a prepared transaction back, a
+VACUUM removed staged files. The coordinator found it before committing any of
+that sink's share, committed the rest of the checkpoint and recorded the debt
+in the ledger. The job pays it at start, after recovery and before any query
+runs, one batch at a time in ascending order per pipeline:
+
+1. A sink whose own progress record (:meth:`sinks.base.Sink.progress`) holds
+   the batch already was paid before a crash: the debt is recorded as paid.
+2. Spark's checkpoint of the pipeline is copied to ``<pipeline>/replay``
+   with batch ``b`` as its last, uncompleted batch: its metadata, the offset
+   log entries of ``b - 1`` and ``b``, the commit log entry of ``b - 1``, and
+   the sources' and the state store's files. Spark's own checkpoint is never
+   changed, so a crash at any instant leaves it as it was; the copy is made
+   anew by every attempt.
+3. The pipeline's query runs on the copy with a once trigger: Spark re-runs
+   batch ``b`` with exactly its recorded offsets (and its state, for a
+   stateful query, while the state store keeps that version), then stops.
+   Its batch handler writes to the owing sinks only, checks that each got the
+   rows the lost work held, and has the coordinator commit that work and
+   record the debt paid (:meth:`lifecycle.coordinator.Coordinator.repay`).
+   A crash before that record leaves the work unowned: the next start's sweep
+   aborts it and this runs again; after the commit, step 1 applies.
+4. The copy is removed.
+
+When the source no longer has the batch (retention, a deleted file), or gives
+other rows (a transform that is not deterministic), nothing of the batch is
+committed to the owing sinks and the job stops with
+:class:`~lifecycle.errors.BatchLostError`, which names the pipeline, the
+batch, its offsets and the rows missing; the debt stays in the ledger for the
+next start.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from pyspark.sql import DataFrame
+
+from lifecycle.binding import precommit, precommit_order
+from lifecycle.coordinator import Coordinator
+from lifecycle.errors import BatchLostError, JobFailedError
+from lifecycle.failures import cause_of, full_trace
+from lifecycle.pipeline import Pipeline
+from sinks import _faults
+from sinks.base import Committable, Sink
+
+log = logging.getLogger("lifecycle.replay")
+
+_SPARK_TREES = ("sources", "state")
+"""what of a Spark checkpoint a re-run batch reads besides its logs"""
+
+
+def pay_owed(job: str, coord: Coordinator, pipelines: dict[str, Pipeline]) -> None:
+    """Write every batch the ledger owes to sinks of ``pipelines`` again (module
+    docstring). Raises :class:`BatchLostError` when one cannot be."""
+    for p, batches in sorted(coord.ledger.owed().items()):
+        if p not in pipelines:
+            raise JobFailedError(
+                f"job {job!r}: the ledger owes batch(es) {sorted(batches)} of pipeline {p!r}, "
+                "which this job does not define: add it back so they can be written again"
+            )
+        for b, owing in sorted(batches.items()):
+            _pay(job, coord, pipelines[p], b, owing)
+
+
+def _pay(job: str, coord: Coordinator, p: Pipeline, b: int, owing: dict[str, int]) -> None:
+    sinks = {s.sink_id: s for s in p.sinks}
+    missing = sorted(set(owing) - set(sinks))
+    if missing:
+        raise JobFailedError(
+            f"job {job!r}: batch {b} of pipeline {p.name!r} is owed to sink(s) {missing}, "
+            "which the pipeline no longer has: add them back (same sink_id)"
+        )
+    held = {
+        sid: n
+        for sid, n in owing.items()
+        if (found := sinks[sid].progress(coord.scope(p.name, sid))).held_by(coord.incarnation)
+        and found.batch >= b
+    }
+    if held:
+        log.info("batch %d of %s: %s hold it already (paid before a stop)", b, p.name, sorted(held))
+        coord.ledger.record_repaid(p.name, b, held)
+    owing = {sid: n for sid, n in owing.items() if sid not in held}
+    if not owing:
+        return
+    offsets = _offsets(p, b)
+    log.warning(
+        "writing batch %d of pipeline %s again from its source (offsets %s) for %s",
+        b,
+        p.name,
+        offsets,
+        ", ".join(f"{sid} ({n} row(s))" for sid, n in sorted(owing.items())),
+    )
+    location = f"{p.location}/replay"
+    p.store.delete(location)
+    _copy_checkpoint(p, b, location)
+    ran: list[int] = []
+    handler = _handler(coord, p, b, [sinks[sid] for sid in sorted(owing)], owing, ran)
+    try:
+        query = p.start_replay(job, location, handler)
+        query.awaitTermination()
+    except Exception as e:
+        raise BatchLostError(
+            job, p.name, b, owing, offsets, cause_of(e, None), trace=full_trace(e)
+        ) from e
+    if ran != [b]:
+        raise BatchLostError(
+            job,
+            p.name,
+            b,
+            owing,
+            offsets,
+            f"Spark ran batch(es) {ran} on the copy of its checkpoint, not batch {b}",
+        )
+    p.store.delete(location)
+
+
+def _handler(
+    coord: Coordinator,
+    p: Pipeline,
+    b: int,
+    sinks: list[Sink],
+    owing: dict[str, int],
+    ran: list[int],
+) -> Callable[[DataFrame, int], None]:
+    def handle(df: DataFrame, batch_id: int) -> None:
+        ran.append(batch_id)
+        if batch_id != b:
+            raise RuntimeError(f"Spark ran batch {batch_id} instead of batch {b}")
+        work: dict[str, list[Committable]] = {}
+        cached = len(sinks) > 1
+        if cached:
+            df = df.persist()
+        try:
+            for sink in precommit_order(sinks):
+                scope = coord.scope(p.name, sink.sink_id)
+                work[sink.sink_id] = precommit(df, sink, scope, coord.run, b, p.schema)
+            got = {sid: sum(int(c.get("rows", 0)) for c in cs) for sid, cs in work.items()}
+            other = {sid: (got[sid], n) for sid, n in owing.items() if got.get(sid) != n}
+            if other:
+                raise RuntimeError(
+                    "the source gave other rows than the lost work held ("
+                    + ", ".join(f"{sid}: {g} row(s), lost {n}" for sid, (g, n) in other.items())
+                    + "): its input changed, or the pipeline's transform is not "
+                    "deterministic; nothing of it was committed"
+                )
+            _faults.hit("driver.before_repay", batch=b)
+            coord.repay(p.name, b, work)
+        except BaseException:
+            coord.abort_unregistered(p.name, work)
+            raise
+        finally:
+            if cached:
+                df.unpersist()
+
+    return handle
+
+
+def _copy_checkpoint(p: Pipeline, b: int, to: str) -> None:
+    """Copy what Spark needs to re-run batch ``b`` of ``p`` to ``to`` (module
+    docstring, step 2)."""
+    store, spark = p.store, p.spark_location
+    names = ["metadata", f"offsets/{b}"]
+    if b > 0:
+        names += [f"offsets/{b - 1}", f"commits/{b - 1}"]
+    for name in names:
+        if not store.exists(f"{spark}/{name}"):
+            raise RuntimeError(
+                f"the Spark checkpoint {store.uri(spark)} no longer holds {name} (Spark keeps "
+                "the logs of its last spark.sql.streaming.minBatchesToRetain batches)"
+            )
+        store.copy(f"{spark}/{name}", f"{to}/{name}")
+    for tree in _SPARK_TREES:
+        if store.exists(f"{spark}/{tree}"):
+            store.copy(f"{spark}/{tree}", f"{to}/{tree}")
+
+
+def _offsets(p: Pipeline, b: int) -> str:
+    """The source offsets Spark recorded for batch ``b`` (its offset log entry
+    without the version and metadata lines), or ''."""
+    data = p.store.read(f"{p.spark_location}/offsets/{b}")
+    if data is None:
+        return ""
+    return " ".join(data.decode().splitlines()[2:])

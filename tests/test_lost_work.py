@@ -1,0 +1,212 @@
+"""Recovery rule 5: work lost in a target before it committed is written again
+from the source, never dropped (:mod:`lifecycle.replay`).
+
+Someone rolls back the PostgreSQL sink's prepared transactions after the
+checkpoint was decided. The next start finds the loss before committing the
+sink's share, commits the rest (the Delta sink holds the batch already) and
+writes the batch again, to PostgreSQL only, from the files with the batch's
+own offsets. The same for Kafka transactions that Apache Kafka aborted at their timeout
+while the driver was down. When the files are gone, the job stops with a
+:class:`~lifecycle.BatchLostError` naming what is missing, the ledger keeps
+the debt (``twophase status`` shows it) and a start after the files are back
+pays it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from lifecycle import BatchLostError, CheckpointCommitError, Job
+from lifecycle.ledger import read_ledger
+from lifecycle.status import PENDING, format_text, job_status
+from sinks import DeltaSink, KafkaSink, PostgresSink, TransactionLostError, _faults
+from sinks.base import LOST
+from tests import deltacheck
+from tests.conftest import write_input
+from tests.kafkacheck import consume_ids
+from tests.multisink import Run
+from tests.pgcheck import assert_exactly_once, job_prepared, rollback_prepared
+from tests.sparkutil import INPUT_SCHEMA
+
+
+def _job(spark: Any, dsn: str, tmp: Path, name: str) -> Job:
+    df = spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).json(str(tmp / "in"))
+    job = Job(spark, name, tmp / "state", checkpoint_interval=0)
+    sinks = [
+        PostgresSink(dsn, "orders", sink_id="pg", commit_timeout=60),
+        DeltaSink(str(tmp / "delta"), sink_id="delta"),
+    ]
+    job.add_pipeline("load", df, sinks, bounded=True)
+    return job
+
+
+def _lose_the_first_checkpoint(spark: Any, dsn: str, tmp: Path, name: str) -> None:
+    """Run until the first checkpoint is decided, roll the PostgreSQL sink's
+    prepared transactions back, and let the commit find them gone."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8)")
+    _faults.register("driver.before_commit", lambda: rollback_prepared(dsn, name))
+    try:
+        with pytest.raises(CheckpointCommitError) as failed:
+            _job(spark, dsn, tmp, name).run()
+    finally:
+        _faults.clear()
+    assert isinstance(failed.value.__cause__, TransactionLostError)
+
+
+def _owed(tmp: Path) -> dict[str, Any]:
+    doc = read_ledger(tmp / "state")
+    assert doc is not None
+    return dict(doc["owed"])
+
+
+def test_a_rolled_back_prepared_transaction_is_written_again_from_the_source(
+    spark: Any, pg_dsn: str, tmp_path: Path
+) -> None:
+    n = write_input(tmp_path / "in", files=3, rows_per_file=40)
+    _lose_the_first_checkpoint(spark, pg_dsn, tmp_path, "lostpg")
+    assert deltacheck.read_rows(str(tmp_path / "delta")).num_rows == 40  # its part committed
+
+    job = _job(spark, pg_dsn, tmp_path, "lostpg")
+    job.run()
+    assert_exactly_once(pg_dsn, "orders", n)
+    deltacheck.assert_exactly_once(str(tmp_path / "delta"), n)  # not written twice
+    assert job_prepared(pg_dsn, "lostpg") == []
+    doc = read_ledger(tmp_path / "state")
+    assert doc is not None and doc["owed"] == {} and doc["pending"] == {}
+    assert doc["totals"] == {"load/pg": n, "load/delta": n}
+    assert doc["format"] == 3
+    moves = {
+        s.labels["rule"]: s.value
+        for s in job.metrics()
+        if s.name == "twophase_recovery_actions_total" and s.labels.get("sink") == "pg"
+    }
+    assert moves.get("owe_lost", 0) >= 1 and moves.get("repay_owed", 0) >= 1, moves
+
+
+def test_a_batch_whose_source_is_gone_stops_the_job_naming_what_is_missing(
+    spark: Any, pg_dsn: str, tmp_path: Path
+) -> None:
+    n = write_input(tmp_path / "in", files=1, rows_per_file=40)
+    _lose_the_first_checkpoint(spark, pg_dsn, tmp_path, "gone")
+    kept = tmp_path / "kept"
+    shutil.copytree(tmp_path / "in", kept)
+    first = sorted((tmp_path / "in").iterdir())[0]
+    first.unlink()  # retention, or someone's clean-up
+
+    with pytest.raises(BatchLostError) as lost:
+        _job(spark, pg_dsn, tmp_path, "gone").run()
+    e = lost.value
+    assert (e.pipeline, e.batch, e.sinks, e.rows) == ("load", 0, {"pg": 40}, 40)
+    assert '"logOffset":0' in e.offsets, e.offsets  # the file source's offset of batch 0
+    assert "40 row(s) are missing" in str(e) and "pipeline 'load', batch 0" in str(e)
+    assert _owed(tmp_path) == {"load": {"0": {"pg": 40}}}
+    assert deltacheck.read_rows(str(tmp_path / "delta")).num_rows == n  # the rest went on
+    with psycopg.connect(pg_dsn) as c:
+        assert c.execute("SELECT count(*) FROM orders").fetchone() == (0,)
+    doc = read_ledger(tmp_path / "state")
+    assert doc is not None
+    status = job_status(doc, None)
+    assert status["pipelines"]["load"]["owed"] == {"0": {"pg": 40}}
+    assert status["exit_code"] == PENDING
+    assert "OWED: batch 0 of load to pg 40 row(s)" in format_text(status)
+    assert json.loads(json.dumps(status))  # the --json document stays JSON
+
+    shutil.copy2(kept / first.name, first)  # the source has the data again
+    _job(spark, pg_dsn, tmp_path, "gone").run()
+    assert_exactly_once(pg_dsn, "orders", n)
+    deltacheck.assert_exactly_once(str(tmp_path / "delta"), n)
+    assert _owed(tmp_path) == {}
+    assert job_prepared(pg_dsn, "gone") == []
+
+
+@pytest.fixture
+def expiring_kafka() -> Iterator[Any]:
+    """An Apache Kafka broker that aborts a transaction soon after its timeout
+    (``transaction.max.timeout.ms`` small, the abort sweep every second)."""
+    from lifecycle.testing import jars
+    from lifecycle.testing.apache_kafka import ApacheKafka
+
+    jars.require("kafka-broker")
+    broker = ApacheKafka(
+        {
+            "transaction.max.timeout.ms": "20000",
+            "transaction.abort.timed.out.transaction.cleanup.interval.ms": "1000",
+        }
+    )
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.cleanup()
+
+
+def _until_lost(bootstrap: str, topic: str, state: Path, batch: str, within: float) -> None:
+    """Wait until the broker aborted every Kafka transaction of pending ``batch``."""
+    doc = read_ledger(state)
+    assert doc is not None
+    work = doc["pending"]["load"][batch]["kafka"]
+    sink = KafkaSink(bootstrap, topic, key="id", sink_id="kafka")
+    deadline = time.monotonic() + within
+    try:
+        while set((verdicts := sink.classify(work)).values()) != {LOST}:
+            assert time.monotonic() < deadline, f"the broker did not abort them: {verdicts}"
+            time.sleep(1)
+    finally:
+        sink.close()
+
+
+@pytest.mark.crash
+def test_a_kafka_transaction_the_broker_aborted_is_written_again(
+    expiring_kafka: Any, pg_dsn: str, tmp_path: Path
+) -> None:
+    """The driver is SIGKILLed with checkpoint 2 decided and stays down past the
+    Kafka sink's transaction timeout, so Apache Kafka aborts batch 1's
+    transactions. The restart owes batch 1 to Kafka, commits it to PostgreSQL
+    and Delta, and writes it again into Kafka from the input files: every sink
+    exact, read_committed readers see each row once."""
+    bootstrap = expiring_kafka.bootstrap
+    topic = f"t-{uuid.uuid4().hex[:12]}"
+    _make_topic(bootstrap, topic)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE orders (id int8 PRIMARY KEY, name text, amount float8, part int8)")
+    n = write_input(tmp_path / "in", files=3, rows_per_file=100)
+    run = Run(tmp_path, pg_dsn, bootstrap, topic)
+    short = ["--kafka-timeout-ms", "8000"]
+    first = run.start(fault="driver.before_commit@1=kill", extra=short)
+    assert first.proc.returncode == -signal.SIGKILL, first.tail(3000)
+    _until_lost(bootstrap, topic, tmp_path / "state", "1", within=60)
+
+    second = run.start(extra=short)
+    assert second.proc.returncode == 0, second.tail(5000)
+    assert "are owed to it: written again from the source" in second.output()
+    assert "writing batch 1 of pipeline load again from its source" in second.output()
+    run.check(n, owed=True)
+    ids = consume_ids(bootstrap, topic, "read_committed")
+    assert sorted(ids) == list(range(n)), f"{len(ids)} rows read_committed"
+    doc = read_ledger(tmp_path / "state")
+    assert doc is not None and doc["totals"]["load/kafka"] == n
+
+
+def _make_topic(bootstrap: str, topic: str) -> None:
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    from lifecycle.testing.plugin import wait_for_topic
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])
+    finally:
+        admin.close()
+    wait_for_topic(bootstrap, topic, 3)
