@@ -9,6 +9,7 @@ makes meaningful (it sends the aborted-transactions list that tansu does not).
 
 from __future__ import annotations
 
+import re
 import signal
 import uuid
 from collections import Counter
@@ -55,6 +56,13 @@ def _spark_read(spark: Any, bootstrap: str, topic: str, isolation: str) -> list[
     return [int(r["id"]) for r in rows.collect()]
 
 
+def _transaction_version(broker: Any) -> int:
+    """The ``transaction.version`` level the broker's log directory was formatted with."""
+    found = re.search(r"name='transaction\.version', featureLevel=(\d+)", broker.format_output)
+    assert found, broker.format_output[-2000:]
+    return int(found.group(1))
+
+
 @pytest.mark.crash
 def test_a_killed_job_into_apache_kafka_reads_once_read_committed(  # type: ignore[no-untyped-def]
     spark, twophase_apache_kafka, tmp_path: Path
@@ -63,8 +71,33 @@ def test_a_killed_job_into_apache_kafka_reads_once_read_committed(  # type: igno
     driver is SIGKILLed after the ledger recorded batch 2: the log holds aborted
     transactions. A restart finishes; read_committed readers (librdkafka, Spark's
     Kafka source) see every row once, while read_uncommitted shows the aborted
-    copies too (so the check can fail)."""
-    bootstrap = twophase_apache_kafka.bootstrap
+    copies too (so the check can fail). The broker has transactions version 2,
+    Kafka 4.x's default, which the sink's classic request versions keep out of."""
+    assert _transaction_version(twophase_apache_kafka) == 2
+    _killed_job_reads_once(spark, twophase_apache_kafka, tmp_path)
+
+
+@pytest.mark.crash
+def test_a_broker_with_transactions_version_1_commits_the_same_way(  # type: ignore[no-untyped-def]
+    spark, tmp_path: Path
+):
+    """The same run against a broker formatted with ``transaction.version=1`` (a
+    cluster upgraded from Kafka 3.x keeps it until an operator raises it)."""
+    from lifecycle.testing import jars
+    from lifecycle.testing.apache_kafka import ApacheKafka
+
+    jars.require("kafka-broker")
+    broker = ApacheKafka(features={"transaction.version": 1})
+    broker.start()
+    try:
+        assert _transaction_version(broker) == 1
+        _killed_job_reads_once(spark, broker, tmp_path)
+    finally:
+        broker.cleanup()
+
+
+def _killed_job_reads_once(spark: Any, broker: Any, tmp_path: Path) -> None:
+    bootstrap = broker.bootstrap
     topic = _topic(bootstrap)
     job = f"ak{uuid.uuid4().hex[:8]}"
     n = write_input(tmp_path / "in", files=4, rows_per_file=150)

@@ -6,7 +6,9 @@ broker and controller (``process.roles=broker,controller``) on two free ports
 of 127.0.0.1, its log directory in a temporary directory, formatted with
 ``kafka.tools.StorageTool format --standalone`` and started with
 ``kafka.Kafka``, stopped by its PID. ``config`` adds or overrides broker
-settings (``transaction.max.timeout.ms``, ``transaction.version``, ...).
+settings (``transaction.max.timeout.ms``, ...); ``features`` sets feature
+levels at format time (``{"transaction.version": 1}``: a broker with
+transactions version 1, where Kafka 4.x formats with 2).
 
 ``kill()`` (SIGKILL) then ``start()`` brings the same broker back on the same
 ports and log directory, as a crashed broker restarts. Unlike the embedded
@@ -74,11 +76,18 @@ class ApacheKafka(ProcessService):
     ``bootstrap`` is ``"127.0.0.1:PORT"`` once ``start()`` returned; ports and
     log directory are kept across ``stop()``/``kill()`` and ``start()``."""
 
-    def __init__(self, config: dict[str, str] | None = None, *, heap: str = "512m") -> None:
+    def __init__(
+        self,
+        config: dict[str, str] | None = None,
+        *,
+        heap: str = "512m",
+        features: dict[str, int] | None = None,
+    ) -> None:
         self.classpath = os.pathsep.join(str(p) for p in jars.jars("kafka-broker"))
         super().__init__("apachekafka-", "server.log")
         self.config = {**DEFAULTS, **(config or {})}
         self.heap = heap
+        self.features = dict(features or {})
         self.port: int | None = None
         self.controller_port: int | None = None
         self._formatted = False
@@ -124,9 +133,17 @@ class ApacheKafka(ProcessService):
 
     def _format(self, props: Path) -> None:
         cluster = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        levels = [a for k, v in self.features.items() for a in ("--feature", f"{k}={v}")]
         done = subprocess.run(
             self._java(
-                "kafka.tools.StorageTool", "format", "--standalone", "-t", cluster, "-c", str(props)
+                "kafka.tools.StorageTool",
+                "format",
+                "--standalone",
+                "-t",
+                cluster,
+                "-c",
+                str(props),
+                *levels,
             ),
             capture_output=True,
             text=True,
@@ -136,6 +153,7 @@ class ApacheKafka(ProcessService):
             raise ApacheKafkaError(
                 f"formatting the log directory failed:\n{(done.stdout + done.stderr)[-3000:]}"
             )
+        self.format_output = done.stdout
         self._formatted = True
 
     def start(self, timeout: float = 120.0) -> None:
