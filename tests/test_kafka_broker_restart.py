@@ -1,5 +1,15 @@
-"""The Kafka broker dies (SIGKILL) and comes back: tansu keeping its storage in
-S3 (a moto server on loopback, ``tests/s3server.py``), restarted on the same port.
+"""The Kafka broker dies (SIGKILL) and comes back, restarted on the same port.
+
+Jobs run through the outage against Apache Kafka, the broker users run, killed
+(SIGKILL of its JVM) and started again on the same log directory, as a crashed
+broker restarts: while executors write, and while the driver commits. The
+client-side tests without Spark (a commit waiting for the broker, a writer whose
+partitions join its transaction after the restart) run on both brokers.
+
+tansu stays for what only it lets a test do: its whole state is objects in S3
+(a moto server on loopback, ``tests/s3server.py``) that a test can read and
+edit, so a test can check what survives a kill and put the broker in the state
+a kill inside EndTxn leaves (which no test can time on Apache Kafka).
 
 What tansu 0.6 keeps in the bucket, each written before it answers the request:
 the record batches (one object each), a watermark per partition, and one
@@ -46,17 +56,20 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
 from lifecycle.ledger import read_ledger
+from lifecycle.testing import jars
+from lifecycle.testing.apache_kafka import ApacheKafka
 from lifecycle.testing.kafka_broker import KafkaBroker
 from sinks.errors import CommitError, TransactionLostError, UnconfirmedWriteError
 from sinks.kafka import KafkaSink
 from sinks.kafka.log import read_topic
 from sinks.kafka.wire import KafkaWire
 from tests.conftest import write_input
-from tests.kafkacheck import txn_outcomes
+from tests.kafkacheck import read_settled, txn_outcomes
 from tests.multisink import LABELS, Run
 from tests.procs import JobProcess, wait_for
 from tests.s3server import S3Server
@@ -91,17 +104,6 @@ class S3Broker(KafkaBroker):
     def put_meta(self, doc: dict) -> None:  # type: ignore[type-arg]
         self.s3.client().put_object(Bucket=self.bucket, Key=META, Body=json.dumps(doc).encode())
 
-    def restart_later(self, delay: float = OUTAGE_S) -> threading.Thread:
-        """Start the (killed) broker again after ``delay`` seconds, in a thread."""
-
-        def run() -> None:
-            time.sleep(delay)
-            self.start()
-
-        t = threading.Thread(target=run, name="broker-restart", daemon=True)
-        t.start()
-        return t
-
 
 @pytest.fixture
 def broker(s3: S3Server) -> Iterator[S3Broker]:
@@ -114,14 +116,57 @@ def broker(s3: S3Server) -> Iterator[S3Broker]:
 
 
 @pytest.fixture
+def apache_broker() -> Iterator[ApacheKafka]:
+    """An Apache Kafka broker of the test's own (it is killed and restarted)."""
+    jars.require("kafka-broker")
+    b = ApacheKafka()
+    b.start()
+    try:
+        yield b
+    finally:
+        b.cleanup()
+
+
+class Restartable(Protocol):
+    bootstrap: str
+
+    def kill(self) -> None: ...
+
+    def start(self) -> None: ...
+
+
+def _restart_later(broker: Restartable, delay: float = OUTAGE_S) -> threading.Thread:
+    """Start the (killed) broker again after ``delay`` seconds, in a thread."""
+
+    def run() -> None:
+        time.sleep(delay)
+        broker.start()
+
+    t = threading.Thread(target=run, name="broker-restart", daemon=True)
+    t.start()
+    return t
+
+
+@pytest.fixture(params=["apache", "tansu"])
+def any_broker(request: pytest.FixtureRequest) -> Restartable:
+    """Each broker in turn."""
+    name = "apache_broker" if request.param == "apache" else "broker"
+    return request.getfixturevalue(name)  # type: ignore[no-any-return]
+
+
+def _sink(broker: Restartable, topic: str, **kw: object) -> KafkaSink:
+    sink = KafkaSink(broker.bootstrap, topic, key="id", sink_id="k", **kw)  # type: ignore[arg-type]
+    sink.preflight(SCHEMA)
+    return sink
+
+
+@pytest.fixture
 def new_sink(broker: S3Broker) -> Iterator[Callable[..., KafkaSink]]:
     made: list[KafkaSink] = []
 
     def build(topic: str, **kw: object) -> KafkaSink:
-        sink = KafkaSink(broker.bootstrap, topic, key="id", sink_id="k", **kw)  # type: ignore[arg-type]
-        sink.preflight(SCHEMA)
-        made.append(sink)
-        return sink
+        made.append(_sink(broker, topic, **kw))
+        return made[-1]
 
     yield build
     for sink in made:
@@ -163,7 +208,7 @@ def test_log_producer_ids_and_transactions_survive_a_kill(
     with KafkaWire(broker.bootstrap) as wire:
         coordinator = wire.find_coordinators([tid])[tid]
         assert wire.end_txn(coordinator, tid, prepared["producer_id"], prepared["epoch"], True)
-    log = read_topic(broker.bootstrap, topic)
+    log = read_settled(broker.bootstrap, topic)  # Apache Kafka writes markers after EndTxn
     assert committed_ids(log) == list(range(200)) and log.n_open == 0
     assert log.markers == before.markers + len(prepared["partitions"])
     sink.commit([prepared])  # the driver's own commit: idempotent
@@ -175,34 +220,36 @@ def test_log_producer_ids_and_transactions_survive_a_kill(
     assert fresh is not None
     assert fresh["producer_id"] > max(c["producer_id"] for c in (committed, prepared, fenced))
     sink.commit([fresh])
-    log = read_topic(broker.bootstrap, topic)
+    log = read_settled(broker.bootstrap, topic)  # Apache Kafka writes markers after EndTxn
     assert committed_ids(log) == [*range(200), *range(250, 260)] and log.n_open == 0
 
 
-def test_a_commit_waits_for_a_restarting_broker(
-    broker: S3Broker, new_sink: Callable[..., KafkaSink]
-) -> None:
+def test_a_commit_waits_for_a_restarting_broker(any_broker: Restartable) -> None:
     """Killed after prepare, before the driver's commit: the commit waits
     (kafka-python's reconnect backoff, then the sink's retries, within
     ``commit_timeout``) until the broker is back, then commits."""
+    broker = any_broker
     topic = make_topic(broker.bootstrap, partitions=3)
-    sink = new_sink(topic, commit_timeout=60)
+    sink = _sink(broker, topic, commit_timeout=90)
     job = job_name()
     cs = [write_task(sink, ctx(job, p), [rows(p * 100, 100)]) for p in range(2)]
     committables = [c for c in cs if c is not None]
     broker.kill()
-    restart = broker.restart_later()
+    restart = _restart_later(broker)
     started = time.monotonic()
-    sink.commit(committables)
+    try:
+        sink.commit(committables)
+    finally:
+        sink.close()
     took = time.monotonic() - started
     restart.join()
     assert took >= OUTAGE_S - 0.5, took  # it could only commit once the broker was back
-    log = read_topic(broker.bootstrap, topic)
+    log = read_settled(broker.bootstrap, topic)  # Apache Kafka writes markers after EndTxn
     assert committed_ids(log) == list(range(200)) and log.n_open == 0
 
 
 def test_a_writer_rides_out_a_restart_before_its_partitions_join_the_transaction(
-    broker: S3Broker, new_sink: Callable[..., KafkaSink]
+    any_broker: Restartable,
 ) -> None:
     """The broker dies after a writer opened its transaction and before its
     first records: the producer must add the partitions to the transaction
@@ -210,21 +257,25 @@ def test_a_writer_rides_out_a_restart_before_its_partitions_join_the_transaction
     coordinator answers again (kafka-python 3.0.12's own producer dropped that
     request and its records waited 2 minutes for ``delivery_timeout_ms``). One
     partition, so that no later partition sends a new AddPartitionsToTxn."""
+    broker = any_broker
     topic = make_topic(broker.bootstrap, partitions=1)
-    sink = new_sink(topic, commit_timeout=30, flush_timeout=20)
+    sink = _sink(broker, topic, commit_timeout=60, flush_timeout=40)
     w = sink.open_writer(ctx(job_name(), 0), SCHEMA)
     w._begin()  # the transaction is open and announced; the topic's partition not in it yet
     broker.kill()
-    restart = broker.restart_later()
+    restart = _restart_later(broker)
     started = time.monotonic()
     w.write(rows(0, 300))
     c = w.prepare()
     took = time.monotonic() - started
     w.close()
     restart.join()
-    assert c is not None and took < 15, took
-    sink.commit([c])
-    log = read_topic(broker.bootstrap, topic)
+    assert c is not None and took < 35, took
+    try:
+        sink.commit([c])
+    finally:
+        sink.close()
+    log = read_settled(broker.bootstrap, topic)  # Apache Kafka writes markers after EndTxn
     assert committed_ids(log) == list(range(300)) and log.n_open == 0
 
 
@@ -245,13 +296,13 @@ def test_a_commit_the_broker_half_wrote_is_an_error_not_silence(
     epoch = meta["transactions"][c["transactional_id"]]["epochs"][str(c["epoch"])]
     epoch["state"] = "PrepareCommit"
     broker.put_meta(meta)
-    restart = broker.restart_later(2.0)
+    restart = _restart_later(broker, 2.0)
     started = time.monotonic()
     with pytest.raises(CommitError, match=r"answered success.*no COMMIT marker"):
         sink.commit([c])
     restart.join()
     assert time.monotonic() - started >= 8
-    log = read_topic(broker.bootstrap, topic)
+    log = read_settled(broker.bootstrap, topic)  # Apache Kafka writes markers after EndTxn
     assert log.committed == [] and log.n_open == 60  # stuck open: tansu cannot finish it
 
 
@@ -273,7 +324,7 @@ def _decided(state: Path) -> bool:
     return doc is not None and doc["decided"] is not None
 
 
-def _outage(broker: S3Broker, proc: JobProcess, when: Callable[[], bool], what: str) -> float:
+def _outage(broker: Restartable, proc: JobProcess, when: Callable[[], bool], what: str) -> float:
     """Kill the broker as soon as ``when()``, start it again ``OUTAGE_S`` later;
     return the time of the kill."""
     wait_for(when, 120, what, proc)
@@ -284,14 +335,14 @@ def _outage(broker: S3Broker, proc: JobProcess, when: Callable[[], bool], what: 
     return killed
 
 
-def _run(tmp: Path, broker: S3Broker, files: int, rows_per_file: int) -> tuple[Run, int]:
+def _run(tmp: Path, broker: Restartable, files: int, rows_per_file: int) -> tuple[Run, int]:
     topic = make_topic(broker.bootstrap, partitions=3)
     n = write_input(tmp / "in", files=files, rows_per_file=rows_per_file)
     return Run(tmp, None, broker.bootstrap, topic, sinks="kafka"), n
 
 
 def test_job_rides_out_a_broker_killed_while_executors_write(
-    broker: S3Broker, tmp_path: Path
+    apache_broker: ApacheKafka, tmp_path: Path
 ) -> None:
     """Each first task of batch 0 pauses 1 s after its first Arrow batch (10,000
     rows of its 15,000 sent, in an open transaction): the broker is killed then
@@ -299,6 +350,7 @@ def test_job_rides_out_a_broker_killed_while_executors_write(
     producer; a task whose retried produce the broker cannot place fails
     (UnconfirmedWriteError) and Spark's second attempt writes it again. The job
     finishes by itself."""
+    broker = apache_broker
     run, n = _run(tmp_path, broker, files=4, rows_per_file=15_000)
     started = time.monotonic()
     proc = run.start("executor.write@0#0=stall:1", files_per_batch=2, wait=False)
@@ -315,12 +367,13 @@ def test_job_rides_out_a_broker_killed_while_executors_write(
 
 
 def test_job_rides_out_a_broker_killed_while_the_driver_commits(
-    broker: S3Broker, tmp_path: Path
+    apache_broker: ApacheKafka, tmp_path: Path
 ) -> None:
     """The driver has decided the checkpoint of batch 0 and pauses 2 s before
     committing it: the broker is killed then and is back 3 s later, so the
     commit starts against a dead broker and retries until it is back
     (``commit_timeout`` 120 s). The job finishes by itself."""
+    broker = apache_broker
     run, n = _run(tmp_path, broker, files=4, rows_per_file=500)
     started = time.monotonic()
     proc = run.start("driver.before_commit@0=stall:2", files_per_batch=2, wait=False)
@@ -337,12 +390,13 @@ def test_job_rides_out_a_broker_killed_while_the_driver_commits(
 
 
 def test_an_outage_longer_than_commit_timeout_fails_the_job_and_a_rerun_finishes(
-    broker: S3Broker, tmp_path: Path
+    apache_broker: ApacheKafka, tmp_path: Path
 ) -> None:
     """As above, with ``commit_timeout`` 5 s and the broker down until the job
     has given up: the job fails naming the commit that did not go through, the
     decision stays in the ledger, and a run after the broker is back commits
     it and finishes the input."""
+    broker = apache_broker
     run, n = _run(tmp_path, broker, files=4, rows_per_file=500)
     extra = ["--commit-timeout", "5"]
     proc = run.start("driver.before_commit@0=stall:2", files_per_batch=2, extra=extra, wait=False)
