@@ -76,7 +76,7 @@ from lifecycle.spark_log import SparkCommitLog
 from sinks import _faults, _retry
 from sinks._parallel import raise_first, run_all
 from sinks.base import COMMITTED, LOST, PREPARED, Committable, JobScope, Sink
-from sinks.errors import CommitRefusedError, ConfigError
+from sinks.errors import CommitRefusedError, ConfigError, TransactionLostError
 from sinks.naming import TxnName
 from sinks.progress import SinkProgress, claim_order, conflict
 
@@ -115,12 +115,13 @@ def sink_label(pipeline: str, sink_id: str) -> str:
 
 
 _RULES = {"aborted": "abort_replayed", "swept": "sweep_orphans", "skipped": "skip_abandoned"}
-Shares = dict[tuple[str, str], dict[int, list[Committable]]]
-"""per (pipeline, sink id), the committables of each batch (ascending)"""
 """The recovery rule a move on a sink follows (see :mod:`lifecycle.metrics`).
 Commits follow one only in recovery: ``commit_decided`` when a checkpoint
 decided before a stop is finished, ``commit_completed`` in a checkpoint of kind
 ``recovery`` (see ``Coordinator._commit``)."""
+
+Shares = dict[tuple[str, str], dict[int, list[Committable]]]
+"""per (pipeline, sink id), the committables of each batch (ascending)"""
 
 Observer = Callable[[str, str, list[str]], None]
 """Told ``(what, sink label, transaction names)`` of every move the coordinator
@@ -375,21 +376,30 @@ class Coordinator:
         """The pending committables checkpoint ``cp`` commits, per (pipeline,
         sink id) and batch: those of every pending batch at or below its cut,
         without the transactions abandoned in it (only those, with
-        ``abandoned``) and without the batches owed to the sink (rule 5)."""
+        ``abandoned``) and without the batches a sink owes from (rule 5: from
+        its first owed batch on, a sink commits nothing before it is paid)."""
         skip = self.ledger.abandoned_txns(cp.id)
-        owed = self.ledger.owed()
+        owes_from = self._owes_from()
         shares: Shares = {}
         for p, last in cp.cut.items():
             for b in self.ledger.pending_batch_ids(p):  # ascending
                 if b > last:
                     break
-                owing = owed.get(p, {}).get(b, {})
                 for sid, cs in (self.ledger.pending_batch(p, b) or {}).items():
                     share = shares.setdefault((p, sid), {})
-                    if sid in owing and not abandoned:
+                    if b >= owes_from.get((p, sid), b + 1) and not abandoned:
                         continue
                     share[b] = [c for c in cs if (c.get("txn") in skip) == abandoned]
         return shares
+
+    def _owes_from(self) -> dict[tuple[str, str], int]:
+        """Per (pipeline, sink id) that owes batches, its lowest owed batch."""
+        first: dict[tuple[str, str], int] = {}
+        for p, batches in self.ledger.owed().items():
+            for b, sinks in batches.items():
+                for sid in sinks:
+                    first[(p, sid)] = min(first.get((p, sid), b), b)
+        return first
 
     def committables_of(
         self, cp: Checkpoint, *, abandoned: bool = False
@@ -414,6 +424,7 @@ class Coordinator:
         an operator abandoned in this checkpoint are skipped."""
         if rule is None and cp.kind == "recovery":
             rule = "commit_completed"
+        self._extend_debts(cp)
         if rule is not None and self.replay_lost:
             self._owe_lost(cp)  # rule 5
         groups = self.committables_of(cp)
@@ -466,18 +477,47 @@ class Coordinator:
         self._forget_and_sweep(groups, cp.cut)
         return done
 
+    def _extend_debts(self, cp: Checkpoint) -> None:
+        """Rule 5, kept: a sink that owes batches commits none after its first
+        owed one before it is paid (its progress would then hold the owed
+        batches, and the sink would refuse them as replays). Its work of later
+        batches of ``cp`` is aborted and those batches are owed too."""
+        for (p, sid), first in sorted(self._owes_from().items()):
+            owed = self.ledger.owed().get(p, {})
+            later: dict[int, list[Committable]] = {}
+            for b in self.ledger.pending_batch_ids(p):
+                if first < b <= cp.cut.get(p, -1) and sid not in owed.get(b, {}):
+                    later[b] = (self.ledger.pending_batch(p, b) or {}).get(sid, [])
+            if not later:
+                continue
+            self.ledger.record_owed(p, {b: {sid: _rows(cs)} for b, cs in later.items()})
+            work = [c for cs in later.values() for c in cs]
+            if work:
+                self._sink(p, sid).abort(work)
+            self.metrics.recovery_action("owe_lost", p, sid, len(work))
+            log.warning(
+                "%s owes batch %d of pipeline %s: its later batch(es) %s are owed too, "
+                "written again after it",
+                self._sink(p, sid).describe(),
+                first,
+                p,
+                sorted(later),
+            )
+
     def _owe_lost(self, cp: Checkpoint) -> None:
         """Rule 5 for decided checkpoint ``cp``: per sink, when a transaction of
         its share was lost before it committed, record the batches from the
         first one with a loss on as owed to the sink and abort the rest of its
-        work of them, unless any of it committed already (the commit then
-        reports the loss)."""
+        work of them, unless any of it committed already or an operator
+        abandoned some of it (the commit then reports the loss)."""
+        abandoned = self.ledger.abandoned_txns(cp.id)
         for (p, sid), batches in self.shares(cp).items():
             sink = self._sink(p, sid)
-            if sink.commits_at_finish or not any(batches.values()):
+            work = [c for cs in batches.values() for c in cs]
+            if sink.commits_at_finish or not work or sink.cannot_have_lost(work):
                 continue  # a replace commits its whole backfill at once: no batch to owe
             try:
-                verdicts = sink.classify([c for cs in batches.values() for c in cs])
+                verdicts = sink.classify(work)
             except NotImplementedError:
                 continue  # the commit finds a loss out
             lost = [
@@ -488,20 +528,25 @@ class Coordinator:
             owed = [b for b in batches if b >= min(lost)]
             work = [c for b in owed for c in batches[b]]
             done = [c["txn"] for c in work if verdicts.get(c["txn"]) == COMMITTED]
-            if done:
+            given_up = [
+                t
+                for b in owed
+                for c in (self.ledger.pending_batch(p, b) or {}).get(sid, [])
+                if (t := c.get("txn")) in abandoned
+            ]
+            if done or given_up:
                 log.error(
-                    "%s: transactions of batch(es) %s of %s were lost, and %d of that work "
-                    "committed already (%s): writing it again would duplicate it, so the "
-                    "loss stops the job",
+                    "%s: transactions of batch(es) %s of %s were lost, and %s: writing them "
+                    "again would duplicate or restore that, so the loss stops the job",
                     sink.describe(),
                     lost,
                     p,
-                    len(done),
-                    done[:3],
+                    f"{len(done)} of that work committed already ({done[:3]})"
+                    if done
+                    else f"an operator abandoned {len(given_up)} transaction(s) of it",
                 )
                 continue
-            for b in owed:
-                self.ledger.record_owed(p, b, {sid: sum(int(c.get("rows", 0)) for c in batches[b])})
+            self.ledger.record_owed(p, {b: {sid: _rows(batches[b])} for b in owed})
             alive = [c for c in work if verdicts.get(c["txn"]) == PREPARED]
             if alive:
                 sink.abort(alive)
@@ -515,25 +560,60 @@ class Coordinator:
                 p,
                 ", ".join(c["txn"] for c in work if verdicts.get(c["txn"]) == LOST)[:300],
                 owed,
-                sum(int(c.get("rows", 0)) for c in work),
+                _rows(work),
             )
 
     def repay(self, pipeline: str, batch_id: int, work: dict[str, list[Committable]]) -> None:
         """Commit ``work`` (sink id -> committables), the owed batch
-        ``batch_id`` of ``pipeline`` written again (rule 5), and record it
-        repaid; then the sinks forget their bookkeeping of it."""
+        ``batch_id`` of ``pipeline`` written again (rule 5), recorded in the
+        ledger first (so that after a crash its commit is finished, never run
+        twice); then record it repaid, and the sinks forget their bookkeeping."""
         with self._checkpointing:
+            self.ledger.record_repaying(pipeline, batch_id, work)
+            _faults.hit("driver.before_repay", batch=batch_id)
+            self._finish_repay(pipeline, batch_id, work)
+
+    def finish_repay(self, pipeline: str, batch_id: int) -> bool:
+        """After a restart: settle the work recorded as writing owed batch
+        ``batch_id`` of ``pipeline`` again. Returns True when every owing sink
+        holds the batch now (its work committed, or committed here); False when
+        none of the work is kept (it was swept or lost) and the batch is to be
+        written again. Raises :class:`TransactionLostError` when part of it
+        committed and part is lost."""
+        with self._checkpointing:
+            work = self.ledger.owed_work(pipeline, batch_id)
+            owing = self.ledger.owed().get(pipeline, {}).get(batch_id, {})
+            if not work or set(work) != set(owing):
+                return False
+            verdicts: dict[str, str] = {}
             for sid, cs in work.items():
-                counting = _retry.on_retry.set(self.metrics.retried(pipeline, sid))
-                try:
-                    self._sink(pipeline, sid).commit(cs)
-                finally:
-                    _retry.on_retry.reset(counting)
-                self._tell("committed", pipeline, sid, (c["txn"] for c in cs), "repay_owed")
-            rows = {sid: sum(int(c.get("rows", 0)) for c in cs) for sid, cs in work.items()}
-            self.ledger.record_repaid(pipeline, batch_id, rows)
-            for sid, cs in work.items():
-                self._sink(pipeline, sid).forget(cs)
+                verdicts.update(self._sink(pipeline, sid).classify(cs) if cs else {})
+            if LOST in verdicts.values():
+                if COMMITTED in verdicts.values():
+                    raise TransactionLostError(
+                        f"batch {batch_id} of pipeline {pipeline!r}, written again for sink(s) "
+                        f"{sorted(work)}, committed in part and lost in part: writing it again "
+                        "would duplicate the committed part"
+                    )
+                for sid, cs in work.items():
+                    self._sink(pipeline, sid).abort(cs)
+                return False
+            self._finish_repay(pipeline, batch_id, work)
+            return True
+
+    def _finish_repay(
+        self, pipeline: str, batch_id: int, work: dict[str, list[Committable]]
+    ) -> None:
+        for sid, cs in work.items():
+            counting = _retry.on_retry.set(self.metrics.retried(pipeline, sid))
+            try:
+                self._sink(pipeline, sid).commit(cs)
+            finally:
+                _retry.on_retry.reset(counting)
+            self._tell("committed", pipeline, sid, (c["txn"] for c in cs), "repay_owed")
+        self.ledger.record_repaid(pipeline, batch_id, {sid: _rows(cs) for sid, cs in work.items()})
+        for sid, cs in work.items():
+            self._sink(pipeline, sid).forget(cs)
 
     def _commit_sinks(
         self,
@@ -722,3 +802,7 @@ class Coordinator:
             if cs:
                 self._sink(p, sid).abort(cs)
                 self._tell("aborted", p, sid, (c["txn"] for c in cs), rule)
+
+
+def _rows(committables: Iterable[Committable]) -> int:
+    return sum(int(c.get("rows", 0)) for c in committables)

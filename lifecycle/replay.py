@@ -9,8 +9,13 @@ that sink's share, committed the rest of the checkpoint and recorded the debt
 in the ledger. The job pays it at start, after recovery and before any query
 runs, one batch at a time in ascending order per pipeline:
 
-1. A sink whose own progress record (:meth:`sinks.base.Sink.progress`) holds
-   the batch already was paid before a crash: the debt is recorded as paid.
+1. Work recorded as writing the batch again before a stop is settled first:
+   committed where it is kept (then the debt is paid), aborted where part is
+   gone (then this runs again). A sink whose own progress record
+   (:meth:`sinks.base.Sink.progress`) holds the batch was paid before a crash
+   (a sink that owes a batch commits none after it): the debt is recorded as
+   paid. Spark's checkpoint must still hold the offsets the batch committed
+   with (the ledger's digest), else the job refuses.
 2. Spark's checkpoint of the pipeline is copied to ``<pipeline>/replay``
    with batch ``b`` as its last, uncompleted batch: its metadata, the offset
    log entries of ``b - 1`` and ``b``, the commit log entry of ``b - 1``, and
@@ -21,10 +26,9 @@ runs, one batch at a time in ascending order per pipeline:
    batch ``b`` with exactly its recorded offsets (and its state, for a
    stateful query, while the state store keeps that version), then stops.
    Its batch handler writes to the owing sinks only, checks that each got the
-   rows the lost work held, and has the coordinator commit that work and
-   record the debt paid (:meth:`lifecycle.coordinator.Coordinator.repay`).
-   A crash before that record leaves the work unowned: the next start's sweep
-   aborts it and this runs again; after the commit, step 1 applies.
+   rows the lost work held, and has the coordinator record that work, commit it
+   and record the debt paid (:meth:`lifecycle.coordinator.Coordinator.repay`).
+   A crash in between leaves the recorded work for step 1.
 4. The copy is removed.
 
 When the source no longer has the batch (retention, a deleted file), or gives
@@ -47,7 +51,7 @@ from lifecycle.coordinator import Coordinator
 from lifecycle.errors import BatchLostError, JobFailedError
 from lifecycle.failures import cause_of, full_trace
 from lifecycle.pipeline import Pipeline
-from sinks import _faults
+from lifecycle.spark_log import SparkCommitLog
 from sinks.base import Committable, Sink
 
 log = logging.getLogger("lifecycle.replay")
@@ -59,14 +63,18 @@ _SPARK_TREES = ("sources", "state")
 def pay_owed(job: str, coord: Coordinator, pipelines: dict[str, Pipeline]) -> None:
     """Write every batch the ledger owes to sinks of ``pipelines`` again (module
     docstring). Raises :class:`BatchLostError` when one cannot be."""
-    for p, batches in sorted(coord.ledger.owed().items()):
-        if p not in pipelines:
+    owed = coord.ledger.owed()
+    for name, p in pipelines.items():
+        if name not in owed:
+            p.store.delete(f"{p.location}/replay")  # a copy a crash left after its payment
+    for name, batches in sorted(owed.items()):
+        if name not in pipelines:
             raise JobFailedError(
-                f"job {job!r}: the ledger owes batch(es) {sorted(batches)} of pipeline {p!r}, "
+                f"job {job!r}: the ledger owes batch(es) {sorted(batches)} of pipeline {name!r}, "
                 "which this job does not define: add it back so they can be written again"
             )
         for b, owing in sorted(batches.items()):
-            _pay(job, coord, pipelines[p], b, owing)
+            _pay(job, coord, pipelines[name], b, owing)
 
 
 def _pay(job: str, coord: Coordinator, p: Pipeline, b: int, owing: dict[str, int]) -> None:
@@ -77,6 +85,9 @@ def _pay(job: str, coord: Coordinator, p: Pipeline, b: int, owing: dict[str, int
             f"job {job!r}: batch {b} of pipeline {p.name!r} is owed to sink(s) {missing}, "
             "which the pipeline no longer has: add them back (same sink_id)"
         )
+    if coord.finish_repay(p.name, b):  # written again before a stop: its commit finished
+        log.info("batch %d of %s: written again before the last stop, now committed", b, p.name)
+        return
     held = {
         sid: n
         for sid, n in owing.items()
@@ -84,6 +95,8 @@ def _pay(job: str, coord: Coordinator, p: Pipeline, b: int, owing: dict[str, int
         and found.batch >= b
     }
     if held:
+        # a sink that owes a batch commits none after it (rule 5), so holding it means
+        # its payment committed and the record of that was lost
         log.info("batch %d of %s: %s hold it already (paid before a stop)", b, p.name, sorted(held))
         coord.ledger.record_repaid(p.name, b, held)
     owing = {sid: n for sid, n in owing.items() if sid not in held}
@@ -98,14 +111,18 @@ def _pay(job: str, coord: Coordinator, p: Pipeline, b: int, owing: dict[str, int
         ", ".join(f"{sid} ({n} row(s))" for sid, n in sorted(owing.items())),
     )
     location = f"{p.location}/replay"
-    p.store.delete(location)
-    _copy_checkpoint(p, b, location)
     ran: list[int] = []
-    handler = _handler(coord, p, b, [sinks[sid] for sid in sorted(owing)], owing, ran)
+    failed: list[BaseException] = []  # a failure to commit, not to read the source
+    handler = _handler(coord, p, b, [sinks[sid] for sid in sorted(owing)], owing, ran, failed)
     try:
+        _check_offsets(coord, p, b)
+        p.store.delete(location)
+        _copy_checkpoint(p, b, location)
         query = p.start_replay(job, location, handler)
         query.awaitTermination()
     except Exception as e:
+        if failed:
+            raise failed[0] from e
         raise BatchLostError(
             job, p.name, b, owing, offsets, cause_of(e, None), trace=full_trace(e)
         ) from e
@@ -121,6 +138,19 @@ def _pay(job: str, coord: Coordinator, p: Pipeline, b: int, owing: dict[str, int
     p.store.delete(location)
 
 
+def _check_offsets(coord: Coordinator, p: Pipeline, b: int) -> None:
+    """Refuse to write batch ``b`` again when Spark's checkpoint now holds other
+    offsets for it than the batch committed with (the checkpoint was replaced)."""
+    planned = SparkCommitLog(p.store, p.spark_location).offsets_digest(b)
+    recorded = coord.ledger.committed_digest(p.name, b)
+    if recorded is not None and planned != recorded:
+        raise RuntimeError(
+            f"the pipeline's Spark checkpoint {p.store.uri(p.spark_location)} holds other "
+            f"offsets for batch {b} than the batch had (it was restored from an older copy or "
+            "replaced): restore the pipeline's newest Spark checkpoint"
+        )
+
+
 def _handler(
     coord: Coordinator,
     p: Pipeline,
@@ -128,6 +158,7 @@ def _handler(
     sinks: list[Sink],
     owing: dict[str, int],
     ran: list[int],
+    failed: list[BaseException],
 ) -> Callable[[DataFrame, int], None]:
     def handle(df: DataFrame, batch_id: int) -> None:
         ran.append(batch_id)
@@ -150,14 +181,17 @@ def _handler(
                     + "): its input changed, or the pipeline's transform is not "
                     "deterministic; nothing of it was committed"
                 )
-            _faults.hit("driver.before_repay", batch=b)
-            coord.repay(p.name, b, work)
         except BaseException:
             coord.abort_unregistered(p.name, work)
             raise
         finally:
             if cached:
                 df.unpersist()
+        try:
+            coord.repay(p.name, b, work)
+        except BaseException as e:
+            failed.append(e)  # the target's failure: the ledger keeps the work for the next start
+            raise
 
     return handle
 
@@ -166,9 +200,7 @@ def _copy_checkpoint(p: Pipeline, b: int, to: str) -> None:
     """Copy what Spark needs to re-run batch ``b`` of ``p`` to ``to`` (module
     docstring, step 2)."""
     store, spark = p.store, p.spark_location
-    names = ["metadata", f"offsets/{b}"]
-    if b > 0:
-        names += [f"offsets/{b - 1}", f"commits/{b - 1}"]
+    names = ["metadata", f"offsets/{b}"] + ([f"offsets/{b - 1}"] if b > 0 else [])
     for name in names:
         if not store.exists(f"{spark}/{name}"):
             raise RuntimeError(
@@ -176,6 +208,9 @@ def _copy_checkpoint(p: Pipeline, b: int, to: str) -> None:
                 "the logs of its last spark.sql.streaming.minBatchesToRetain batches)"
             )
         store.copy(f"{spark}/{name}", f"{to}/{name}")
+    if b > 0 and store.exists(f"{spark}/commits/{b - 1}"):
+        # (Spark re-runs the last batch without it too; it carries the watermark)
+        store.copy(f"{spark}/commits/{b - 1}", f"{to}/commits/{b - 1}")
     for tree in _SPARK_TREES:
         if store.exists(f"{spark}/{tree}"):
             store.copy(f"{spark}/{tree}", f"{to}/{tree}")

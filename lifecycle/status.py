@@ -184,7 +184,10 @@ def _pipelines(doc: Mapping[str, Any], now: float) -> dict[str, dict[str, Any]]:
             "pending_committables": txns,
             "pending_rows": rows,
             "oldest_pending_age_s": _age(now, oldest),
-            "owed": {str(b): dict(sinks) for b, sinks in (owed.get(p) or {}).items()},
+            "owed": {
+                str(b): {sid: int(debt["rows"]) for sid, debt in sinks.items()}
+                for b, sinks in (owed.get(p) or {}).items()
+            },
         }
     return out
 

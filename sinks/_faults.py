@@ -35,7 +35,9 @@ does so for the test jobs.
 Points: ``executor.write``, ``executor.prepared``, ``driver.before_record``,
 ``driver.before_record_ending_input`` (the same, in a query ending its input),
 ``driver.after_record``, ``driver.before_commit``, ``driver.mid_commit``,
-``driver.ending_input`` (a pipeline has recorded that its input ends), ``driver.merge_staged``
+``driver.ending_input`` (a pipeline has recorded that its input ends),
+``driver.before_repay`` (an owed batch was written again and its work recorded,
+not committed: :mod:`lifecycle.replay`), ``driver.merge_staged``
 (a keyed Delta sink staged its merge and has not committed it).
 """
 

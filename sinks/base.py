@@ -350,6 +350,12 @@ class Sink(abc.ABC):
         checks of the commit path, without committing anything."""
         raise NotImplementedError(f"{self.describe()} cannot classify its transactions")
 
+    def cannot_have_lost(self, committables: Sequence[Committable]) -> bool:
+        """Whether the target cannot have dropped any of ``committables`` by
+        itself yet (they are younger than its timeout), so recovery need not
+        :meth:`classify` them one by one; False (the default) when unknown."""
+        return False
+
     def evidence(self, committable: Committable) -> dict[str, Any]:
         """What the ledger keeps of a committed ``committable`` for an audit
         (:mod:`sinks.audit`): at least its ``txn`` and ``rows``."""

@@ -60,7 +60,7 @@ def test_both_backends_have_the_ledger_interface() -> None:
     """FileLedger and PostgresLedger offer every member of the Ledger protocol,
     with the same parameters; the coordinator and the job type against it."""
     members = [m for m in vars(Ledger) if not m.startswith("_")]
-    assert len(members) == 33
+    assert len(members) == 35
     for cls in (FileLedger, PostgresLedger):
         for name in members:
             ours, theirs = getattr(Ledger, name), getattr(cls, name, None)
@@ -854,9 +854,8 @@ def test_read_ledger_follows_compactions(tmp_path: Path) -> None:
 
 def test_owed_batches_are_recorded_paid_and_kept(ledger_factory: LedgerBackend) -> None:
     led = ledger_factory.open(compact_bytes=300)
-    led.record_owed("p", 4, {"kafka": 10})
-    led.record_owed("p", 5, {"kafka": 7})
-    led.record_owed("p", 5, {"pg": 7})  # another sink owed the same batch
+    led.record_owed("p", {4: {"kafka": 10}, 5: {"kafka": 7}})
+    led.record_owed("p", {5: {"pg": 7}})  # another sink owed the same batch
     for b in range(20):  # compactions
         led.record_batch("q", b, {"s": [_c(f"t{b}")]})
     assert led.owed() == {"p": {4: {"kafka": 10}, 5: {"kafka": 7, "pg": 7}}}
@@ -864,13 +863,22 @@ def test_owed_batches_are_recorded_paid_and_kept(ledger_factory: LedgerBackend) 
     led.record_repaid("p", 5, {"kafka": 7})
     assert led.owed() == {"p": {4: {"kafka": 10}, 5: {"pg": 7}}}
     assert led.totals() == {"p/kafka": 7}  # what was written again counts
-    assert ledger_factory.read()["owed"] == {"p": {"4": {"kafka": 10}, "5": {"pg": 7}}}
+    assert ledger_factory.read()["owed"] == {
+        "p": {"4": {"kafka": {"rows": 10}}, "5": {"pg": {"rows": 7}}}
+    }
+    work = [_c("again", 7)]
+    led.record_repaying("p", 5, {"pg": work})  # the work paying it, before it commits
+    assert led.owed_work("p", 5) == {"pg": work} and led.is_owned("again")
+    with pytest.raises(RuntimeError, match="not owed"):
+        led.record_repaying("p", 5, {"kafka": work})
     led.close()
     led = ledger_factory.open()
     assert led.owed() == {"p": {4: {"kafka": 10}, 5: {"pg": 7}}}
+    assert led.owed_work("p", 5) == {"pg": work} and led.is_owned("again")
     led.record_repaid("p", 4, {"kafka": 10})
     led.record_repaid("p", 5, {"pg": 7})
     assert led.owed() == {} and led.totals() == {"p/kafka": 17, "p/pg": 7}
+    assert not led.is_owned("again")
     led.close()
     assert ledger_factory.open().owed() == {}
 
@@ -905,10 +913,10 @@ def test_a_format_2_ledger_opens_as_format_3_and_an_older_version_then_refuses_i
     assert ledger_factory.read()["owed"] == {}  # readable as it is
     led = ledger_factory.open()
     assert led.pending_batch_ids("p") == [1] and led.owed() == {}
-    led.record_owed("p", 1, {"s": 3})
+    led.record_owed("p", {1: {"s": 3}})
     led.close()
     doc = ledger_factory.read()
-    assert doc["format"] == FORMAT == 3 and doc["owed"] == {"p": {"1": {"s": 3}}}
+    assert doc["format"] == FORMAT == 3 and doc["owed"] == {"p": {"1": {"s": {"rows": 3}}}}
     assert 2 not in _formats_on_disk(ledger_factory)
     if ledger_factory.location is None:  # the last format-2 version itself refuses it
         old = ledger_factory.state_dir.parent / "format2"

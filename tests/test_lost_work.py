@@ -110,7 +110,7 @@ def test_a_batch_whose_source_is_gone_stops_the_job_naming_what_is_missing(
     assert (e.pipeline, e.batch, e.sinks, e.rows) == ("load", 0, {"pg": 40}, 40)
     assert '"logOffset":0' in e.offsets, e.offsets  # the file source's offset of batch 0
     assert "40 row(s) are missing" in str(e) and "pipeline 'load', batch 0" in str(e)
-    assert _owed(tmp_path) == {"load": {"0": {"pg": 40}}}
+    assert _owed(tmp_path) == {"load": {"0": {"pg": {"rows": 40}}}}
     assert deltacheck.read_rows(str(tmp_path / "delta")).num_rows == n  # the rest went on
     with psycopg.connect(pg_dsn) as c:
         assert c.execute("SELECT count(*) FROM orders").fetchone() == (0,)
@@ -210,3 +210,29 @@ def _make_topic(bootstrap: str, topic: str) -> None:
     finally:
         admin.close()
     wait_for_topic(bootstrap, topic, 3)
+
+
+@pytest.mark.crash
+def test_a_driver_killed_while_it_pays_a_debt_finishes_the_payment(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """Killed (SIGKILL) with checkpoint 1 decided; someone rolls back the
+    PostgreSQL sink's prepared transactions; the restart owes batch 0 to it,
+    writes it again and is killed once that work is recorded, before it
+    commits. The next start commits that very work: the rows are in the table
+    once, and the batch was written again only once."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE orders (id int8 PRIMARY KEY, name text, amount float8, part int8)")
+    n = write_input(tmp_path / "in", files=2, rows_per_file=50)
+    run = Run(tmp_path, pg_dsn, None, None, sinks="delta,pg")
+    first = run.start(fault="driver.before_commit@0=kill")
+    assert first.proc.returncode == -signal.SIGKILL, first.tail(3000)
+    rollback_prepared(pg_dsn, run.job)
+    second = run.start(fault="driver.before_repay=kill")
+    assert second.proc.returncode == -signal.SIGKILL, second.tail(3000)
+    assert "writing batch 0 of pipeline load again from its source" in second.output()
+    third = run.start()
+    assert third.proc.returncode == 0, third.tail(5000)
+    assert "written again before the last stop, now committed" in third.output()
+    assert "writing batch 0 of pipeline load again" not in third.output()
+    run.check(n, owed=True)

@@ -17,11 +17,21 @@ import pyarrow as pa
 import pytest
 
 from lifecycle.coordinator import Coordinator, PipelineSinks
-from lifecycle.errors import RecoveryRefusedError
+from lifecycle.errors import CheckpointCommitError, RecoveryRefusedError
 from lifecycle.ledger import Ledger
 from lifecycle.spark_log import SparkCommitLog
-from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
-from sinks.errors import ConfigError
+from sinks.base import (
+    COMMITTED,
+    LOST,
+    PREPARED,
+    Committable,
+    JobScope,
+    OrphanTest,
+    Sink,
+    SinkWriter,
+    WriteContext,
+)
+from sinks.errors import ConfigError, TransactionLostError
 from sinks.naming import TxnName
 from tests.ledgers import LedgerBackend
 
@@ -254,3 +264,155 @@ def test_a_batch_committed_before_is_recognised_by_its_offsets(world: World) -> 
         coord.admit("p", 1)
     assert coord.admit("p", 2)
     assert sorted(world.sink.committed) == [txn(0, 0), txn(1, 0)]
+
+
+# -- rule 5: lost work is owed and written again ---------------------------------------
+
+
+class LosingSink(RecordingSink):
+    """A recording sink that can lose prepared work, as a broker's timeout or
+    someone's ROLLBACK PREPARED does, and classifies what it holds."""
+
+    def lose(self, names: list[str]) -> None:
+        self.prepared.difference_update(names)
+
+    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
+        return {
+            c["txn"]: COMMITTED
+            if c["txn"] in self.committed
+            else PREPARED
+            if c["txn"] in self.prepared
+            else LOST
+            for c in committables
+        }
+
+
+@pytest.fixture
+def losing(tmp_path: Path, ledger_factory: LedgerBackend) -> World:
+    ledger = ledger_factory.open()
+    _INCARNATION.append(ledger.incarnation)
+    ledger.begin_run()
+    return World(LosingSink(), ledger, tmp_path / "spark")
+
+
+def _replaying(world: World) -> Coordinator:
+    return Coordinator(
+        "j",
+        world.ledger,
+        [PipelineSinks("p", {"s": world.sink}, SparkCommitLog(world.loc))],
+        replay_lost=True,
+    )
+
+
+def test_a_loss_owes_the_sink_every_batch_from_it_on_and_later_checkpoints_too(
+    losing: World,
+) -> None:
+    """Batch 1 of the decided checkpoint lost one of its two transactions. The
+    sink commits batch 0, owes batch 1 (its surviving transaction aborted), and
+    owes batches 2 and 3 as well, which Spark completed after the decision: a
+    sink that committed them would hold batch 1 too and refuse to write it."""
+    sink, ledger = losing.sink, losing.ledger
+    assert isinstance(sink, LosingSink)
+    b0, b1 = losing.register(0), losing.register(1)
+    losing.spark_completed(1)
+    ledger.decide("periodic", {"p": 1}, [])
+    b2, b3 = losing.register(2), losing.register(3)
+    losing.spark_completed(3)
+    sink.lose(b1[:1])
+    _replaying(losing).recover()
+    assert sorted(sink.committed) == sorted(b0)
+    assert sorted(sink.aborted) == sorted(b1[1:] + b2 + b3)
+    assert ledger.owed() == {"p": {1: {"s": 2}, 2: {"s": 2}, 3: {"s": 2}}}
+    assert ledger.pending() == {} and ledger.decided() is None
+    assert ledger.committed_cut("p") == 3  # the decision stands for every other sink
+
+
+def test_without_replay_a_loss_fails_the_commit(losing: World) -> None:
+    """What ``twophase recover`` does (it cannot run the source): the loss fails."""
+    sink = losing.sink
+    assert isinstance(sink, LosingSink)
+    b0 = losing.register(0)
+    losing.spark_completed(0)
+    losing.ledger.decide("periodic", {"p": 0}, [])
+    sink.lose(b0[:1])
+    with pytest.raises(CheckpointCommitError):
+        losing.coordinator().recover()
+    assert losing.ledger.owed() == {} and losing.ledger.decided() is not None
+
+
+def test_part_of_the_loss_committed_already_is_not_owed(losing: World) -> None:
+    """Batch 0 committed in part before the crash, and its other transaction is
+    lost: writing it again would duplicate the committed part, so it stops."""
+    sink = losing.sink
+    assert isinstance(sink, LosingSink)
+    b0 = losing.register(0)
+    losing.spark_completed(0)
+    losing.ledger.decide("periodic", {"p": 0}, [])
+    sink.commit([{"txn": b0[0]}])
+    sink.lose(b0[1:])
+    with pytest.raises(CheckpointCommitError):
+        _replaying(losing).recover()
+    assert losing.ledger.owed() == {}
+
+
+def _owe_batch_0(world: World) -> list[str]:
+    sink = world.sink
+    assert isinstance(sink, LosingSink)
+    b0 = world.register(0)
+    world.spark_completed(0)
+    world.ledger.decide("periodic", {"p": 0}, [])
+    sink.lose(b0)
+    _replaying(world).recover()
+    assert world.ledger.owed() == {"p": {0: {"s": 2}}}
+    return b0
+
+
+def _rewrite(world: World, names: list[str]) -> dict[str, list[Committable]]:
+    world.sink.prepared.update(names)  # type: ignore[attr-defined]
+    return {"s": [{"txn": n, "rows": 1} for n in names]}
+
+
+def test_a_payment_commits_and_clears_the_debt(losing: World) -> None:
+    _owe_batch_0(losing)
+    again = [txn(0, i, run=2) for i in range(2)]
+    _replaying(losing).repay("p", 0, _rewrite(losing, again))
+    assert sorted(losing.sink.committed) == sorted(again)  # type: ignore[attr-defined]
+    assert losing.ledger.owed() == {} and losing.ledger.totals() == {"p/s": 2}
+
+
+@pytest.mark.parametrize("committed", [0, 1, 2])
+def test_a_payment_cut_short_is_finished_at_the_next_start(losing: World, committed: int) -> None:
+    """The driver stops after recording the payment's work, with ``committed``
+    of its two transactions committed: the next start commits the rest and
+    never writes the batch a third time; the work is kept from sweeps."""
+    _owe_batch_0(losing)
+    again = [txn(0, i, run=2) for i in range(2)]
+    work = _rewrite(losing, again)
+    losing.ledger.record_repaying("p", 0, work)
+    losing.sink.commit(work["s"][:committed])
+    coord = _replaying(losing)
+    coord.recover()  # sweeps: the recorded work is owned
+    assert not set(again) & set(losing.sink.aborted)  # type: ignore[attr-defined]
+    assert coord.finish_repay("p", 0) is True
+    assert sorted(losing.sink.committed) == sorted(again)  # type: ignore[attr-defined]
+    assert losing.ledger.owed() == {} and not losing.ledger.is_owned(again[0])
+
+
+def test_a_payment_lost_in_part_after_part_committed_is_an_error(losing: World) -> None:
+    _owe_batch_0(losing)
+    again = [txn(0, i, run=2) for i in range(2)]
+    work = _rewrite(losing, again)
+    losing.ledger.record_repaying("p", 0, work)
+    losing.sink.commit(work["s"][:1])
+    losing.sink.lose(again[1:])  # type: ignore[attr-defined]
+    with pytest.raises(TransactionLostError, match="committed in part and lost in part"):
+        _replaying(losing).finish_repay("p", 0)
+
+
+def test_a_payment_lost_whole_is_written_again(losing: World) -> None:
+    _owe_batch_0(losing)
+    again = [txn(0, i, run=2) for i in range(2)]
+    losing.ledger.record_repaying("p", 0, _rewrite(losing, again))
+    losing.sink.lose(again)  # type: ignore[attr-defined]
+    assert _replaying(losing).finish_repay("p", 0) is False
+    assert losing.ledger.owed() == {"p": {0: {"s": 2}}}

@@ -147,11 +147,20 @@ class StateLedger:
             return set(self._state.abandoned_txns.get(int(checkpoint_id), ()))
 
     def owed(self) -> dict[str, dict[int, dict[str, int]]]:
-        """Batches owed to sinks that lost their transactions of them, per
-        pipeline and batch: sink id -> the rows the lost work held (see
-        :mod:`lifecycle.replay`)."""
+        """Batches owed to sinks that lost their work of them, per pipeline and
+        batch: sink id -> the rows the lost work held (see :mod:`lifecycle.replay`)."""
         with self._mutex:
-            return copy.deepcopy(self._state.owed)
+            return {
+                p: {b: {sid: int(d["rows"]) for sid, d in sinks.items()} for b, sinks in bs.items()}
+                for p, bs in self._state.owed.items()
+            }
+
+    def owed_work(self, pipeline: str, batch_id: int) -> dict[str, list[Committable]]:
+        """The work recorded as writing owed batch ``batch_id`` of ``pipeline``
+        again, per sink id (only sinks that have such work)."""
+        with self._mutex:
+            sinks = self._state.owed.get(pipeline, {}).get(int(batch_id), {})
+            return {sid: copy.deepcopy(d["work"]) for sid, d in sinks.items() if "work" in d}
 
     def sinks_settings(self) -> dict[str, dict[str, Any]]:
         """The recorded settings of every sink of the job, by ``pipeline/sink_id``
@@ -260,13 +269,25 @@ class StateLedger:
             self._change({"op": "sinks", "s": payload})
             return True
 
-    def record_owed(self, pipeline: str, batch_id: int, sinks: dict[str, int]) -> None:
-        """Record that batch ``batch_id`` of ``pipeline`` is owed to ``sinks``
-        (sink id -> rows): their work of it was lost before it committed, and
-        the batch is to be written to them again from its source."""
-        if sinks:
-            op = {"op": "owe", "p": pipeline, "b": int(batch_id), "s": dict(sinks)}
-            self._change(op)
+    def record_owed(self, pipeline: str, batches: dict[int, dict[str, int]]) -> None:
+        """Record that ``batches`` of ``pipeline`` (batch id -> sink id -> rows)
+        are owed to those sinks: their work of them was lost before it committed
+        (or follows lost work), and each batch is to be written to them again
+        from its source. One change, whatever the number of batches."""
+        owe = {str(b): dict(sinks) for b, sinks in batches.items() if sinks}
+        if owe:
+            self._change({"op": "owe", "p": pipeline, "s": owe})
+
+    def record_repaying(
+        self, pipeline: str, batch_id: int, work: dict[str, list[Committable]]
+    ) -> None:
+        """Record the work (sink id -> committables) that writes owed batch
+        ``batch_id`` of ``pipeline`` again, before it commits."""
+        with self._mutex:
+            owed = self._state.owed.get(pipeline, {}).get(int(batch_id), {})
+            if not set(work) <= set(owed):
+                raise RuntimeError(f"batch {batch_id} of {pipeline} is not owed to {sorted(work)}")
+            self._change({"op": "repaying", "p": pipeline, "b": int(batch_id), "s": work})
 
     def record_repaid(self, pipeline: str, batch_id: int, sinks: dict[str, int]) -> None:
         """Record that ``sinks`` (sink id -> rows committed) hold batch

@@ -182,6 +182,12 @@ class FileLedger(StateLedger):
         self._snapshot_bytes = snapshot_path(self.dir, gen).stat().st_size
         if older:
             self._compact()  # in the current format, which a version before refuses
+            if self._gen == gen:
+                raise ConfigError(
+                    f"the ledger in {self.dir} is of format {doc.get('format')} and could not be "
+                    f"written in format {FORMAT} (see the warning above); free space or fix "
+                    "permissions and open it again"
+                )
             log.info("ledger %s upgraded to format %d", self.dir, FORMAT)
         if (state.history_limit, state.digest_window) != (history, digest_window):
             self._change({"op": "limits", "history": history, "digests": digest_window})

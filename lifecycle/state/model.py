@@ -24,14 +24,19 @@ Operations:
 ``sinks s``                 the settings of every sink of the job (label -> the
                             sink's non-secret ``settings()``), replacing the last ones
 ``limits history digests``  how many checkpoints and digests are kept
-``owe p b s``               batch ``b`` of ``p`` is owed to sinks ``s`` (sink id -> rows):
-                            their transactions of it were lost in the target before
-                            they committed, so the batch is written to them again
-                            from its source (:mod:`lifecycle.replay`)
+``owe p s``                 batches of ``p`` are owed to sinks, ``s``: batch -> sink id
+                            -> rows: the sinks' work of them was lost in the target
+                            before it committed (or follows lost work), so each batch
+                            is written to them again from its source
+                            (:mod:`lifecycle.replay`)
+``repaying p b s``          the work (sink id -> committables) that writes owed batch
+                            ``b`` of ``p`` again, recorded before it commits (owned:
+                            no sweep aborts it)
 ``repaid p b s``            sinks ``s`` (sink id -> rows) of batch ``b`` of ``p`` hold it
                             again: it leaves ``owed``, its rows count in the totals
 
-Format 3 added ``owe`` and ``repaid`` (the ``owed`` field of the document); a
+Format 3 added ``owe``, ``repaying`` and ``repaid`` (the ``owed`` field of the
+document: pipeline -> batch -> sink id -> ``{"rows", "work"}``); a
 format-2 document reads as one that owes nothing. A version that knows only
 format 2 refuses a format-3 ledger rather than skip what it owes.
 """
@@ -118,8 +123,9 @@ class LedgerState:
         # checkpoint id -> names of the transactions abandoned in it (index of the above)
         self.abandoned_txns: dict[int, set[str]] = {}
         self.sinks: dict[str, dict[str, Any]] = {}  # label -> non-secret settings
-        # pipeline -> batch id -> sink id -> rows: lost batches written again from source
-        self.owed: dict[str, dict[int, dict[str, int]]] = {}
+        # pipeline -> batch id -> sink id -> {"rows": n, "work": [committables] (once
+        # recorded)}: lost batches written again from source
+        self.owed: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
         self.history_limit = history
         self.digest_window = digest_window
         self._ops: dict[str, Callable[[Op], None]] = {
@@ -133,6 +139,7 @@ class LedgerState:
             "sinks": self._sinks,
             "limits": self._limits,
             "owe": self._owe,
+            "repaying": self._repaying,
             "repaid": self._repaid,
         }
 
@@ -230,15 +237,28 @@ class LedgerState:
             self._trim_digests(p)
 
     def _owe(self, op: Op) -> None:
-        owed = self.owed.setdefault(op["p"], {}).setdefault(int(op["b"]), {})
-        owed.update({str(k): int(v) for k, v in op["s"].items()})
+        batches = self.owed.setdefault(op["p"], {})
+        for b, sinks in op["s"].items():
+            owed = batches.setdefault(int(b), {})
+            for sid, rows in sinks.items():
+                owed.setdefault(str(sid), {"rows": int(rows)})
+
+    def _repaying(self, op: Op) -> None:
+        owed = self.owed[op["p"]][int(op["b"])]
+        for sid, work in op["s"].items():
+            if "work" in owed[sid]:
+                self._disown({sid: owed[sid]["work"]})
+            owed[sid]["work"] = work
+            self._own({sid: work})  # kept from sweeps until it is settled
 
     def _repaid(self, op: Op) -> None:
         p: str = op["p"]
         b = int(op["b"])
         owed = self.owed.get(p, {}).get(b, {})
         for sid, n in op["s"].items():
-            owed.pop(sid, None)
+            debt = owed.pop(sid, None)
+            if debt is not None and "work" in debt:
+                self._disown({sid: debt["work"]})
             label = f"{p}/{sid}"
             self.totals[label] = self.totals.get(label, 0) + int(n)
         if not owed:
@@ -343,7 +363,7 @@ class LedgerState:
             "sinks": self.sinks,
             "limits": {"history": self.history_limit, "digests": self.digest_window},
             "owed": {
-                p: {str(b): dict(sinks) for b, sinks in sorted(batches.items())}
+                p: {str(b): sinks for b, sinks in sorted(batches.items())}
                 for p, batches in sorted(self.owed.items())
             },
         }
@@ -379,7 +399,11 @@ class LedgerState:
             state._abandon(a)
         state.sinks = dict(doc.get("sinks", {}))
         for p, batches in doc.get("owed", {}).items():  # format 3
-            for b, sinks in batches.items():
-                state._owe({"p": p, "b": b, "s": sinks})
+            state.owed[p] = {
+                int(b): {sid: dict(debt) for sid, debt in sinks.items()}
+                for b, sinks in batches.items()
+            }
+            for sinks in state.owed[p].values():
+                state._own({sid: d["work"] for sid, d in sinks.items() if "work" in d})
         state._trim_history()
         return state

@@ -64,7 +64,7 @@ def load_doc(conn: psycopg.Connection, st: Statements, job: str) -> dict[str, An
             spark[p] = completed
         if cut is not None:
             cuts[p] = cut
-    owed: dict[str, dict[str, dict[str, int]]] = {}
+    owed: dict[str, dict[str, dict[str, Any]]] = {}
     table = sql.Identifier(st.schema, "owed").as_string(conn)
     if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone() != (None,):
         # (a schema no format-3 ledger has opened yet has no such table)
@@ -125,12 +125,14 @@ def write_op(
         conn.execute(st.clear_sinks, (job,))
         if op["s"]:
             conn.execute(st.put_sinks, (job, Jsonb(op["s"])))
-    elif kind in ("owe", "repaid"):
-        now = state.owed.get(op["p"], {}).get(int(op["b"]))
-        if now:
-            conn.execute(st.put_owed, (job, op["p"], op["b"], Jsonb(now)))
-        else:
-            conn.execute(st.drop_owed, (job, op["p"], op["b"]))
+    elif kind in ("owe", "repaying", "repaid"):
+        touched = [int(b) for b in op["s"]] if kind == "owe" else [int(op["b"])]
+        for b in touched:
+            now = state.owed.get(op["p"], {}).get(b)
+            if now:
+                conn.execute(st.put_owed, (job, op["p"], b, Jsonb(now)))
+            else:
+                conn.execute(st.drop_owed, (job, op["p"], b))
         if kind == "repaid":
             labels = [f"{op['p']}/{sid}" for sid in op["s"]]
             conn.execute(st.add_totals, (job, labels, [int(n) for n in op["s"].values()]))

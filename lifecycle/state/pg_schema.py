@@ -20,8 +20,8 @@ ledgers of several jobs share the tables, one ledger per job name.
 ``sinks``              one row per sink of the job (``pipeline/sink_id``): its
                        recorded non-secret settings (JSONB), as the
                        ``twophase`` commands rebuild it
-``owed``               one row per batch owed to sinks whose transactions of it
-                       were lost (format 3): sink id -> rows (JSONB)
+``owed``               one row per batch owed to sinks whose work of it was lost
+                       (format 3): sink id -> ``{"rows", "work"}`` (JSONB)
 
 Deleting a job's ``ledgers`` row deletes its whole ledger (foreign keys cascade).
 """
@@ -129,24 +129,54 @@ LATER_TABLES = ("sinks", "owed")
 """Tables added after the first version: when they exist, so do the others (a
 schema created before a table was added gets it the next time a ledger opens
 there)."""
+_OWED_DDL = DDL[-1]
+"""the table format 3 added: the only DDL a schema of format 2 needs"""
 
 
 def ensure_schema(conn: psycopg.Connection, schema: str) -> bool:
     """Create the schema and its tables when missing (``conn`` in autocommit).
     Concurrent creators are serialised by a transaction-level advisory lock;
-    nothing is created (no privilege needed) when the tables exist. Returns
-    whether the checkpoints keep audit evidence (a schema of an earlier version
-    gets the column when this role may add it without waiting)."""
+    nothing is created (no privilege needed) when the tables exist, and a schema
+    of format 2 gets only its ``owed`` table. Returns whether the checkpoints
+    keep audit evidence (a schema of an earlier version gets the column when
+    this role may add it without waiting)."""
     later = [sql.Identifier(schema, t).as_string(conn) for t in LATER_TABLES]
+    s = sql.Identifier(schema)
     with conn.transaction():
-        found = conn.execute("SELECT to_regclass(t) FROM unnest(%s::text[]) AS t", (later,))
-        if all(r[0] is not None for r in found):
+        found = [
+            r[0]
+            for r in conn.execute("SELECT to_regclass(t) FROM unnest(%s::text[]) AS t", (later,))
+        ]
+        if all(f is not None for f in found):
+            return _add_later_columns(conn, schema)
+        if found[0] is not None:  # format 2: everything but ``owed``
+            _create_owed(conn, schema)
             return _add_later_columns(conn, schema)
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_key(schema),))
-        s = sql.Identifier(schema)
         for statement in DDL:
             conn.execute(sql.SQL(statement).format(s=s))  # type: ignore[arg-type]
         return True
+
+
+def _create_owed(conn: psycopg.Connection, schema: str) -> None:
+    """Create the ``owed`` table in a schema of format 2 (a savepoint: a role
+    that may not create tables there is told what to run, and the ledger opens;
+    recording a debt then fails, naming the table)."""
+    try:
+        with conn.transaction():
+            conn.execute("SET LOCAL lock_timeout = '2s'")
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_key(schema),))
+            conn.execute(sql.SQL(_OWED_DDL).format(s=sql.Identifier(schema)))  # type: ignore[arg-type]
+    except (psycopg.errors.LockNotAvailable, psycopg.errors.InsufficientPrivilege) as e:
+        statement = sql.SQL(_OWED_DDL).format(s=sql.Identifier(schema)).as_string(conn)
+        log.warning(
+            "the ledger schema %s lacks the table owed (batches owed to sinks that lost their "
+            "work, recovery rule 5) and this role could not create it (%s); run as the "
+            "schema's owner: %s",
+            schema,
+            str(e).strip(),
+            " ".join(statement.split()),
+        )
 
 
 def has_evidence_column(conn: psycopg.Connection, schema: str) -> bool:

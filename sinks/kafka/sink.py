@@ -80,6 +80,7 @@ import hashlib
 import itertools
 import logging
 import re
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -607,6 +608,18 @@ class KafkaSink(Sink):
             deadline=self.commit_timeout,
         )
         self._tombstone(replayed)
+
+    def cannot_have_lost(self, committables: Sequence[Committable]) -> bool:
+        """True when every transaction opened (``opened_at``, the executor's
+        clock) less than ``transaction_timeout_ms`` minus a minute ago: the
+        broker cannot have aborted any at its timeout yet. Reading the log for
+        each (:meth:`classify`) costs a read per partition and transaction."""
+        opened = [c.get("opened_at") for c in committables]
+        if not opened or any(t is None for t in opened):
+            return False
+        margin_s = 60.0  # clock skew between executors and driver, the abort sweep's period
+        oldest = min(float(t) for t in opened if t is not None)
+        return time.time() - oldest < self.transaction_timeout_ms / 1000 - margin_s
 
     def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
         """From the log, as the commit settles a refused EndTxn
