@@ -12,6 +12,7 @@
                                                      the last checkpoints (evidence)
     twophase recover STATE_DIR                       the recovery rules, without the job
     twophase abandon STATE_DIR --checkpoint N [--yes]
+    twophase abandon STATE_DIR --owed PIPELINE/BATCH [--yes]
                                                      give up the lost transactions of
                                                      the decided checkpoint N
     twophase version
@@ -283,6 +284,38 @@ def abandon(
     return 0
 
 
+def give_up_owed(
+    state_dir: str, owed: str, *, yes: bool, note: str, ledger: str | None = None
+) -> int:
+    """Give up a batch owed to sinks (recovery rule 5) whose source no longer has
+    it, after confirmation (``owed``: ``PIPELINE/BATCH``)."""
+    pipeline, _, batch = owed.rpartition("/")
+    if not pipeline or not batch.isdigit():
+        return _fail(f"--owed takes PIPELINE/BATCH (e.g. load/12), not {owed!r}", 2)
+    try:
+        op = operations.Operator(state_dir, ledger=ledger)
+    except TwoPhaseError as e:
+        return _fail(e, 2)
+    with op:
+        owing = op.ledger.owed().get(pipeline, {}).get(int(batch))
+        if not owing:
+            listed = {p: sorted(bs) for p, bs in op.ledger.owed().items()}
+            return _fail(f"batch {batch} of {pipeline} is not owed (owed: {listed or 'none'})", 1)
+        rows = sum(owing.values())
+        print(
+            f"batch {batch} of {pipeline} is owed to "
+            + ", ".join(f"{sid} ({n} row(s))" for sid, n in sorted(owing.items()))
+            + f": giving it up loses {rows} row(s) for good in those sinks (the other sinks "
+            "hold the batch); re-run its rows from source to restore them"
+        )
+        if not yes and not _confirm(f"give up batch {batch} of {pipeline}? [y/N] "):
+            print("not abandoned: nothing changed")
+            return 1
+        op.give_up_owed(pipeline, int(batch), note)
+    print("abandoned: recorded in the ledger's history (`twophase status`); the job runs on")
+    return 0
+
+
 def stop(state_dir: str, *, drain: bool, timeout: float, ledger: str | None = None) -> int:
     """Ask the job on ``state_dir`` to stop, wait for it to exit, report the outcome
     (``ledger``: the job's ``ledger=``, see the module docstring)."""
@@ -418,10 +451,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rc.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
     ab = sub.add_parser(
         "abandon",
-        help="give up the lost transactions of the decided checkpoint so the rest commits",
+        help="give up the lost transactions of the decided checkpoint so the rest commits, "
+        "or a batch owed to sinks whose source no longer has it",
     )
     ab.add_argument("state_dir")
-    ab.add_argument("--checkpoint", type=int, required=True, help="the decided checkpoint's id")
+    which = ab.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", type=int, help="the decided checkpoint's id")
+    which.add_argument(
+        "--owed", metavar="PIPELINE/BATCH", help="a batch owed to sinks (twophase status: OWED)"
+    )
     ab.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     ab.add_argument("--note", default="", help="why, kept in the ledger with the record")
     ab.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
@@ -469,6 +507,10 @@ def _command(args: argparse.Namespace) -> int:
         )
     if args.cmd == "recover":
         return recover(args.state_dir, ledger=args.ledger)
+    if args.cmd == "abandon" and args.owed is not None:
+        return give_up_owed(
+            args.state_dir, args.owed, yes=args.yes, note=args.note, ledger=args.ledger
+        )
     if args.cmd == "abandon":
         return abandon(
             args.state_dir, args.checkpoint, yes=args.yes, note=args.note, ledger=args.ledger

@@ -339,6 +339,35 @@ class Operator:
                     found.lost.append(LostTxn(label, sink.describe(), c))
         return found
 
+    def give_up_owed(self, pipeline: str, batch_id: int, note: str = "") -> str:
+        """Give up batch ``batch_id`` of ``pipeline``, owed to sinks that lost
+        their work of it (recovery rule 5) and whose source no longer has it:
+        work recorded as paying it is aborted, the debt leaves the ledger, and
+        an abandonment records what is missing. Returns the record's note."""
+        owing = self.ledger.owed().get(pipeline, {}).get(batch_id)
+        if not owing:
+            owed = {p: sorted(bs) for p, bs in self.ledger.owed().items()}
+            raise AbandonRefusedError(
+                f"batch {batch_id} of pipeline {pipeline!r} is not owed (owed: {owed or 'none'})"
+            )
+        for sid, work in self.ledger.owed_work(pipeline, batch_id).items():
+            self.sinks[pipeline][sid].abort(work)
+        try:
+            who = getpass.getuser()
+        except Exception:  # no login name in this environment
+            who = "?"
+        text = (
+            f"{who}@{socket.gethostname()} with twophase abandon --owed: batch {batch_id} of "
+            f"{pipeline} given up, {sum(owing.values())} row(s) not written ("
+            + ", ".join(f"{pipeline}/{sid}: {n}" for sid, n in sorted(owing.items()))
+            + ")"
+            + (f"; {note}" if note else "")
+        )
+        last = self.ledger.history()
+        self.ledger.record_abandoned(last[-1].id if last else 0, [], text)
+        self.ledger.record_repaid(pipeline, batch_id, dict.fromkeys(owing, 0))
+        return text
+
     def abandon(self, found: Assessment, note: str = "") -> str:
         """Record that the lost transactions of ``found`` are given up (kept in
         the ledger's history); the note recorded."""

@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from lifecycle import BatchLostError, CheckpointCommitError, Job
+from lifecycle import BatchLostError, CheckpointCommitError, Job, cli
 from lifecycle.ledger import read_ledger
 from lifecycle.status import PENDING, format_text, job_status
 from sinks import DeltaSink, KafkaSink, PostgresSink, TransactionLostError, _faults
@@ -94,8 +94,9 @@ def test_a_rolled_back_prepared_transaction_is_written_again_from_the_source(
     assert moves.get("owe_lost", 0) >= 1 and moves.get("repay_owed", 0) >= 1, moves
 
 
+@pytest.mark.parametrize("then", ["restore the file", "give the batch up"])
 def test_a_batch_whose_source_is_gone_stops_the_job_naming_what_is_missing(
-    spark: Any, pg_dsn: str, tmp_path: Path
+    spark: Any, pg_dsn: str, tmp_path: Path, then: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     n = write_input(tmp_path / "in", files=1, rows_per_file=40)
     _lose_the_first_checkpoint(spark, pg_dsn, tmp_path, "gone")
@@ -122,9 +123,24 @@ def test_a_batch_whose_source_is_gone_stops_the_job_naming_what_is_missing(
     assert "OWED: batch 0 of load to pg 40 row(s)" in format_text(status)
     assert json.loads(json.dumps(status))  # the --json document stays JSON
 
-    shutil.copy2(kept / first.name, first)  # the source has the data again
-    _job(spark, pg_dsn, tmp_path, "gone").run()
-    assert_exactly_once(pg_dsn, "orders", n)
+    if then == "restore the file":
+        shutil.copy2(kept / first.name, first)  # the source has the data again
+        _job(spark, pg_dsn, tmp_path, "gone").run()
+        assert_exactly_once(pg_dsn, "orders", n)
+    else:  # the data is gone for good: an operator gives the batch up
+        state = str(tmp_path / "state")
+        assert cli.main(["abandon", state, "--owed", "load/1", "--yes"]) == 1
+        assert cli.main(["abandon", state, "--owed", "load/0", "--yes"]) == 0
+        out = capsys.readouterr().out
+        assert "giving it up loses 40 row(s) for good" in out, out
+        _job(spark, pg_dsn, tmp_path, "gone").run()  # runs on
+        with psycopg.connect(pg_dsn) as c:
+            assert c.execute("SELECT count(*) FROM orders").fetchone() == (0,)
+        doc = read_ledger(tmp_path / "state")
+        assert (
+            doc is not None
+            and "batch 0 of load given up, 40 row(s)" in doc["abandoned"][-1]["note"]
+        )
     deltacheck.assert_exactly_once(str(tmp_path / "delta"), n)
     assert _owed(tmp_path) == {}
     assert job_prepared(pg_dsn, "gone") == []
