@@ -58,6 +58,11 @@ class DataError(TwoPhaseError):
     to change."""
 
 
+class RecordTooLargeError(DataError):
+    """A Kafka record is larger than its topic takes (``max.message.bytes``,
+    read at preflight): the message names its key, its size and both limits."""
+
+
 class PreparedLimitError(TwoPhaseError):
     """PostgreSQL refused to prepare a transaction: its ``max_prepared_transactions``
     is reached. The message says which setting to raise."""

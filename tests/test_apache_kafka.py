@@ -24,14 +24,15 @@ from tests.kafkacheck import assert_exactly_once, assert_nothing_open, consume_i
 from tests.procs import run_job
 
 
-def _topic(bootstrap: str, partitions: int = 3) -> str:
+def _topic(bootstrap: str, partitions: int = 3, config: dict[str, str] | None = None) -> str:
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
 
     name = f"t-{uuid.uuid4().hex[:12]}"
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     try:
-        admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+        topic = NewTopic(name, partitions, 1, topic_configs=config or {})
+        admin.create_topics([topic])
     finally:
         admin.close()
     wait_for_topic(bootstrap, name, partitions)
@@ -123,3 +124,42 @@ def _killed_job_reads_once(spark: Any, broker: Any, tmp_path: Path) -> None:
         assert not twice and set(ids) == everything, f"{name}: {len(ids)} rows, twice: {twice[:5]}"
     uncommitted = _spark_read(spark, bootstrap, topic, "read_uncommitted")
     assert len(uncommitted) > n and set(uncommitted) == everything
+
+
+def test_batches_fit_a_topic_whose_max_message_bytes_is_below_the_sinks_batch(
+    twophase_apache_kafka: Any,
+) -> None:
+    """A topic taking record batches of at most 20,000 bytes, below the sink's
+    1 MiB batches: the writers size their batches to it (read at preflight), and
+    a record larger than it fails the task naming its key, size and both limits,
+    before anything of it commits."""
+    import pyarrow as pa
+
+    from sinks import KafkaSink, RecordTooLargeError
+    from tests.kafkacheck import read_settled
+    from tests.test_kafka_unit import SCHEMA, committed_ids, ctx, job_name, rows, write_task
+
+    bootstrap = twophase_apache_kafka.bootstrap
+    topic = _topic(bootstrap, partitions=1, config={"max.message.bytes": "20000"})
+    sink = KafkaSink(bootstrap, topic, key="id", sink_id="k")
+    try:
+        sink.preflight(SCHEMA)
+        assert sink.topic_max_bytes == 20000
+        c = write_task(sink, ctx(job_name(), 0), [rows(0, 3000)])  # about 150 kB
+        assert c is not None
+        sink.commit([c])
+        big = pa.record_batch([[10_000], ["x" * 30_000], [0.5]], schema=SCHEMA)
+        w = sink.open_writer(ctx(job_name(), 0), SCHEMA)
+        try:
+            w.write(rows(20_000, 10))
+            with pytest.raises(RecordTooLargeError) as e:
+                w.write(big)
+        finally:
+            w.close(failed=True)
+        msg = str(e.value)
+        assert "key 10000" in msg and "max.message.bytes=20000" in msg, msg
+        assert "max_request_size is 1048576" in msg, msg
+    finally:
+        sink.close()
+    log = read_settled(bootstrap, topic)
+    assert committed_ids(log) == list(range(3000)) and log.n_open == 0

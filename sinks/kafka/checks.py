@@ -114,6 +114,20 @@ def broker_max_timeout(wire: KafkaWire) -> int | None:
     return min(found) if found else None
 
 
+def topic_max_message_bytes(wire: KafkaWire, topic: str) -> int | None:
+    """The topic's ``max.message.bytes`` (its own, or the brokers' default), the
+    largest record batch it takes; None when the broker does not say (tansu
+    answers DescribeConfigs with no entries)."""
+    try:
+        res = wire.admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+    except Exception as e:
+        log.debug("DescribeConfigs of topic %s failed: %r", topic, e)
+        return None
+    entry = res.get("topic", {}).get(topic, {}).get("max.message.bytes")
+    value = entry.get("value") if entry else None
+    return int(value) if value is not None else None
+
+
 _PASSING = (
     Errors.CoordinatorLoadInProgressError,
     Errors.CoordinatorNotAvailableError,

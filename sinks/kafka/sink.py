@@ -242,6 +242,7 @@ class KafkaSink(Sink):
         self.commit_connections = check_connections(commit_connections)
         self._checkpoint_interval_s = 0.0
         self.registry_topic = registry_topic
+        self.topic_max_bytes: int | None = None  # the topic's max.message.bytes (preflight)
         self.flush_timeout = flush_timeout
         self.connect_timeout = connect_timeout
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
@@ -411,6 +412,8 @@ class KafkaSink(Sink):
                 self.transaction_timeout_ms,
                 probe=f"{self.id_prefix}twophase-preflight.{self.sink_id}",
             )
+            # the writers size their record batches to it (they run on executors: pickled)
+            self.topic_max_bytes = checks.topic_max_message_bytes(wire, self.topic)
 
     @property
     def changelog(self) -> bool:
@@ -499,6 +502,7 @@ class KafkaSink(Sink):
             rules=self.rules if self.changelog else None,
             registry_topic=self.registry_topic,
             transaction_timeout_ms=self.transaction_timeout_ms,
+            topic_max_bytes=self.topic_max_bytes,
         )
 
     # -- progress and claims (sinks.kafka.progress) --------------------------------------

@@ -47,7 +47,7 @@ from kafka.errors import MessageSizeTooLargeError
 from kafka.partitioner.default import murmur2
 
 from sinks.base import Committable, SinkWriter, WriteContext
-from sinks.errors import UnconfirmedWriteError
+from sinks.errors import RecordTooLargeError, UnconfirmedWriteError
 from sinks.kafka import encode, partitioner, records
 from sinks.kafka.produce import ProducerOptions, TxnProducer
 from sinks.kafka.registry import announcement
@@ -60,7 +60,8 @@ log = logging.getLogger("sinks.kafka")
 _ABORT_TIMEOUT_S = 30.0
 # what a record adds to its key, value and headers in a batch, at most (the batch
 # header is 61 bytes; a record's varints and attributes take at most 21 more)
-_RECORD_OVERHEAD = 61 + 21
+_BATCH_HEADER = 61
+_RECORD_OVERHEAD = _BATCH_HEADER + 21
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ class WriterSettings:
     every row is a record"""
     registry_topic: str | None
     transaction_timeout_ms: int
+    topic_max_bytes: int | None = None
+    """the topic's ``max.message.bytes`` read at preflight (None: unknown)"""
 
 
 class KafkaWriter(SinkWriter):
@@ -196,7 +199,7 @@ class KafkaWriter(SinkWriter):
             transactional=True,
             timestamp_ms=int(time.time() * 1000),
             compression=self._options.compression,
-            max_batch_bytes=min(self._options.batch_size, self._options.max_request_size),
+            max_batch_bytes=self._batch_limit(),
         )
         producer.send(topic, by_partition)
         self._rows += batch.num_rows
@@ -245,24 +248,45 @@ class KafkaWriter(SinkWriter):
                 "record needs a key or a value (a null value with a key is a tombstone)"
             )
 
+    def _batch_limit(self) -> int:
+        """The most bytes a record batch holds: the sink's ``batch_size`` and
+        ``max_request_size``, and the topic's ``max.message.bytes`` (as the Java
+        producer sizes batches)."""
+        limits = [self._options.batch_size, self._options.max_request_size]
+        if self._settings.topic_max_bytes:
+            limits.append(self._settings.topic_max_bytes - _BATCH_HEADER)
+        return max(1, min(limits))
+
     def _check_sizes(
         self, keys: pa.Array | None, values: pa.Array, headers: list[tuple[str, pa.Array]]
     ) -> None:
-        """Refuse a record larger than ``max_request_size`` before anything is sent,
-        as kafka-python's producer did (the message is the one
-        :mod:`sinks.explain` turns into advice)."""
+        """Refuse a record larger than ``max_request_size`` or the topic's
+        ``max.message.bytes`` before anything is sent (the task fails: nothing
+        of the batch commits), naming its key and size and both limits."""
         size = _lengths(values)
         if keys is not None:
             size = size + _lengths(keys)
         for name, col in headers:
             size = size + _lengths(col) + len(name.encode())
-        largest = int(size.max()) + _RECORD_OVERHEAD
+        at = int(np.argmax(size))
+        largest = int(size[at]) + _RECORD_OVERHEAD
         limit = self._options.max_request_size
+        topic_limit = self._settings.topic_max_bytes
         if largest > limit:
             raise MessageSizeTooLargeError(
                 f"The message is {largest} bytes when serialized which is larger than the "
                 f"maximum request size you have configured with the max_request_size "
                 f"configuration ({limit})"
+            )
+        if topic_limit and largest > topic_limit:
+            key = keys[at].as_py() if keys is not None else None
+            if isinstance(key, bytes):
+                key = key.decode("utf-8", "replace")  # as the key column gave it
+            raise RecordTooLargeError(
+                f"{self._settings.where}: the record of key {key} (row {self._rows + at} of "
+                f"this task) is {largest} bytes, more than topic {self._settings.topic!r} "
+                f"takes (max.message.bytes={topic_limit}; the sink's max_request_size is "
+                f"{limit}): raise the topic's max.message.bytes, or make the record smaller"
             )
 
     def _check_unconfirmed(self, producer: TxnProducer) -> None:
