@@ -132,6 +132,46 @@ def test_a_kafka_transaction_the_broker_aborted_is_a_mismatch(
     assert "the ledger says 21" in found[2].detail
 
 
+def test_kafka_records_deleted_by_delete_records_are_expired_not_a_mismatch(
+    twophase_apache_kafka: Any,
+) -> None:
+    """Apache Kafka's DeleteRecords (what retention does by time) removes the
+    first transaction's records: its evidence is ``expired``, the second one's
+    still ``ok``, and the report passes."""
+    from kafka import KafkaAdminClient, TopicPartition
+
+    from tests.test_apache_kafka import _topic
+
+    bootstrap = twophase_apache_kafka.bootstrap
+    topic = _topic(bootstrap, partitions=1)
+    sink = KafkaSink(bootstrap, topic, key="id", sink_id="k")
+    sink.preflight(SCHEMA_ARROW)
+    scope = JobScope("kexpire", "p", "k", "inc0000001")
+    try:
+        old = write_task(sink, ctx("kexpire", 0, batch=0), [rows(0, 20)])
+        assert old is not None
+        sink.commit([old])
+        new = write_task(sink, ctx("kexpire", 0, batch=1), [rows(20, 10)])
+        assert new is not None
+        sink.commit([new])
+        first_new = min(first for first, _ in new["partitions"].values())
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+        try:
+            admin.delete_records({TopicPartition(topic, 0): first_new})
+        finally:
+            admin.close()
+        evidence = [
+            CheckpointEvidence(i + 1, 0.0, [sink.evidence(c)]) for i, c in enumerate([old, new])
+        ]
+        found = sink.audit(scope, evidence)
+    finally:
+        sink.close()
+    assert [(f.txn, f.verdict) for f in found] == [
+        (old["txn"], Verdict.EXPIRED),
+        (new["txn"], Verdict.OK),
+    ], found
+
+
 def test_the_evidence_window_and_expired_delta_versions(  # type: ignore[no-untyped-def]
     spark, pg_dsn, tmp_path, capsys
 ):

@@ -303,15 +303,29 @@ class KafkaWire:
                 if p.partition_index != partition:
                     continue
                 error = Errors.for_code(p.error_code)
-                if error is Errors.OffsetOutOfRangeError and 0 <= offset < p.log_start_offset:
-                    # deleted by retention: say where the log starts now
-                    return RawPartition(b"", p.high_watermark, p.log_start_offset)
+                if error is Errors.OffsetOutOfRangeError:
+                    # deleted by retention or DeleteRecords: say where the log starts now
+                    # (Apache Kafka answers -1 for it with the error: ask ListOffsets)
+                    start = p.log_start_offset
+                    if start < 0:
+                        start = self.log_start_offset(topic, partition)
+                    if 0 <= offset < start:
+                        return RawPartition(b"", p.high_watermark, start)
                 if error is not Errors.NoError:
                     raise error(f"fetch of {topic}/{partition} at offset {offset}")
                 raw = p.records
                 data = bytes(raw) if raw else b""
                 return RawPartition(data, p.high_watermark, p.log_start_offset)
         return None  # tansu, loaded, has answered even a 1 ms wait with no partition
+
+    def log_start_offset(self, topic: str, partition: int) -> int:
+        """The partition's earliest offset (ListOffsets), -1 when not answered."""
+        from kafka import TopicPartition
+        from kafka.protocol.consumer import OffsetSpec
+
+        tp = TopicPartition(topic, partition)
+        found = self.admin.list_partition_offsets({tp: OffsetSpec.EARLIEST}).get(tp)
+        return int(getattr(found, "offset", -1)) if found is not None else -1
 
     def batches(
         self, leader: Any, topic: str, partition: int, start: int = 0, stop: int | None = None
