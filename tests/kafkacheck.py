@@ -113,9 +113,12 @@ def assert_nothing_open(bootstrap: str, topic: str, job: str) -> None:
     verify.assert_nothing_left_kafka(bootstrap, topic, job)
 
 
-def consume_ids(bootstrap: str, topic: str, isolation: str) -> list[int]:
-    """The ``id`` of every record a librdkafka consumer reads from the start, with
-    ``isolation.level`` ``isolation``: how users read the sink's topic."""
+def consume_records(
+    bootstrap: str, topic: str, isolation: str
+) -> list[tuple[int | None, bytes | None]]:
+    """(key as an int, value) of every record a librdkafka consumer reads from
+    the start, with ``isolation.level`` ``isolation``: how users read the sink's
+    topic."""
     import uuid
 
     from confluent_kafka import Consumer, TopicPartition
@@ -135,12 +138,21 @@ def consume_ids(bootstrap: str, topic: str, isolation: str) -> list[int]:
             _, high = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
             ends[p] = high
         c.assign([TopicPartition(topic, p, 0) for p in parts])
-        ids: list[int] = []
+        got: list[tuple[int | None, bytes | None]] = []
         idle = 0
         while idle < 5:
             msgs = c.consume(500, timeout=1.0)
             idle = idle + 1 if not msgs else 0
-            ids += [json.loads(m.value())["id"] for m in msgs if not m.error()]
-        return ids
+            got += [
+                (int(m.key()) if m.key() is not None else None, m.value())
+                for m in msgs
+                if not m.error()
+            ]
+        return got
     finally:
         c.close()
+
+
+def consume_ids(bootstrap: str, topic: str, isolation: str) -> list[int]:
+    """The ``id`` of every record :func:`consume_records` reads."""
+    return [json.loads(v)["id"] for _, v in consume_records(bootstrap, topic, isolation) if v]

@@ -9,8 +9,10 @@ makes meaningful (it sends the aborted-transactions list that tansu does not).
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -20,7 +22,12 @@ import pytest
 
 from lifecycle.testing.plugin import wait_for_topic
 from tests.conftest import write_input
-from tests.kafkacheck import assert_exactly_once, assert_nothing_open, consume_ids
+from tests.kafkacheck import (
+    assert_exactly_once,
+    assert_nothing_open,
+    consume_ids,
+    consume_records,
+)
 from tests.procs import run_job
 
 
@@ -163,3 +170,65 @@ def test_batches_fit_a_topic_whose_max_message_bytes_is_below_the_sinks_batch(
         sink.close()
     log = read_settled(bootstrap, topic)
     assert committed_ids(log) == list(range(3000)) and log.n_open == 0
+
+
+def test_a_compacted_changelog_reads_as_the_model_after_the_log_cleaner_ran(  # type: ignore[no-untyped-def]
+    spark, twophase_apache_kafka, tmp_path: Path
+):
+    """A keyed KafkaSink writes a feed of inserts, updates and deletes into a
+    topic with ``cleanup.policy=compact``. Once Apache Kafka's log cleaner has
+    compacted it and, after ``delete.retention.ms``, dropped the tombstones and
+    transaction markers, a read_committed consumer reading the whole topic sees
+    the model: the last value of each key, and no deleted key."""
+    from confluent_kafka import Producer
+
+    from lifecycle import Job
+    from sinks import KafkaSink
+    from sinks.kafka.log import read_topic
+    from tests.changefeed import SCHEMA as FEED
+    from tests.changefeed import write_feed
+
+    bootstrap = twophase_apache_kafka.bootstrap
+    compacted = {
+        "cleanup.policy": "compact",
+        "segment.ms": "500",
+        "min.cleanable.dirty.ratio": "0.01",
+        "delete.retention.ms": "500",
+        "min.compaction.lag.ms": "0",
+    }
+    topic = _topic(bootstrap, partitions=2, config=compacted)
+    model = write_feed(tmp_path / "in", files=4, rows_per_file=100, keys=25, seed=5)
+    assert len(model) < 25  # some keys end deleted
+    sink = KafkaSink(bootstrap, topic, key="id", order_by="seq", delete_when=("op", "D"))
+    df = spark.readStream.schema(FEED).option("maxFilesPerTrigger", 1).json(str(tmp_path / "in"))
+    job = Job(spark, f"kc{uuid.uuid4().hex[:8]}", tmp_path / "state", checkpoint_interval=0)
+    job.add_pipeline("feed", df, [sink], bounded=True)
+    job.run()
+    written = read_topic(bootstrap, topic)
+    assert any(r.value is None for r in written.committed)  # tombstones were written
+
+    # the cleaner compacts closed segments only: keep rolling them with a record
+    # of a key outside the feed until the tombstones are gone
+    nudge = Producer({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + 120
+    while True:
+        for p in (0, 1):
+            nudge.produce(topic, key=b"-1", value=b"{}", partition=p)
+        nudge.flush(10)
+        log = read_topic(bootstrap, topic)
+        tombstones = [r for r in log.committed if r.value is None]
+        if not tombstones and len(log.committed) < len(written.committed):
+            break  # compacted, and the tombstones dropped: a deleted key's older value
+            # would now come back to a reader, were it left
+        assert time.monotonic() < deadline, f"not compacted: {len(tombstones)} tombstone(s)"
+        time.sleep(1.0)
+
+    table: dict[int, Any] = {}
+    for key, value in consume_records(bootstrap, topic, "read_committed"):
+        if key == -1:
+            continue
+        if value is None:
+            table.pop(key, None)
+        else:
+            table[key] = json.loads(value)
+    assert table == model
