@@ -45,9 +45,13 @@ class Services:
 
 
 @contextlib.contextmanager
-def services(max_prepared: int = 2000) -> Iterator[Services]:
-    """PostgreSQL (``max_prepared_transactions`` = ``max_prepared``) and tansu,
-    started here and stopped afterwards, and a temporary directory."""
+def services(max_prepared: int = 2000, kafka: str | None = None) -> Iterator[Services]:
+    """PostgreSQL (``max_prepared_transactions`` = ``max_prepared``) and a Kafka
+    broker (``kafka``: ``apache``, the broker users run, when its jars are
+    fetched, else ``tansu``), started here and stopped afterwards, and a
+    temporary directory."""
+    from lifecycle.testing import jars
+    from lifecycle.testing.apache_kafka import ApacheKafka
     from lifecycle.testing.kafka_broker import KafkaBroker
     from lifecycle.testing.postgres_server import PostgresServer
 
@@ -59,7 +63,9 @@ def services(max_prepared: int = 2000) -> Iterator[Services]:
             "synchronous_commit": "on",
         }
     )
-    broker = KafkaBroker()
+    kafka = kafka or ("apache" if jars.available("kafka-broker") else "tansu")
+    broker = ApacheKafka() if kafka == "apache" else KafkaBroker()
+    print(f"Kafka: {kafka}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-driver-") as tmp:
         try:
             pg.start()

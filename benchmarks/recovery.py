@@ -1,6 +1,7 @@
 """Recovery speed: a restarted driver settles ~1,000 pending committables.
 
-A driver prepares ``--pending`` transactions over PostgreSQL, Kafka (tansu)
+A driver prepares ``--pending`` transactions over PostgreSQL, Kafka (Apache
+Kafka when its jars are fetched, ``--kafka tansu`` for the embedded broker)
 and Delta (``--tasks`` per batch and sink) and registers every batch; Spark
 completed all of them but the last. Then the driver dies before any
 checkpoint (its objects are dropped, nothing is committed or aborted) and a
@@ -12,7 +13,7 @@ Afterwards every row is checked: the completed batches exactly once in each
 sink, nothing prepared, open or staged.
 
     python benchmarks/recovery.py [--pending 1000] [--tasks 67] [--repeat 3]
-                                  [--kafka-commit-connections N]
+                                  [--kafka-commit-connections N] [--kafka apache|tansu]
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main() -> int:
     ap.add_argument(
         "--kafka-commit-connections", type=int, help="the Kafka sink's commit_connections"
     )
+    ap.add_argument("--kafka", choices=["apache", "tansu"], help="the broker (apache if fetched)")
     args = ap.parse_args()
     options: dict[str, dict[str, Any]] = {}
     if args.kafka_commit_connections is not None:
@@ -62,7 +64,7 @@ def main() -> int:
     pending = batches * 3 * args.tasks
     took: list[float] = []
     for _ in range(args.repeat):  # fresh services each time: tansu slows as it sees more
-        with services() as s, executors() as pool:
+        with services(kafka=args.kafka) as s, executors() as pool:
             name = unique("rec")
             first = Driver(s, name, make_sinks(s, name, options=options))
             for b in range(batches):
