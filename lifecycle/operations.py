@@ -352,12 +352,8 @@ class Operator:
             )
         for sid, work in self.ledger.owed_work(pipeline, batch_id).items():
             self.sinks[pipeline][sid].abort(work)
-        try:
-            who = getpass.getuser()
-        except Exception:  # no login name in this environment
-            who = "?"
         text = (
-            f"{who}@{socket.gethostname()} with twophase abandon --owed: batch {batch_id} of "
+            f"{_operator()} with twophase abandon --owed: batch {batch_id} of "
             f"{pipeline} given up, {sum(owing.values())} row(s) not written ("
             + ", ".join(f"{pipeline}/{sid}: {n}" for sid, n in sorted(owing.items()))
             + ")"
@@ -379,12 +375,8 @@ class Operator:
         per_sink: dict[str, int] = {}
         for t in found.lost:
             per_sink[t.label] = per_sink.get(t.label, 0) + t.rows
-        try:
-            who = getpass.getuser()
-        except Exception:  # no login name in this environment
-            who = "?"
         text = (
-            f"{who}@{socket.gethostname()} with twophase abandon: "
+            f"{_operator()} with twophase abandon: "
             f"{len(found.lost)} lost transaction(s), "
             f"{sum(per_sink.values())} row(s) not written ("
             + ", ".join(f"{k}: {v}" for k, v in sorted(per_sink.items()))
@@ -393,3 +385,12 @@ class Operator:
         )
         self.ledger.record_abandoned(found.checkpoint.id, [t.txn for t in found.lost], text)
         return text
+
+
+def _operator() -> str:
+    """``user@host`` of whoever runs the command, for the ledger's records."""
+    try:
+        who = getpass.getuser()
+    except Exception:  # no login name in this environment
+        who = "?"
+    return f"{who}@{socket.gethostname()}"

@@ -144,3 +144,19 @@ def wait_for(
     raise AssertionError(
         f"timed out after {timeout}s waiting for {what}" + (f":\n{proc.tail()}" if proc else "")
     )
+
+
+def tree_at(commit: str, into: Path) -> Path:
+    """The project's tree at ``commit``, extracted from git into ``into`` (to run
+    an earlier version against today's state)."""
+    import io
+    import tarfile
+
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", commit],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(into, filter="data")
+    return into

@@ -9,7 +9,6 @@ format 1) use :class:`FileLedger` directly. The PostgreSQL ledger's own
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -17,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from inspect import signature
 from pathlib import Path
@@ -46,7 +44,7 @@ from lifecycle.state.pg_location import PgLocation
 from lifecycle.state.snapshot import generations, read_snapshot, write_snapshot
 from sinks.errors import ConfigError
 from tests.ledgers import LedgerBackend
-from tests.procs import ROOT
+from tests.procs import tree_at
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NEVER = 1 << 40  # compact_bytes that never compacts
@@ -919,14 +917,7 @@ def test_a_format_2_ledger_opens_as_format_3_and_an_older_version_then_refuses_i
     assert doc["format"] == FORMAT == 3 and doc["owed"] == {"p": {"1": {"s": {"rows": 3}}}}
     assert 2 not in _formats_on_disk(ledger_factory)
     if ledger_factory.location is None:  # the last format-2 version itself refuses it
-        old = ledger_factory.state_dir.parent / "format2"
-        tar = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", "--format=tar", LAST_FORMAT_2],
-            check=True,
-            capture_output=True,
-        ).stdout
-        with tarfile.open(fileobj=io.BytesIO(tar)) as t:
-            t.extractall(old, filter="data")
+        old = tree_at(LAST_FORMAT_2, ledger_factory.state_dir.parent / "format2")
         opening = (
             "from lifecycle.state.file_ledger import FileLedger; "
             f"FileLedger({str(ledger_factory.state_dir / 'ledger')!r}, 'j')"

@@ -12,9 +12,6 @@ nothing of either version left prepared, open or staged.
 
 from __future__ import annotations
 
-import io
-import subprocess
-import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +22,7 @@ from lifecycle.ledger import read_ledger
 from tests.conftest import write_input
 from tests.multisink import Run
 from tests.pgcheck import job_prepared
-from tests.procs import ROOT, JobProcess
+from tests.procs import JobProcess, tree_at
 
 PREVIOUS = "e43e90d"  # the last commit before incarnations
 
@@ -34,14 +31,7 @@ pytestmark = pytest.mark.crash
 
 def _previous_version(into: Path) -> Path:
     """The project's tree at PREVIOUS, extracted from git into ``into``."""
-    tar = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", PREVIOUS],
-        check=True,
-        capture_output=True,
-    ).stdout
-    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
-        t.extractall(into, filter="data")
-    return into
+    return tree_at(PREVIOUS, into)
 
 
 @pytest.mark.parametrize("point", ["driver.before_commit=kill", "driver.mid_commit=kill"])
