@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from lifecycle.testing.plugin import wait_for_topic
+from tests import tiers
 from tests.conftest import write_input
 from tests.kafkacheck import (
     assert_exactly_once,
@@ -86,6 +87,7 @@ def test_a_killed_job_into_apache_kafka_reads_once_read_committed(  # type: igno
 
 
 @pytest.mark.crash
+@tiers.SLOW
 def test_a_broker_with_transactions_version_1_commits_the_same_way(  # type: ignore[no-untyped-def]
     spark, tmp_path: Path
 ):

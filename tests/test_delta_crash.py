@@ -40,7 +40,7 @@ import signal
 import psycopg
 import pytest
 
-from tests import deltacheck
+from tests import deltacheck, tiers
 from tests.conftest import write_input
 from tests.multisink import LABELS, Run
 
@@ -72,7 +72,22 @@ ROUTES = {
 CASES = [(p, r) for p in CRASH_POINTS for r in ROUTES.get(p, ("spark",))]
 
 
-@pytest.mark.parametrize(("point", "route"), CASES, ids=[f"{p}, {r}" for p, r in CASES])
+DEFAULT_CASES = [
+    ("after prepare, before the ledger record", "spark"),
+    ("while the staged files move", "spark"),
+    ("in the middle of committing", "spark"),
+    ("while executors write", "arrow"),
+]
+"""the cases of the default run (the rest are in the slow tier, tests/tiers.py)"""
+
+
+@pytest.mark.parametrize(
+    ("point", "route"),
+    [
+        pytest.param(p, r, id=f"{p}, {r}", marks=() if (p, r) in DEFAULT_CASES else tiers.SLOW)
+        for p, r in CASES
+    ],
+)
 def test_crash_at_each_phase(pg_dsn, kafka_bootstrap, kafka_topic, tmp_path, point, route):  # type: ignore[no-untyped-def]
     fault, interval, files_per_batch, batch2_run = CRASH_POINTS[point]
     run = Run(tmp_path, pg_dsn, kafka_bootstrap, kafka_topic(3), delta_write_with=route)

@@ -46,6 +46,7 @@ from tests.ledgers import pg_uri
 from tests.multisink import Run
 from tests.pgcheck import job_prepared
 from tests.procs import ROOT, JobProcess, wait_for
+from tests.tiers import SLOW
 
 
 def viewfs_env(tmp: Path, target: Path) -> tuple[str, dict[str, str]]:
@@ -203,8 +204,10 @@ def test_a_job_with_its_state_on_viewfs(tmp_path: Path) -> None:
 @pytest.mark.crash
 @pytest.mark.parametrize(
     ("fault", "batch2_run"),
-    [("driver.after_record@2=kill", 2), ("driver.before_commit@2=kill", 1)],
-    ids=["before Spark's commit log", "after Spark's commit log"],
+    [
+        pytest.param("driver.after_record@2=kill", 2, id="before Spark's commit log", marks=SLOW),
+        pytest.param("driver.before_commit@2=kill", 1, id="after Spark's commit log"),
+    ],
 )
 def test_a_killed_driver_restarts_elsewhere_from_a_file_uri(
     tmp_path: Path, fault: str, batch2_run: int
@@ -250,6 +253,7 @@ def test_a_killed_driver_restarts_elsewhere_from_a_file_uri(
 
 
 @pytest.mark.crash
+@SLOW
 def test_a_killed_driver_restarts_elsewhere_with_its_state_on_viewfs_and_the_ledger_in_postgresql(
     pg_dsn: str, tmp_path: Path
 ) -> None:

@@ -68,6 +68,7 @@ from sinks.errors import CommitError, TransactionLostError, UnconfirmedWriteErro
 from sinks.kafka import KafkaSink
 from sinks.kafka.log import read_topic
 from sinks.kafka.wire import KafkaWire
+from tests import tiers
 from tests.conftest import write_input
 from tests.kafkacheck import read_settled, txn_outcomes
 from tests.multisink import LABELS, Run
@@ -389,6 +390,7 @@ def test_job_rides_out_a_broker_killed_while_the_driver_commits(
     run.check(n)
 
 
+@tiers.SLOW
 def test_an_outage_longer_than_commit_timeout_fails_the_job_and_a_rerun_finishes(
     apache_broker: ApacheKafka, tmp_path: Path
 ) -> None:

@@ -23,6 +23,7 @@ import pytest
 from lifecycle.ledger import read_ledger
 from sinks.kafka.log import TopicLog
 from sinks.naming import TxnName
+from tests import tiers
 from tests.conftest import write_input
 from tests.kafkacheck import assert_exactly_once, assert_nothing_open, row_id, txn_outcomes
 from tests.pgcheck import assert_exactly_once as pg_exactly_once
@@ -114,7 +115,16 @@ CRASH_POINTS = {
 }
 
 
-@pytest.mark.parametrize("point", list(CRASH_POINTS), ids=list(CRASH_POINTS))
+@pytest.mark.parametrize(
+    "point",
+    tiers.params(
+        CRASH_POINTS,
+        keep=[
+            "after prepare, before the ledger record",
+            "after Spark's commit log, before our commit",
+        ],
+    ),
+)
 def test_crash_at_each_phase(kafka_bootstrap, kafka_topic, tmp_path, point):  # type: ignore[no-untyped-def]
     fault, must_abort = CRASH_POINTS[point]
     log = _crash_and_recover(Run(tmp_path, kafka_bootstrap, kafka_topic(3)), fault)
@@ -164,7 +174,13 @@ def test_task_fails_after_flush_and_is_retried(  # type: ignore[no-untyped-def]
         assert len(ordered) >= 2, f"{where}: the first attempt did not fail"
 
 
-@pytest.mark.parametrize("fault", ["driver.after_record@2=kill", "driver.mid_commit.kafka=kill"])
+@pytest.mark.parametrize(
+    "fault",
+    tiers.params(
+        ["driver.after_record@2=kill", "driver.mid_commit.kafka=kill"],
+        keep=["driver.mid_commit.kafka=kill"],
+    ),
+)
 def test_crash_with_postgres_and_kafka(  # type: ignore[no-untyped-def]
     kafka_bootstrap, kafka_topic, pg_dsn, tmp_path, fault
 ):

@@ -31,7 +31,7 @@ import psycopg
 import pytest
 
 from lifecycle.testing import crash_test, verify
-from tests import deltacheck
+from tests import deltacheck, tiers
 from tests.changefeed import write_feed, write_hostile_feed
 from tests.pgcheck import job_prepared
 
@@ -179,11 +179,13 @@ def _crash(m: Model, spark: Any, kills: int, max_delay: float = 16.0) -> None:
 pytestmark = pytest.mark.crash
 
 
+@tiers.SLOW
 def test_postgres_equals_the_model_after_kills(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
     m = _scenario(tmp_path, "pg", seed=101, pg_dsn=pg_dsn)
     _crash(m, spark, kills=2)
 
 
+@tiers.SLOW
 def test_kafka_equals_the_model_after_kills(spark, kafka_bootstrap, kafka_topic, tmp_path):  # type: ignore[no-untyped-def]
     m = _scenario(
         tmp_path, "kafka", seed=102, kafka_topic=kafka_topic, kafka_bootstrap=kafka_bootstrap
@@ -191,6 +193,7 @@ def test_kafka_equals_the_model_after_kills(spark, kafka_bootstrap, kafka_topic,
     _crash(m, spark, kills=2)
 
 
+@tiers.SLOW
 def test_delta_equals_the_model_after_kills(spark, tmp_path):  # type: ignore[no-untyped-def]
     m = _scenario(tmp_path, "delta", seed=103)
     _crash(m, spark, kills=4)  # named kills: a merge's staged files, then right after its commit
@@ -210,6 +213,7 @@ def test_all_three_equal_the_model_after_kills(  # type: ignore[no-untyped-def]
     _crash(m, spark, kills=4)
 
 
+@tiers.SLOW
 def test_hostile_keys_equal_the_model_after_kills(  # type: ignore[no-untyped-def]
     spark, pg_dsn, kafka_bootstrap, kafka_topic, tmp_path
 ):

@@ -34,6 +34,7 @@ from tests.kafkacheck import assert_nothing_open
 from tests.pgcheck import assert_exactly_once, job_prepared
 from tests.procs import JobProcess, run_job, wait_for
 from tests.sparkutil import EVENT_SCHEMA
+from tests.tiers import SLOW
 
 T0 = datetime(2024, 1, 1, 0, 0, 0)
 
@@ -479,8 +480,12 @@ def test_crash_during_a_drain_resumes_the_drain(pg_dsn, tmp_path):  # type: igno
 @pytest.mark.crash
 @pytest.mark.parametrize(
     "fault",
-    ["driver.ending_input=kill", "driver.before_record_ending_input=kill"],
-    ids=["before the end-of-input query", "in the batch carrying the marker"],
+    [
+        pytest.param("driver.ending_input=kill", id="before the end-of-input query", marks=SLOW),
+        pytest.param(
+            "driver.before_record_ending_input=kill", id="in the batch carrying the marker"
+        ),
+    ],
 )
 def test_crash_while_ending_windowed_input_resumes_and_flushes(pg_dsn, tmp_path, fault):  # type: ignore[no-untyped-def]
     """A bounded windowed pipeline consumed its input and recorded

@@ -1,0 +1,23 @@
+"""The slow tier: cases of the long crash matrices that the default run leaves
+out (``-m slow`` runs them; ``.ci/run`` keeps to the default run's 45 minutes).
+
+The default run keeps at least one case of every crash test, chosen so that
+each commit phase is killed for some sink; the slow tier holds the rest of each
+matrix, the single-sink keyed models under kills (the three-sink one stays) and
+the second case of two-case crash tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pytest
+
+SLOW = pytest.mark.slow
+
+
+def params(ids: Iterable[str], keep: Sequence[str]) -> list[Any]:
+    """One ``pytest.param`` per id (the value is the id), those not in ``keep``
+    in the slow tier."""
+    return [pytest.param(i, id=i, marks=() if i in keep else SLOW) for i in ids]
