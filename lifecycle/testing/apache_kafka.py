@@ -139,8 +139,7 @@ class ApacheKafka(ProcessService):
                 "kafka.tools.StorageTool",
                 "format",
                 "--standalone",
-                "-t",
-                cluster,
+                f"--cluster-id={cluster}",  # an id may begin with "-"
                 "-c",
                 str(props),
                 *levels,
