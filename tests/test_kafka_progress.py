@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,6 +64,15 @@ def scope(job: str, incarnation: str) -> JobScope:
     return JobScope(job, "p", "k", incarnation)
 
 
+def _progress_is(sink: KafkaSink, sc: JobScope, want: SinkProgress) -> None:
+    """``sink.progress(sc)`` becomes ``want`` within 10 s: Apache Kafka writes
+    the COMMIT markers of the announcements after it answers EndTxn."""
+    deadline = time.monotonic() + 10
+    while (found := sink.progress(sc)) != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert found == want
+
+
 def commit_batch(
     sink: KafkaSink, job: str, inc: str, batch: int, *, forget: bool = True
 ) -> list[Committable]:
@@ -98,13 +108,13 @@ def test_progress_after_commits_survives_tombstoning_and_ignores_aborts(
     topic = make_topic(bootstrap, partitions=2)
     sink = new_sink(topic)
     job = job_name()
-    assert sink.progress(scope(job, A)) == SinkProgress(owner=None)
+    _progress_is(sink, scope(job, A), SinkProgress(owner=None))
     assert sink.claim(scope(job, A)) == SinkProgress(owner=A, batch=-1)
 
     first = commit_batch(sink, job, A, 0, forget=False)
-    assert sink.progress(scope(job, A)) == SinkProgress(owner=A, batch=0)  # announcements
+    _progress_is(sink, scope(job, A), SinkProgress(owner=A, batch=0))  # announcements
     second = commit_batch(sink, job, A, 1, forget=False)
-    assert sink.progress(scope(job, A)) == SinkProgress(owner=A, batch=1)
+    _progress_is(sink, scope(job, A), SinkProgress(owner=A, batch=1))
     sink.forget(first)  # progress record at 0; batch 1 only in its announcements
 
     # prepared and never committed, and aborted behind the sink's back (not tombstoned:
@@ -115,7 +125,7 @@ def test_progress_after_commits_survives_tombstoning_and_ignores_aborts(
     intruder = KafkaProducer(bootstrap_servers=bootstrap, transactional_id=aborted["txn"])
     intruder.init_transactions()  # aborts the prepared transaction
     intruder.close()
-    assert sink.progress(scope(job, A)) == SinkProgress(owner=A, batch=1)
+    _progress_is(sink, scope(job, A), SinkProgress(owner=A, batch=1))
 
     # a fresh driver reads the same; then the announcements go, the progress record stays
     assert new_sink(topic).progress(scope(job, A)) == SinkProgress(owner=A, batch=1)
@@ -126,7 +136,7 @@ def test_progress_after_commits_survives_tombstoning_and_ignores_aborts(
         live = RegistryView(DEFAULT_TOPIC).refresh(wire)
     assert not [t for t in live if t.startswith(f"tp2.{job}.")]  # all tombstoned
     assert new_sink(topic).progress(scope(job, A)) == SinkProgress(owner=A, batch=4)
-    assert sink.progress(scope(job, A)) == SinkProgress(owner=A, batch=4)
+    _progress_is(sink, scope(job, A), SinkProgress(owner=A, batch=4))
     assert committed_ids(read_topic(bootstrap, topic)) == [*range(20), *range(40, 50)]
 
 
@@ -170,7 +180,7 @@ def test_another_incarnation_refuses_before_writing(
     assert f"committed output up to batch 0 of {job}/p/k from incarnation {A}" in str(err.value)
     assert "Nothing was written" in str(err.value)
     assert [c["incarnation"] for c in claims_of(bootstrap, topic)] == [A]  # refused unwritten
-    assert second.progress(scope(job, B)) == SinkProgress(owner=A, batch=0)
+    _progress_is(second, scope(job, B), SinkProgress(owner=A, batch=0))
     assert committed_ids(read_topic(bootstrap, topic)) == list(range(10))
 
 
@@ -283,7 +293,7 @@ def test_start_over_takes_over_and_the_old_incarnation_then_refuses(
     # what the coordinator then does: abort what the old incarnation left prepared
     assert new.abort_lingering(scope(job, A), lambda n: n.incarnation == A) == [left["txn"]]
     commit_batch(new, job, B, 0)  # the new incarnation's batch ids start again
-    assert new.progress(scope(job, B)) == SinkProgress(owner=B, batch=0, previous=A)
+    _progress_is(new, scope(job, B), SinkProgress(owner=B, batch=0, previous=A))
 
     for restored in (old, new_sink(topic)):  # the old state comes back
         with pytest.raises(IncarnationConflictError) as err:
@@ -356,8 +366,8 @@ def test_two_jobs_of_one_name_writing_different_topics_both_run(
     commit_batch(one, job, A, 0)
     commit_batch(two, job, B, 0)
     commit_batch(two, job, B, 1)
-    assert one.progress(scope(job, A)) == SinkProgress(owner=A, batch=0)
-    assert two.progress(scope(job, B)) == SinkProgress(owner=B, batch=1)
+    _progress_is(one, scope(job, A), SinkProgress(owner=A, batch=0))
+    _progress_is(two, scope(job, B), SinkProgress(owner=B, batch=1))
     assert committed_ids(read_topic(bootstrap, t1)) == list(range(10))
     assert committed_ids(read_topic(bootstrap, t2)) == list(range(20))
 
@@ -392,8 +402,8 @@ def test_a_start_over_after_a_missed_forget_leaves_the_new_progress_alone(
     new = new_sink(topic)
     assert new.claim(scope(job, B), start_over_from=A).previous == A
     assert new.abort_lingering(scope(job, A), lambda n: n.incarnation == A) == []
-    assert new.progress(scope(job, B)) == SinkProgress(owner=B, batch=-1, previous=A)
+    _progress_is(new, scope(job, B), SinkProgress(owner=B, batch=-1, previous=A))
     commit_batch(new, job, B, 0)  # not taken for a replay of the old batch 3
-    assert new.progress(scope(job, B)) == SinkProgress(owner=B, batch=0, previous=A)
+    _progress_is(new, scope(job, B), SinkProgress(owner=B, batch=0, previous=A))
     log = read_topic(bootstrap, topic)
     assert committed_ids(log) == sorted([*range(30, 40), *range(10)]) and log.n_aborted == 0

@@ -42,6 +42,7 @@ is already aborted or committed is harmless.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import kafka.errors as Errors
@@ -114,12 +115,29 @@ def commit(
 def fence(wire: KafkaWire, transactional_ids: list[str], timeout_ms: int) -> None:
     """InitProducerId for each id: aborts its open transaction, fences zombies.
 
-    Ids are removed from the list as they are done, so a retry goes on
-    where a transient error stopped it."""
+    All ids at once: Apache Kafka answers CONCURRENT_TRANSACTIONS to an id whose
+    open transaction it starts aborting, and the abort completes within
+    milliseconds, so those ids are asked again after a short pause (doubling)
+    rather than one after another behind the caller's retry backoff. Ids are
+    removed from the list as they are done, so a retry goes on where a
+    transient error stopped it."""
     coordinators = wire.find_coordinators(transactional_ids)
+    pause, waited = 0.005, 0.0
     while transactional_ids:
-        tid = transactional_ids[0]
-        error, _, _ = wire.init_producer_id(coordinators[tid], tid, timeout_ms)
-        if error is not Errors.NoError:  # CONCURRENT_TRANSACTIONS while the abort completes
+        answers = wire.init_producer_ids(coordinators, list(transactional_ids), timeout_ms)
+        busy = [t for t in transactional_ids if answers[t] is Errors.ConcurrentTransactionsError]
+        failed = [
+            (t, e)
+            for t, e in answers.items()
+            if e is not Errors.NoError and e is not Errors.ConcurrentTransactionsError
+        ]
+        transactional_ids[:] = busy + [t for t, _ in failed]
+        if failed:
+            tid, error = failed[0]
             raise error(f"InitProducerId (abort) of {tid}")
-        transactional_ids.pop(0)
+        if busy:
+            if waited > 30:
+                raise Errors.ConcurrentTransactionsError(f"InitProducerId (abort) of {busy[0]}")
+            time.sleep(pause)
+            waited += pause
+            pause = min(pause * 2, 0.25)

@@ -21,6 +21,7 @@ network layer and these names do not exist there):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ _FETCH_MAX_VERSION = 12
 # stay on the v1 protocol the producer itself uses.
 _END_TXN_MAX_VERSION = 3
 _INIT_PID_MAX_VERSION = 4
+_IN_FLIGHT = 4
+"""requests sent at once on one connection (kafka-python allows 5 in flight)"""
 # How long each Fetch of a raw read may wait for records, by the number of empty
 # answers in a row below the high watermark; then the read fails. A read at the end
 # of the log is answered after the first wait (a registry refresh with nothing new
@@ -260,6 +263,44 @@ class KafkaWire:
             coordinator,
         )
         return Errors.for_code(response.error_code), response.producer_id, response.producer_epoch
+
+    def init_producer_ids(
+        self, coordinators: dict[str, Any], transactional_ids: list[str], timeout_ms: int
+    ) -> dict[str, type[Errors.KafkaError]]:
+        """:meth:`init_producer_id` for each of ``transactional_ids``, a few at a
+        time (sent without waiting, then their answers collected: kafka-python
+        keeps at most 5 requests in flight per connection): the error class of
+        each."""
+        errors: dict[str, type[Errors.KafkaError]] = {}
+        for start in range(0, len(transactional_ids), _IN_FLIGHT):
+            part = transactional_ids[start : start + _IN_FLIGHT]
+            errors.update(self._init_producer_ids(coordinators, part, timeout_ms))
+        return errors
+
+    def _init_producer_ids(
+        self, coordinators: dict[str, Any], transactional_ids: list[str], timeout_ms: int
+    ) -> dict[str, type[Errors.KafkaError]]:
+        sent: dict[str, tuple[Any, threading.Event]] = {}
+        for tid in transactional_ids:
+            request = InitProducerIdRequest(
+                transactional_id=tid,
+                transaction_timeout_ms=timeout_ms,
+                producer_id=-1,
+                producer_epoch=-1,
+                max_version=_INIT_PID_MAX_VERSION,
+            )
+            answered = threading.Event()
+            future = self.submit(request, coordinators[tid])
+            future.add_both(lambda _, done=answered: done.set())
+            sent[tid] = (future, answered)
+        errors: dict[str, type[Errors.KafkaError]] = {}
+        for tid, (future, answered) in sent.items():
+            if not answered.wait(self.timeout_ms / 1000):
+                raise Errors.KafkaTimeoutError(f"InitProducerId of {tid}: no answer")
+            if future.failed():
+                raise future.exception
+            errors[tid] = Errors.for_code(future.value.error_code)
+        return errors
 
     # -- raw log ------------------------------------------------------------------------
 
