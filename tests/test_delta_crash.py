@@ -122,6 +122,7 @@ def test_crash_at_each_phase(pg_dsn, kafka_bootstrap, kafka_topic, tmp_path, poi
         assert "committed already" in second.output()  # not committed twice
 
 
+@tiers.SLOW
 def test_task_killed_after_staging_is_retried(tmp_path):  # type: ignore[no-untyped-def]
     """Every first task attempt has its Python worker SIGKILLed right after it
     staged its files (they stay on disk, with their markers); Spark retries the

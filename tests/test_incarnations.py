@@ -31,7 +31,7 @@ from sinks.delta import DeltaSink
 from sinks.delta.storage import TableStorage
 from sinks.postgres import PostgresSink
 from sinks.progress import IncarnationConflictError, SinkProgress
-from tests import deltacheck
+from tests import deltacheck, tiers
 from tests.conftest import write_input
 from tests.jobs.multi_sink_job import SINK_IDS
 from tests.kafkacheck import assert_exactly_once as kafka_exactly_once
@@ -115,6 +115,7 @@ def test_lost_state_refuses_start_over_is_explicit_and_the_old_state_then_refuse
 
 
 @pytest.mark.crash
+@tiers.SLOW
 def test_a_lost_spark_commit_entry_replays_a_batch_recognised_as_done(
     pg_dsn: str, tmp_path: Path
 ) -> None:
@@ -183,6 +184,7 @@ def test_two_claims_at_the_same_instant_exactly_one_wins(pg_dsn: str, tmp_path: 
 
 
 @pytest.mark.crash
+@tiers.SLOW
 def test_two_jobs_of_one_name_on_one_server_never_touch_each_others_work(
     pg_dsn: str, tmp_path: Path
 ) -> None:

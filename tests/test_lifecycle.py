@@ -27,6 +27,7 @@ from lifecycle import Job, JobResult, PipelineState
 from lifecycle.ledger import read_ledger
 from lifecycle.pipeline import Pipeline
 from sinks import DeltaSink, KafkaSink, PostgresSink
+from tests import tiers
 from tests.conftest import write_input
 from tests.jobs.lifecycle_job import windowed
 from tests.kafkacheck import assert_exactly_once as kafka_exactly_once
@@ -427,6 +428,7 @@ def test_sigterm_drains_and_exits_zero(pg_dsn, tmp_path):  # type: ignore[no-unt
 
 
 @pytest.mark.crash
+@tiers.SLOW
 def test_drain_while_a_batch_is_prepared_in_flight(pg_dsn, tmp_path):  # type: ignore[no-untyped-def]
     """SIGTERM while batch 1's tasks hold prepared transactions (stalled after
     PREPARE): the drain stops the query and restarts it available-now, which

@@ -31,7 +31,7 @@ from lifecycle.ledger import read_ledger
 from lifecycle.status import PENDING, format_text, job_status
 from sinks import DeltaSink, KafkaSink, PostgresSink, TransactionLostError, _faults
 from sinks.base import LOST
-from tests import deltacheck
+from tests import deltacheck, tiers
 from tests.conftest import write_input
 from tests.kafkacheck import consume_ids
 from tests.multisink import Run
@@ -229,6 +229,7 @@ def _make_topic(bootstrap: str, topic: str) -> None:
 
 
 @pytest.mark.crash
+@tiers.SLOW
 def test_a_driver_killed_while_it_pays_a_debt_finishes_the_payment(
     pg_dsn: str, tmp_path: Path
 ) -> None:

@@ -121,6 +121,7 @@ def test_crash_with_the_ledger_in_postgresql(pg_dsn: str, tmp_path: Path, point:
     _crash_and_recover(pg_dsn, tmp_path, CRASH_POINTS[point], ledger=pg_uri(pg_dsn))
 
 
+@tiers.SLOW
 def test_crash_in_the_middle_of_committing(pg_dsn: str, tmp_path: Path) -> None:
     """Several transactions per checkpoint (2 files per batch, grouped batches):
     the driver dies after the first COMMIT PREPARED of a checkpoint."""

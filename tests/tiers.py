@@ -3,8 +3,9 @@ out (``-m slow`` runs them; ``.ci/run`` keeps to the default run's 45 minutes).
 
 The default run keeps at least one case of every crash test, chosen so that
 each commit phase is killed for some sink; the slow tier holds the rest of each
-matrix, the single-sink keyed models under kills (the three-sink one stays) and
-the second case of two-case crash tests.
+matrix, the single-sink keyed models under kills (the three-sink one stays),
+the second case of two-case crash tests, and crash tests whose path a faster
+test of the default run covers (named at each).
 """
 
 from __future__ import annotations
