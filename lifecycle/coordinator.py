@@ -449,7 +449,7 @@ class Coordinator:
         rows: dict[str, int] = {}
         for (p, sid), cs in groups.items():
             if (p, sid) not in failed:
-                rows[sink_label(p, sid)] = sum(int(c.get("rows", 0)) for c in cs)
+                rows[sink_label(p, sid)] = _rows(cs)
                 self._tell("committed", p, sid, (c["txn"] for c in cs), rule)
         if failed:
             self.metrics.checkpoint_failed(cp.kind, time.monotonic() - started)
@@ -605,11 +605,7 @@ class Coordinator:
         self, pipeline: str, batch_id: int, work: dict[str, list[Committable]]
     ) -> None:
         for sid, cs in work.items():
-            counting = _retry.on_retry.set(self.metrics.retried(pipeline, sid))
-            try:
-                self._sink(pipeline, sid).commit(cs)
-            finally:
-                _retry.on_retry.reset(counting)
+            self._commit_counted(pipeline, sid, self._sink(pipeline, sid), cs)
             self._tell("committed", pipeline, sid, (c["txn"] for c in cs), "repay_owed")
         self.ledger.record_repaid(pipeline, batch_id, {sid: _rows(cs) for sid, cs in work.items()})
         for sid, cs in work.items():
@@ -629,13 +625,10 @@ class Coordinator:
         def lane(keys: list[tuple[str, str]]) -> dict[tuple[str, str], Exception]:
             failed: dict[tuple[str, str], Exception] = {}
             for key in keys:
-                counting = _retry.on_retry.set(self.metrics.retried(*key))
                 try:
-                    sinks[key].commit(groups[key])
+                    self._commit_counted(*key, sinks[key], groups[key])
                 except Exception as e:
                     failed[key] = e
-                finally:
-                    _retry.on_retry.reset(counting)
             return failed
 
         failed: dict[tuple[str, str], Exception] = {}
@@ -644,6 +637,16 @@ class Coordinator:
             assert done.value is not None  # a lane catches its sinks' errors
             failed.update(done.value)
         return {key: failed[key] for key in groups if key in failed}  # in the groups' order
+
+    def _commit_counted(
+        self, pipeline: str, sid: str, sink: Sink, committables: list[Committable]
+    ) -> None:
+        """``sink.commit(committables)``, its retries counted in the metrics."""
+        counting = _retry.on_retry.set(self.metrics.retried(pipeline, sid))
+        try:
+            sink.commit(committables)
+        finally:
+            _retry.on_retry.reset(counting)
 
     def _commit_error(
         self,

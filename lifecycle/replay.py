@@ -217,9 +217,5 @@ def _copy_checkpoint(p: Pipeline, b: int, to: str) -> None:
 
 
 def _offsets(p: Pipeline, b: int) -> str:
-    """The source offsets Spark recorded for batch ``b`` (its offset log entry
-    without the version and metadata lines), or ''."""
-    data = p.store.read(f"{p.spark_location}/offsets/{b}")
-    if data is None:
-        return ""
-    return " ".join(data.decode().splitlines()[2:])
+    """The source offsets Spark recorded for batch ``b``, or ''."""
+    return " ".join(SparkCommitLog(p.store, p.spark_location).planned_offsets(b) or [])

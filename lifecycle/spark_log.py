@@ -40,12 +40,19 @@ class SparkCommitLog:
     def completed(self, batch_id: int) -> bool:
         return batch_id <= self.latest()
 
-    def offsets_digest(self, batch_id: int) -> str | None:
-        """A digest of the source offsets Spark planned for ``batch_id`` (its
-        ``offsets/<batch_id>`` entry without the metadata line, which holds
-        times), or None when Spark has not planned the batch."""
+    def planned_offsets(self, batch_id: int) -> list[str] | None:
+        """The source offsets Spark planned for ``batch_id``, one line per source
+        (its ``offsets/<batch_id>`` entry without the version and the metadata
+        line, which holds times), or None when Spark has not planned the batch."""
         data = self.store.read(self._rel("offsets", str(batch_id)))
         if data is None:
             return None
-        lines = data.decode().splitlines()
-        return hashlib.sha256("\n".join(lines[2:]).encode()).hexdigest()[:32]
+        return data.decode().splitlines()[2:]
+
+    def offsets_digest(self, batch_id: int) -> str | None:
+        """A digest of :meth:`planned_offsets`, or None when Spark has not
+        planned the batch."""
+        lines = self.planned_offsets(batch_id)
+        if lines is None:
+            return None
+        return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
