@@ -97,13 +97,9 @@ def test_a_broker_with_transactions_version_1_commits_the_same_way(  # type: ign
     from lifecycle.testing.apache_kafka import ApacheKafka
 
     jars.require("kafka-broker")
-    broker = ApacheKafka(features={"transaction.version": 1})
-    broker.start()
-    try:
+    with ApacheKafka(features={"transaction.version": 1}) as broker:
         assert _transaction_version(broker) == 1
         _killed_job_reads_once(spark, broker, tmp_path)
-    finally:
-        broker.cleanup()
 
 
 def _killed_job_reads_once(spark: Any, broker: Any, tmp_path: Path) -> None:

@@ -120,12 +120,8 @@ def broker(s3: S3Server) -> Iterator[S3Broker]:
 def apache_broker() -> Iterator[ApacheKafka]:
     """An Apache Kafka broker of the test's own (it is killed and restarted)."""
     jars.require("kafka-broker")
-    b = ApacheKafka()
-    b.start()
-    try:
+    with ApacheKafka() as b:
         yield b
-    finally:
-        b.cleanup()
 
 
 class Restartable(Protocol):

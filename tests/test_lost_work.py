@@ -154,17 +154,12 @@ def expiring_kafka() -> Iterator[Any]:
     from lifecycle.testing.apache_kafka import ApacheKafka
 
     jars.require("kafka-broker")
-    broker = ApacheKafka(
-        {
-            "transaction.max.timeout.ms": "20000",
-            "transaction.abort.timed.out.transaction.cleanup.interval.ms": "1000",
-        }
-    )
-    broker.start()
-    try:
+    settings = {
+        "transaction.max.timeout.ms": "20000",
+        "transaction.abort.timed.out.transaction.cleanup.interval.ms": "1000",
+    }
+    with ApacheKafka(settings) as broker:
         yield broker
-    finally:
-        broker.cleanup()
 
 
 def _until_lost(bootstrap: str, topic: str, state: Path, batch: str, within: float) -> None:
