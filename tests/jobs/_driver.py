@@ -12,11 +12,13 @@ from lifecycle import JobResult, configure_logging
 from tests.sparkutil import make_spark
 
 
-def start_driver(job: str) -> SparkSession:
-    """Logging, the driver pid for executor-side faults, and a SparkSession."""
+def start_driver(job: str, jvm_packages: bool = False) -> SparkSession:
+    """Logging, the driver pid for executor-side faults, and a SparkSession
+    (``jvm_packages``: with Spark's Kafka source and delta-spark, for a job that
+    reads Kafka)."""
     os.environ["TWOPHASE_DRIVER_PID"] = str(os.getpid())
     configure_logging()
-    spark = make_spark(f"job-{job}")
+    spark = make_spark(f"job-{job}", jvm_packages=jvm_packages)
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
