@@ -114,17 +114,18 @@ def assert_nothing_open(bootstrap: str, topic: str, job: str) -> None:
 
 
 def consume_records(
-    bootstrap: str, topic: str, isolation: str
+    bootstrap: str, topic: str, isolation: str, config: dict[str, str] | None = None
 ) -> list[tuple[int | None, bytes | None]]:
     """(key as an int, value) of every record a librdkafka consumer reads from
     the start, with ``isolation.level`` ``isolation``: how users read the sink's
-    topic."""
+    topic (``config``: more librdkafka settings, such as security)."""
     import uuid
 
     from confluent_kafka import Consumer, TopicPartition
 
     c = Consumer(
         {
+            **(config or {}),
             "bootstrap.servers": bootstrap,
             "group.id": f"g-{uuid.uuid4().hex[:8]}",
             "enable.auto.commit": False,
@@ -153,6 +154,9 @@ def consume_records(
         c.close()
 
 
-def consume_ids(bootstrap: str, topic: str, isolation: str) -> list[int]:
+def consume_ids(
+    bootstrap: str, topic: str, isolation: str, config: dict[str, str] | None = None
+) -> list[int]:
     """The ``id`` of every record :func:`consume_records` reads."""
-    return [json.loads(v)["id"] for _, v in consume_records(bootstrap, topic, isolation) if v]
+    records = consume_records(bootstrap, topic, isolation, config)
+    return [json.loads(v)["id"] for _, v in records if v]

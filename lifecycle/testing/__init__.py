@@ -10,7 +10,11 @@ and registers the pytest plugin (:mod:`lifecycle.testing.plugin`: fixtures
   left prepared, open or staged;
 * :mod:`lifecycle.testing.crash`: ``crash_test(job, kills=N, seed=...)``;
 * :mod:`lifecycle.testing.postgres_server`, :mod:`lifecycle.testing.kafka_broker`:
-  the embedded services, also runnable as programs.
+  the embedded services, also runnable as programs;
+* :mod:`lifecycle.testing.apache_kafka`: ``ApacheKafka``, the broker users run
+  (from jars :mod:`lifecycle.testing.jars` fetches), with
+  :mod:`lifecycle.testing.kafka_security`'s ``SecureListener`` for SASL_SSL
+  and ACLs.
 
 Names are imported lazily (this package is imported with the plugin in every
 pytest run; Spark, psycopg and the clients load only when used).
@@ -36,6 +40,8 @@ _EXPORTS = {
     "CrashTestError": "crash",
     "PostgresServer": "postgres_server",
     "KafkaBroker": "kafka_broker",
+    "ApacheKafka": "apache_kafka",
+    "SecureListener": "kafka_security",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,7 +8,10 @@ of 127.0.0.1, its log directory in a temporary directory, formatted with
 ``kafka.Kafka``, stopped by its PID. ``config`` adds or overrides broker
 settings (``transaction.max.timeout.ms``, ...); ``features`` sets feature
 levels at format time (``{"transaction.version": 1}``: a broker with
-transactions version 1, where Kafka 4.x formats with 2).
+transactions version 1, where Kafka 4.x formats with 2). ``security`` (a
+:class:`~lifecycle.testing.kafka_security.SecureListener`) serves clients over
+SASL_SSL (SCRAM) with ACLs enforced instead of PLAINTEXT; :meth:`ApacheKafka.client`
+gives the settings of a client of the super user.
 
 ``kill()`` (SIGKILL) then ``start()`` brings the same broker back on the same
 ports and log directory, as a crashed broker restarts. Unlike the embedded
@@ -34,8 +37,10 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from lifecycle.testing import jars
+from lifecycle.testing.kafka_security import ADMIN, SecureListener
 from lifecycle.testing.services import ProcessService, free_port, serve
 
 KafkaJarsMissing = jars.JarsMissingError
@@ -82,12 +87,14 @@ class ApacheKafka(ProcessService):
         *,
         heap: str = "512m",
         features: dict[str, int] | None = None,
+        security: SecureListener | None = None,
     ) -> None:
         self.classpath = os.pathsep.join(str(p) for p in jars.jars("kafka-broker"))
         super().__init__("apachekafka-", "server.log")
         self.config = {**DEFAULTS, **(config or {})}
         self.heap = heap
         self.features = dict(features or {})
+        self.security = security
         self.port: int | None = None
         self.controller_port: int | None = None
         self._formatted = False
@@ -98,6 +105,11 @@ class ApacheKafka(ProcessService):
         if self.port is None:
             raise ApacheKafkaError("the broker has not been started yet")
         return f"127.0.0.1:{self.port}"
+
+    def client(self) -> dict[str, Any]:
+        """kafka-python settings of a client of the broker's super user (none
+        for a PLAINTEXT broker)."""
+        return self.security.client(ADMIN) if self.security is not None else {}
 
     def _properties(self) -> Path:
         assert self.port is not None and self.controller_port is not None
@@ -112,8 +124,12 @@ class ApacheKafka(ProcessService):
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
             "controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}",
             "log.dirs": str(self.workdir / "data"),
-            **self.config,
         }
+        if self.security is not None:
+            keytool = str(Path(_java()).resolve().parent / "keytool")
+            self.security.prepare(self.workdir / "tls", keytool)
+            props.update(self.security.broker_config(self.port, self.controller_port))
+        props.update(self.config)
         path = self.workdir / "server.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
         return path
@@ -143,6 +159,7 @@ class ApacheKafka(ProcessService):
                 "-c",
                 str(props),
                 *levels,
+                *(self.security.scram_arguments() if self.security is not None else []),
             ),
             capture_output=True,
             text=True,
@@ -189,6 +206,7 @@ class ApacheKafka(ProcessService):
                 with socket.create_connection(("127.0.0.1", self.port or 0), timeout=1.0):
                     pass
                 admin = KafkaAdminClient(
+                    **self.client(),
                     bootstrap_servers=self.bootstrap,
                     bootstrap_timeout_ms=5000,
                     request_timeout_ms=5000,

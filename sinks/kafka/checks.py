@@ -151,6 +151,10 @@ def _init_probe(wire: KafkaWire, probe: str, timeout_ms: int, within: float = 60
         time.sleep(0.2)
 
 
+class TransactionalIdDenied(PreflightError):
+    """The ACLs do not let the sink's principal use its transactional ids."""
+
+
 def check_transaction_timeout(wire: KafkaWire, where: str, mine: int, probe: str) -> None:
     """Refuse a ``transaction_timeout_ms`` (``mine``) above the brokers' maximum,
     and a cluster that will not start a transaction (disabled, or ACLs), found
@@ -164,8 +168,9 @@ def check_transaction_timeout(wire: KafkaWire, where: str, mine: int, probe: str
             "transaction.max.timeout.ms on the brokers"
         )
     if broker_max is None:
-        log.warning(
-            "%s: the broker does not report transaction.max.timeout.ms, so "
+        log.info(
+            "%s: the broker does not report transaction.max.timeout.ms (tansu does not; "
+            "Apache Kafka does to a principal with DESCRIBE_CONFIGS on the cluster), so "
             "transaction_timeout_ms=%d cannot be compared with it (an InitProducerId probe "
             "follows, which Apache Kafka refuses for a timeout above its maximum; tansu "
             "enforces no transaction timeout at all)",
@@ -176,6 +181,8 @@ def check_transaction_timeout(wire: KafkaWire, where: str, mine: int, probe: str
     # refused (INVALID_TRANSACTION_TIMEOUT), as is one the ACLs do not allow.
     try:
         error = _init_probe(wire, probe, mine)
+    except Errors.TransactionalIdAuthorizationFailedError as e:  # FindCoordinator's answer
+        raise TransactionalIdDenied(f"{where}: FindCoordinator of {probe} was refused") from e
     except Exception as e:
         raise PreflightError(
             f"{where}: the broker cannot start a transaction ({e!r}); "
@@ -192,11 +199,12 @@ def check_transaction_timeout(wire: KafkaWire, where: str, mine: int, probe: str
             f"{where}: the transaction coordinator did not become available within a minute "
             f"({error.__name__}); is the broker's __transaction_state topic healthy?"
         )
+    if error is Errors.TransactionalIdAuthorizationFailedError:
+        raise TransactionalIdDenied(f"{where}: InitProducerId of {probe} was refused")
     if error is not Errors.NoError:
         raise PreflightError(
             f"{where}: the broker refused a transaction ({error.__name__}); "
-            "check the TransactionalId ACLs (WRITE and DESCRIBE on the "
-            "transactional_id_prefix) and IdempotentWrite on the cluster"
+            "check the TransactionalId ACLs (WRITE on the transactional_id_prefix)"
         )
 
 

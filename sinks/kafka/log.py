@@ -82,10 +82,13 @@ def _record(partition: int, batch: Any, rec: Any) -> Record:
     )
 
 
-def read_topic(bootstrap_servers: str, topic: str) -> TopicLog:
-    """Read every partition of ``topic`` and classify each data record."""
+def read_topic(
+    bootstrap_servers: str, topic: str, config: dict[str, Any] | None = None
+) -> TopicLog:
+    """Read every partition of ``topic`` and classify each data record
+    (``config``: kafka-python settings such as security)."""
     out = TopicLog(topic)
-    with KafkaWire(bootstrap_servers) as wire:
+    with KafkaWire(bootstrap_servers, config=config) as wire:
         leaders = wire.partition_leaders(topic)
         if leaders is None:
             raise LookupError(f"topic {topic!r} does not exist at {bootstrap_servers}")

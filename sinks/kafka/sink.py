@@ -105,8 +105,8 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.errors import ConfigError, PreflightError
+from sinks.kafka import access, checks, encode, outcome, txn, txn_age
 from sinks.kafka import audit as kafka_audit
-from sinks.kafka import checks, encode, outcome, txn, txn_age
 from sinks.kafka.connections import DriverConnections
 from sinks.kafka.produce import ProducerOptions
 from sinks.kafka.progress import ProgressStore
@@ -385,7 +385,9 @@ class KafkaSink(Sink):
             raise PreflightError(
                 f"cannot reach Kafka at {','.join(self._servers())}: {e}".strip()
             ) from e
+        needs = access.required(self.topic, self.registry_topic, self.id_prefix)
         with wire:
+            access.check_topics(wire, self.describe(), needs, self.producer_config)
             checks.ensure_topic(
                 wire,
                 self.describe(),
@@ -406,12 +408,15 @@ class KafkaSink(Sink):
                     create=True,
                     registry=True,
                 )
-            checks.check_transaction_timeout(
-                wire,
-                self.describe(),
-                self.transaction_timeout_ms,
-                probe=f"{self.id_prefix}twophase-preflight.{self.sink_id}",
-            )
+            access.check_topics(wire, self.describe(), needs, self.producer_config)  # created
+            probe = f"{self.id_prefix}tp-preflight.{self.sink_id}"  # under the ACL's prefix
+            try:
+                checks.check_transaction_timeout(
+                    wire, self.describe(), self.transaction_timeout_ms, probe=probe
+                )
+            except checks.TransactionalIdDenied as e:
+                acl = [a for a in needs if a.resource == "transactional-id"]
+                raise access.denied(self.describe(), acl, self.producer_config) from e
             # the writers size their record batches to it (they run on executors: pickled)
             self.topic_max_bytes = checks.topic_max_message_bytes(wire, self.topic)
 

@@ -4,13 +4,20 @@ Kafka crash tests (which SIGKILL it). Modelled on ``pg_job.py``.
 
     --sinks kafka        KafkaSink only (default)
     --sinks kafka,pg     both, committed in this order (needs --dsn)
+
+``--sasl-user USER --cafile PEM`` reaches a SASL_SSL (SCRAM-SHA-512) listener
+as USER, whose password is in ``$TWOPHASE_TEST_KAFKA_PASSWORD`` (never on the
+command line, which the tests' logs repeat); ``--id-prefix`` and ``--registry``
+set ``transactional_id_prefix`` and ``registry_topic``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -32,7 +39,24 @@ def main() -> int:
     ap.add_argument("--sinks", default="kafka")
     ap.add_argument("--dsn", default=None)
     ap.add_argument("--table", default="orders")
+    ap.add_argument("--sasl-user", default=None)
+    ap.add_argument("--cafile", default=None)
+    ap.add_argument("--id-prefix", default=None)
+    ap.add_argument("--registry", default=None)
     args = ap.parse_args()
+    secured: dict[str, Any] = {}
+    if args.sasl_user:
+        secured["producer_config"] = {
+            "security_protocol": "SASL_SSL",
+            "sasl_mechanism": "SCRAM-SHA-512",
+            "sasl_plain_username": args.sasl_user,
+            "sasl_plain_password": os.environ["TWOPHASE_TEST_KAFKA_PASSWORD"],
+            "ssl_cafile": args.cafile,
+        }
+    if args.id_prefix:
+        secured["transactional_id_prefix"] = args.id_prefix
+    if args.registry:
+        secured["registry_topic"] = args.registry
     spark = start_driver(args.job)
     df = (
         spark.readStream.schema(INPUT_SCHEMA)
@@ -42,7 +66,9 @@ def main() -> int:
     sinks: list[Sink] = []
     for kind in args.sinks.split(","):
         if kind == "kafka":
-            sinks.append(KafkaSink(args.bootstrap, args.topic, key="id", commit_timeout=120))
+            sinks.append(
+                KafkaSink(args.bootstrap, args.topic, key="id", commit_timeout=120, **secured)
+            )
         elif kind == "pg":
             if not args.dsn:
                 ap.error("--sinks pg needs --dsn")
