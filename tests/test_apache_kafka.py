@@ -73,6 +73,7 @@ def _transaction_version(broker: Any) -> int:
 
 
 @pytest.mark.crash
+@tiers.SLOW
 def test_a_killed_job_into_apache_kafka_reads_once_read_committed(  # type: ignore[no-untyped-def]
     spark, twophase_apache_kafka, tmp_path: Path
 ):
@@ -81,7 +82,10 @@ def test_a_killed_job_into_apache_kafka_reads_once_read_committed(  # type: igno
     transactions. A restart finishes; read_committed readers (librdkafka, Spark's
     Kafka source) see every row once, while read_uncommitted shows the aborted
     copies too (so the check can fail). The broker has transactions version 2,
-    Kafka 4.x's default, which the sink's classic request versions keep out of."""
+    Kafka 4.x's default, which the sink's classic request versions keep out of.
+    (Slow tier: the default run does the same kill on a secured broker,
+    ``tests/test_kafka_secured.py``, and reads with Spark's read_committed
+    reader in ``tests/test_kafka_source.py``.)"""
     assert _transaction_version(twophase_apache_kafka) == 2
     _killed_job_reads_once(spark, twophase_apache_kafka, tmp_path)
 

@@ -185,14 +185,17 @@ def test_driver_killed_by_an_executor_while_it_writes(  # type: ignore[no-untype
     run.check(n)
 
 
-@pytest.mark.smoke
 @pytest.mark.parametrize(
     ("fault", "order"),
     [
-        ("executor.prepared@1+once=kill-executor", "pg,kafka,delta"),
-        ("executor.prepared@1+once=kill-worker", "kafka,delta,pg"),
+        pytest.param(
+            "executor.prepared@1+once=kill-executor",
+            "pg,kafka,delta",
+            id="executor JVM killed",
+            marks=pytest.mark.smoke,
+        ),
+        pytest.param("executor.prepared@1+once=kill-worker", "kafka,delta,pg", id="worker killed"),
     ],
-    ids=["executor JVM killed", "worker killed"],
 )
 def test_executor_loss_after_prepare(  # type: ignore[no-untyped-def]
     on_cluster, pg_dsn, kafka_bootstrap, kafka_topic, fault, order
