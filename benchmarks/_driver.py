@@ -105,11 +105,12 @@ def executors(n: int = 2) -> ProcessPoolExecutor:
     return ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
 
 
-def _task(job: tuple[bytes, JobScope, int, int, int, int, int]) -> Committable:
-    """One Spark task: open the sink's writer, write ``rows`` rows, prepare."""
-    shipped, scope, run, batch, part, tasks, rows = job
+def _task(job: tuple[bytes, JobScope, int, int, int, int, int, int | None]) -> Committable:
+    """One Spark task: open the sink's writer, write ``rows`` rows, prepare
+    (``lease``: what the driver's ``Sink.lease`` gave the batch)."""
+    shipped, scope, run, batch, part, tasks, rows, lease = job
     sink: Sink = pickle.loads(shipped)
-    ctx = WriteContext(scope, run, batch, part, batch * tasks + part)
+    ctx = WriteContext(scope, run, batch, part, batch * tasks + part, 0, lease)
     first = (batch * tasks + part) * rows
     ids = range(first, first + rows)
     data = pa.RecordBatch.from_pydict(
@@ -152,8 +153,9 @@ class Driver:
         """What ``tasks`` Spark tasks of ``batch`` prepare in every sink,
         ``rows`` rows each: the executors' part, done in the processes of
         ``pool`` (see :func:`executors`) as Spark's Python workers would."""
+        leases = {sid: s.lease(self.scope(sid), batch) for sid, s in self.sinks.items()}
         jobs = [
-            (self._shipped[sid], self.scope(sid), self.run, batch, part, tasks, rows)
+            (self._shipped[sid], self.scope(sid), self.run, batch, part, tasks, rows, leases[sid])
             for sid in self.sinks
             for part in range(tasks)
         ]

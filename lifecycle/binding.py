@@ -37,19 +37,34 @@ class PrecommitTask:
 
     Picklable (it holds only the sink's configuration and ids)."""
 
-    def __init__(self, sink: Sink, scope: JobScope, run: int, batch_id: int, schema: pa.Schema):
+    def __init__(
+        self,
+        sink: Sink,
+        scope: JobScope,
+        run: int,
+        batch_id: int,
+        schema: pa.Schema,
+        lease: int | None = None,
+    ):
         self.sink = sink
         self.scope = scope
         self.run = run
         self.batch_id = batch_id
         self.schema = schema
+        self.lease = lease
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         tc = TaskContext.get()
         assert tc is not None, "PrecommitTask runs inside a Spark task"
         number = tc.attemptNumber()
         ctx = WriteContext(
-            self.scope, self.run, self.batch_id, tc.partitionId(), tc.taskAttemptId(), number
+            self.scope,
+            self.run,
+            self.batch_id,
+            tc.partitionId(),
+            tc.taskAttemptId(),
+            number,
+            self.lease,
         )
         writer = self.sink.open_writer(ctx, self.schema)
         failed = True
@@ -83,7 +98,7 @@ def precommit(
     if order:
         df = df.sortWithinPartitions(*map(column, order))
     df = _plain_names(df)
-    task = PrecommitTask(sink, scope, run, batch_id, schema)
+    task = PrecommitTask(sink, scope, run, batch_id, schema, sink.lease(scope, batch_id))
     rows = df.mapInArrow(task, "committable string").collect()
     return [json.loads(r[0]) for r in rows]
 

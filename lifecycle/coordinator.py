@@ -610,6 +610,7 @@ class Coordinator:
         self.ledger.record_repaid(pipeline, batch_id, {sid: _rows(cs) for sid, cs in work.items()})
         for sid, cs in work.items():
             self._sink(pipeline, sid).forget(cs)
+            self._sink(pipeline, sid).settled(self.scope(pipeline, sid), batch_id)
 
     def _commit_sinks(
         self,
@@ -669,8 +670,10 @@ class Coordinator:
         self, groups: dict[tuple[str, str], list[Committable]], cut: dict[str, int]
     ) -> None:
         """After a commit: each sink forgets what it committed, then every sink
-        aborts its orphans of batches at or below ``cut`` and of earlier runs;
-        sinks of different targets at once, like the commit."""
+        aborts its orphans of batches at or below ``cut`` and of earlier runs,
+        and learns that those batches are settled (``Sink.settled``: the Kafka
+        sink's pooled ids of them may be reused); sinks of different targets at
+        once, like the commit."""
         owned = self.ledger.is_owned
         run = self.run
         sinks = {(p, sid): s for p, ps in self.pipelines.items() for sid, s in ps.sinks.items()}
@@ -685,7 +688,9 @@ class Coordinator:
             def is_orphan(n: TxnName) -> bool:
                 return not owned(str(n)) and (n.run < run or n.batch_id <= last)
 
-            return sinks[key].abort_lingering(self.scope(p, sid), is_orphan)
+            swept = sinks[key].abort_lingering(self.scope(p, sid), is_orphan)
+            sinks[key].settled(self.scope(p, sid), last)
+            return swept
 
         def lane(keys: list[tuple[str, str]]) -> list[list[str]]:
             return [settle(k) for k in keys]  # an error ends the lane, as it ended the sweep

@@ -88,6 +88,19 @@ class JobResult:
     checkpoint_ids: list[int] = field(default_factory=list)
 
 
+def refuse_speculation(sinks: list[Sink]) -> None:
+    """Raise :class:`ConfigError` (with ``spark.speculation`` on) naming the
+    sinks whose retries cannot tell a failed attempt from a speculative one."""
+    unsafe = sorted({s.describe() for s in sinks if not s.speculation_safe})
+    if unsafe:
+        raise ConfigError(
+            "spark.speculation is on, and a task retry of these sinks cannot tell a failed "
+            "attempt from a speculative one still running (it rolls the earlier attempt's "
+            f"prepared work back): {', '.join(unsafe)}; set spark.speculation=false for this "
+            "job (the Kafka sink alone allows it: each attempt has its own transactional id)"
+        )
+
+
 class Job:
     """A set of pipelines whose sinks commit together, exactly once.
 
@@ -366,11 +379,7 @@ class Job:
         if not self._pipelines:
             raise ConfigError(f"job {self.name!r} has no pipelines")
         if self.spark.conf.get("spark.speculation", "false").lower() == "true":
-            raise ConfigError(
-                "spark.speculation is on: a task retry could not tell a failed attempt from "
-                "a speculative one still running, so exactly-once sinks refuse it; set "
-                "spark.speculation=false for this job"
-            )
+            refuse_speculation([s for p in self._pipelines.values() for s in p.sinks])
         ledger = open_ledger(
             self.ledger_location, self.store, self.name, history=self.audit_checkpoints
         )

@@ -115,6 +115,9 @@ class WriteContext:
     """Spark's task attempt id: unique within a Spark application"""
     attempt_number: int = 0
     """0 for the first attempt of a partition, >0 for retries"""
+    lease: int | None = None
+    """what ``Sink.lease`` gave the batch on the driver (the Kafka sink's lane of
+    pooled transactional ids); None outside a job's pre-commit"""
 
     def txn_name(self) -> TxnName:
         return TxnName(
@@ -227,6 +230,12 @@ class Sink(abc.ABC):
     #: batch after batch, for a deferred pipeline to finish (``commits_at_finish``)
     prepared_work_holds_resources: bool = False
 
+    #: whether two attempts of one task may run at once (``spark.speculation``):
+    #: each attempt's work is its own, a retry never rolls back another attempt's
+    #: prepared work, and the sweep ends the attempts Spark did not take. A job
+    #: refuses speculation unless every sink says so.
+    speculation_safe: bool = False
+
     #: whether the sink's work is committed once, at the checkpoint that finishes
     #: its pipeline (a replace: ``replace_where``); until then every batch of the
     #: pipeline stays prepared, across restarts. Bounded pipelines only.
@@ -281,6 +290,17 @@ class Sink(abc.ABC):
         thing named after a transaction of ``scope`` in ``run`` and ``batch_id``
         so that a sweep finds it after any crash."""
         return None
+
+    def lease(self, scope: JobScope, batch_id: int) -> int | None:
+        """On the driver, before ``batch_id``'s tasks start: a number the batch's
+        writers get as ``WriteContext.lease`` (the Kafka sink's lane of pooled
+        transactional ids); None (the default) when the sink needs none."""
+        return None
+
+    def settled(self, scope: JobScope, through_batch: int) -> None:  # noqa: B027
+        """Every batch of ``scope`` up to ``through_batch`` is decided (committed
+        or aborted) and its orphans were swept: what the sink leased them may
+        be reused."""
 
     @abc.abstractmethod
     def commit(self, committables: Sequence[Committable]) -> None:

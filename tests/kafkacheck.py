@@ -66,9 +66,10 @@ def assert_exactly_once(
 def txn_outcomes(
     bootstrap: str, job: str, registry: str = DEFAULT_TOPIC, *, settle: float = 0.0
 ) -> dict[str, str]:
-    """``{transactional id: "committed" | "aborted" | "open"}`` for every transaction
-    of ``job``, from how its announcement in the registry topic was resolved (the
-    announcement is the first record of the writer's own transaction). With
+    """``{transaction name: "committed" | "aborted" | "open"}`` for every
+    transaction of ``job``, from how its announcement in the registry topic was
+    resolved (the announcement is the first record of the writer's own
+    transaction, and names it: a pooled transactional id is reused). With
     ``settle``, re-read for up to that many seconds while one is still open."""
     deadline = time.monotonic() + settle
     while True:
@@ -88,12 +89,10 @@ def _outcomes(bootstrap: str, job: str, registry: str) -> dict[str, str]:
         ("open", log.open),
     ):
         for r in records:
-            if r.key is None or r.value is None:  # a tombstone: not a transaction
-                continue
-            tid = r.key.decode()
-            if tid.startswith(prefix):
-                assert tid not in out, f"{tid} announced twice"
-                out[tid] = verdict
+            name = verify.announced_txn(r)
+            if name is not None and name.startswith(prefix):
+                assert name not in out, f"{name} announced twice"
+                out[name] = verdict
     return out
 
 
@@ -160,3 +159,16 @@ def consume_ids(
     """The ``id`` of every record :func:`consume_records` reads."""
     records = consume_records(bootstrap, topic, isolation, config)
     return [json.loads(v)["id"] for _, v in records if v]
+
+
+def job_transactional_ids(bootstrap: str, job: str) -> list[str] | None:
+    """The transactional ids of ``job`` that the brokers' transaction
+    coordinators hold (ListTransactions; None on a broker without it, tansu)."""
+    from kafka.protocol.admin import ListTransactionsRequest
+
+    from sinks.kafka.wire import KafkaWire
+
+    with KafkaWire(bootstrap) as wire:
+        if wire.api_version(ListTransactionsRequest) < 0:
+            return None
+        return [t for t in wire.list_transactions() if f".{job}." in t]

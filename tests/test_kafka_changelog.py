@@ -63,7 +63,7 @@ def test_a_change_feed_in_kafka_and_postgres_equals_the_model(  # type: ignore[n
     assert job_prepared(pg_dsn, name) == []
     # one record per key and batch (the batch's winner), its op as a header
     log = verify.read_settled(kafka_bootstrap, topic)
-    per_batch = [(r.key, r.producer_id) for r in log.committed]
+    per_batch = [(r.key, r.producer_id, r.producer_epoch) for r in log.committed]
     assert len(per_batch) == len(set(per_batch))
     ops = {dict(r.headers)["op"] for r in log.committed}
     assert ops <= {b"I", b"U", b"D"} and b"D" in ops

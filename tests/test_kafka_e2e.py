@@ -20,8 +20,15 @@ from lifecycle.coordinator import sink_label
 from lifecycle.ledger import read_ledger
 from sinks import KafkaSink, PostgresSink, _faults
 from sinks.kafka.log import read_topic
+from sinks.kafka.pool import lane_of
 from tests.conftest import write_input
-from tests.kafkacheck import assert_exactly_once, assert_nothing_open, committed_ids, open_txns
+from tests.kafkacheck import (
+    assert_exactly_once,
+    assert_nothing_open,
+    committed_ids,
+    job_transactional_ids,
+    open_txns,
+)
 from tests.pgcheck import assert_exactly_once as pg_exactly_once
 from tests.pgcheck import job_prepared
 from tests.sparkutil import INPUT_SCHEMA
@@ -58,6 +65,12 @@ def test_bounded_job_commits_every_row_once(  # type: ignore[no-untyped-def]
     assert log.n_aborted == 0  # no task failed: nothing was ever aborted
     assert len({r.partition for r in log.committed}) == 3
     assert_nothing_open(kafka_bootstrap, topic, name)
+    ids = job_transactional_ids(kafka_bootstrap, name)
+    if ids is not None:  # pooled ids (sinks/kafka/pool.py): a lane per batch in flight
+        lanes = {lane_of(t, "") for t in ids}
+        assert None not in lanes and len(lanes) <= 4, ids
+        if interval == 0:  # a checkpoint after each batch: lanes come back and are reused
+            assert len(lanes) < 4, ids
     if interval > 0:
         # 4 batches of one file each, grouped: fewer checkpoints than batches
         assert result.checkpoints < 4
@@ -102,6 +115,9 @@ def test_nothing_visible_before_checkpoint_completes(  # type: ignore[no-untyped
     assert result.checkpoints == 1  # the final one, holding all three batches
     assert_exactly_once(kafka_bootstrap, topic, n)
     assert_nothing_open(kafka_bootstrap, topic, name)
+    ids = job_transactional_ids(kafka_bootstrap, name)
+    if ids is not None:  # three batches open at once: three lanes of pooled ids
+        assert {lane_of(t, "") for t in ids} == {0, 1, 2}, ids
 
 
 def test_postgres_and_kafka_commit_on_the_same_checkpoint(  # type: ignore[no-untyped-def]

@@ -197,7 +197,7 @@ def test_a_fenced_writer_fails_its_attempt_with_nothing_committed(
     c = _ctx()
     w = sink.open_writer(c, SCHEMA)
     w.write(_batch(0, 100))
-    tid = sink.transactional_id(c.txn_name())
+    tid = sink.transactional_id(c)
     with KafkaWire(kafka_bootstrap) as wire:
         coordinator = wire.find_coordinators([tid])[tid]
         wire.init_producer_id(coordinator, tid, 60_000)

@@ -642,7 +642,7 @@ def test_records_acknowledged_without_an_offset_fail_the_task(
     c = ctx(job_name(), 0)
     w = sink.open_writer(c, SCHEMA)
     producer = w._begin()  # open and announced, no data yet
-    _take_sequence(bootstrap, producer, sink.transactional_id(c.txn_name()), topic, 10)
+    _take_sequence(bootstrap, producer, sink.transactional_id(c), topic, 10)
     w.write(rows(0, 10))
     with pytest.raises(UnconfirmedWriteError, match=r"10 record\(s\) without an offset"):
         w.prepare()

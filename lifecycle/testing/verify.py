@@ -170,10 +170,23 @@ def record_key(record: Record) -> Any:
     return None if record.key is None else record.key.decode()
 
 
+def announced_txn(record: Record) -> str | None:
+    """The transaction name a registry record announces (its value's ``txn``;
+    the key itself in announcements of version 1), or None for a tombstone or a
+    record that is no announcement."""
+    if record.key is None or record.value is None:
+        return None
+    try:
+        txn = json.loads(record.value).get("txn")
+    except (ValueError, AttributeError):
+        return None
+    return txn if isinstance(txn, str) else record.key.decode("utf-8", "replace")
+
+
 def open_transactions_kafka(bootstrap: str, job: str, *, settle: float = 0.0) -> list[str]:
-    """Transactional ids of ``job`` whose transaction is still open, from their
+    """Names of ``job``'s transactions that are still open, from their
     announcements in the sink's registry topic (every writer announces its
-    transactional id inside its own transaction, before any data)."""
+    transaction inside it, before any data)."""
     from sinks.kafka.registry import DEFAULT_TOPIC
 
     deadline = time.monotonic() + settle
@@ -184,9 +197,10 @@ def open_transactions_kafka(bootstrap: str, job: str, *, settle: float = 0.0) ->
         except LookupError:  # no registry: the job never wrote a transaction
             return []
         found = sorted(
-            r.key.decode()
+            name
             for r in log.open
-            if r.key is not None and r.value is not None and r.key.decode().startswith(prefixes)
+            for name in [announced_txn(r)]
+            if name is not None and name.startswith(prefixes)
         )
         if not found or time.monotonic() > deadline:
             return found

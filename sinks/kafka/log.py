@@ -37,6 +37,9 @@ class Record:
     headers: tuple[tuple[str, bytes | None], ...]
     producer_id: int
     transactional: bool
+    producer_epoch: int = -1
+    """with ``producer_id``, the transaction (a pooled transactional id keeps its
+    producer id from one transaction to the next, and bumps the epoch)"""
 
 
 @dataclass
@@ -79,6 +82,7 @@ def _record(partition: int, batch: Any, rec: Any) -> Record:
         headers=headers,
         producer_id=batch.producer_id,
         transactional=batch.is_transactional,
+        producer_epoch=batch.producer_epoch,
     )
 
 

@@ -57,6 +57,8 @@ from sinks.kafka.wire import TRANSIENT, KafkaWire
 
 log = logging.getLogger("sinks.kafka")
 
+_OPEN_STATES = ("Ongoing", "PrepareCommit", "PrepareAbort", "PrepareEpochFence")
+"""coordinator states of a transaction that has not ended"""
 _PRODUCE_MAX_VERSION = 11  # v12 adds partitions implicitly (transactions v2): not for us
 _ADD_PARTITIONS_MAX_VERSION = 3
 _SEQUENCE_WRAP = 1 << 31
@@ -131,6 +133,10 @@ class ProduceError(Errors.KafkaError):
     """A produce the attempt cannot recover from (fenced, refused, timed out)."""
 
 
+class OpenTransactionError(ProduceError):
+    """A pooled transactional id still holds another attempt's open transaction."""
+
+
 class TxnProducer:
     """The producer of one transaction (one task attempt).
 
@@ -175,10 +181,18 @@ class TxnProducer:
 
     # -- transaction ---------------------------------------------------------------------
 
-    def begin(self) -> None:
-        """InitProducerId for the transactional id (retrying what is retriable)."""
+    def begin(self, *, guard: bool = False) -> None:
+        """InitProducerId for the transactional id (retrying what is retriable).
+
+        With ``guard`` (a pooled id, :mod:`sinks.kafka.pool`), DescribeTransactions
+        first: an id whose transaction is open belongs to another attempt (one of
+        an earlier lease that began late), whose prepared work an InitProducerId
+        would abort, so :class:`OpenTransactionError` fails this attempt instead
+        (Spark's retry takes another id)."""
         deadline = time.monotonic() + self.request_timeout_ms / 1000 * 2
         while True:
+            if guard:  # again before every attempt: the id's state may have changed
+                self._refuse_open(deadline)
             try:
                 coordinator = self._find_coordinator() if self.transactional_id else None
                 error, pid, epoch = self.wire.init_producer_id(
@@ -190,6 +204,27 @@ class TxnProducer:
                 self.producer_id, self.epoch = int(pid), int(epoch)
                 return
             self._retry_or_raise(error, deadline, "InitProducerId")
+
+    def _refuse_open(self, deadline: float) -> None:
+        assert self.transactional_id is not None
+        while True:
+            try:
+                found = self.wire.describe_transaction(
+                    self._find_coordinator(), self.transactional_id
+                )
+            except TRANSIENT as e:
+                self._retry_or_raise(type(e), deadline, "DescribeTransactions")
+                continue
+            if found is None or found.state not in _OPEN_STATES:
+                return
+            if found.state == "Ongoing":
+                raise OpenTransactionError(
+                    f"Kafka transactional id {self.transactional_id} holds an open transaction "
+                    f"(producer id {found.producer_id}, epoch {found.epoch}) of another task "
+                    "attempt: this attempt refuses to abort it and fails (Spark retries the "
+                    "task with another id)"
+                )
+            self._retry_or_raise(Errors.ConcurrentTransactionsError, deadline, "InitProducerId")
 
     def abort(self) -> None:
         """EndTxn(abort); raises what the broker answered if not NoError."""

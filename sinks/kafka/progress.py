@@ -6,7 +6,7 @@ record below is keyed by (target topic, job, pipeline, sink id): two jobs of
 the same name writing different topics never meet.
 
 * **Announcements** (transactional, one per writer, the first record of its own
-  transaction): the transactional id names the incarnation and the batch, and
+  transaction): the announcement names the transaction (incarnation, batch), and
   the COMMIT marker of its producer id that follows it on its registry
   partition proves the transaction, hence the batch, committed. Read from the
   raw log with the control markers (never a read_committed consumer: on tansu
@@ -51,7 +51,7 @@ import kafka.errors as Errors
 from kafka import KafkaProducer
 
 from sinks.base import ClaimedScopes, JobScope
-from sinks.kafka.registry import COMMITTED, RegistryView
+from sinks.kafka.registry import COMMITTED, RegistryView, announced_name
 from sinks.kafka.wire import KafkaWire
 from sinks.naming import TxnName, scope_prefix
 from sinks.progress import SinkProgress, conflict, may_claim
@@ -161,17 +161,13 @@ class ProgressStore:
     def committed_batch(self, scope: JobScope, incarnation: str) -> int:
         """The highest batch among ``incarnation``'s committed announcements of
         this target still in the registry (-1). Call after a refresh."""
-        prefix = self.id_prefix + scope_prefix(
-            scope.job, scope.pipeline, scope.sink_id, incarnation
-        )
+        prefix = scope_prefix(scope.job, scope.pipeline, scope.sink_id, incarnation)
         best = -1
         for tid, found in self.view.live().items():
             if found.state != COMMITTED or found.topic != self.target:
                 continue
-            if not tid.startswith(prefix):
-                continue
-            name = TxnName.parse(tid[len(self.id_prefix) :])
-            if name is not None:
+            name = announced_name(tid, found, self.id_prefix)
+            if name is not None and str(name).startswith(prefix):
                 best = max(best, name.batch_id)
         return best
 
@@ -276,19 +272,19 @@ class ProgressStore:
         self,
         wire: KafkaWire,
         producer: KafkaProducer,
-        ids: Iterable[str],
+        names: Iterable[TxnName],
         timeout_s: float,
         *,
         as_named: bool = False,
     ) -> None:
         """Append the progress record of every scope among the committed
-        transactional ``ids`` (before their announcements are tombstoned).
+        transactions ``names`` (before their announcements are tombstoned).
 
         Each is recorded under the incarnation in its name; a first-format name
         under the incarnation this sink claimed its scope for, except with
         ``as_named`` (a sweep settling what another incarnation committed, e.g.
         after a start-over), where first-format names record nothing."""
-        names = [n for n in (TxnName.parse(t[len(self.id_prefix) :]) for t in ids) if n]
+        names = list(names)
         if as_named:
             names = [n for n in names if n.incarnation is not None]
         for scope, group in self.claims.group(names).items():

@@ -7,7 +7,11 @@ transactional id, cannot be enumerated from the driver. So every writer
 announces its transactional id before it writes any data, in a small topic
 (default ``_twophase_kafka_txns``, compacted):
 
-* key: the transactional id; value: ``{"topic": ..., "v": 1}`` (JSON).
+* key: the transactional id; value: ``{"topic": ..., "txn": NAME, "v": 2}``
+  (JSON): the target topic and the transaction's name (its batch, partition,
+  attempt, run and incarnation), which a pooled id (:mod:`sinks.kafka.pool`)
+  does not tell. Announcements of version 1 have no ``txn``: their id is the
+  name (after ``transactional_id_prefix``).
 * The announcement is the first record of the writer's own transaction and is
   flushed before any data record is sent, so an id whose transaction holds
   data is always in the registry (an announcement is visible to a raw,
@@ -48,6 +52,7 @@ import kafka.errors as Errors
 from kafka import KafkaProducer
 
 from sinks.kafka.wire import KafkaWire
+from sinks.naming import TxnName
 
 log = logging.getLogger("sinks.kafka")
 
@@ -59,9 +64,10 @@ COMMITTED = "committed"
 ABORTED = "aborted"
 
 
-def announcement(topic: str) -> bytes:
-    """The value of a registry record announcing a transactional id."""
-    return json.dumps({"topic": topic, "v": 1}).encode()
+def announcement(topic: str, txn: str) -> bytes:
+    """The value of a registry record announcing a transactional id that writes
+    transaction ``txn`` into ``topic``."""
+    return json.dumps({"topic": topic, "txn": txn, "v": 2}).encode()
 
 
 @dataclass
@@ -74,6 +80,21 @@ class Announcement:
     producer_id: int
     state: str = OPEN
     """OPEN, COMMITTED or ABORTED: the marker that followed it, if any"""
+    epoch: int = -1
+    """the producer epoch of the announcing transaction"""
+    txn: str | None = None
+    """the transaction's name (None in a version-1 announcement: the id names it)"""
+
+
+def announced_name(tid: str, a: Announcement, id_prefix: str) -> TxnName | None:
+    """The name of the transaction announced for ``tid``: the announcement's own
+    (version 2), else the id's after ``id_prefix`` (version 1); None if neither
+    is one of ours."""
+    if a.txn is not None:
+        return TxnName.parse(a.txn)
+    if not tid.startswith(id_prefix):
+        return None
+    return TxnName.parse(tid[len(id_prefix) :])
 
 
 class RecordHandler(Protocol):
@@ -155,18 +176,27 @@ class RegistryView:
             if record.value is None:
                 self._discard(key)
             elif batch.is_transactional:
-                self._announce(key, bytes(record.value), partition, batch.producer_id)
+                self._announce(
+                    key, bytes(record.value), partition, batch.producer_id, batch.producer_epoch
+                )
             elif self._handler is not None:
                 self._handler.apply(partition, key, bytes(record.value))
 
-    def _announce(self, tid: str, value: bytes, partition: int, producer_id: int) -> None:
+    def _announce(
+        self, tid: str, value: bytes, partition: int, producer_id: int, epoch: int
+    ) -> None:
         try:
-            topic = json.loads(value).get("topic")
+            doc = json.loads(value)
+            topic, txn = doc.get("topic"), doc.get("txn")
         except (ValueError, AttributeError):
-            topic = None
-        self._discard(tid)
+            topic = txn = None
+        self._discard(tid)  # a reused id: its previous transaction ended
         self._live[tid] = Announcement(
-            topic if isinstance(topic, str) else None, partition, producer_id
+            topic if isinstance(topic, str) else None,
+            partition,
+            producer_id,
+            epoch=epoch,
+            txn=txn if isinstance(txn, str) else None,
         )
         self._pending.setdefault((partition, producer_id), set()).add(tid)
 

@@ -86,6 +86,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
+from kafka.protocol.admin import DescribeTransactionsRequest
 
 from sinks import _faults, base, settings
 from sinks._parallel import (
@@ -108,14 +109,17 @@ from sinks.errors import ConfigError, PreflightError
 from sinks.kafka import access, checks, encode, outcome, txn, txn_age
 from sinks.kafka import audit as kafka_audit
 from sinks.kafka.connections import DriverConnections
+from sinks.kafka.pool import IdPool, lane_of, pool_prefix, pooled_id
 from sinks.kafka.produce import ProducerOptions
 from sinks.kafka.progress import ProgressStore
 from sinks.kafka.registry import (
     ABORTED,
     COMMITTED,
     DEFAULT_TOPIC,
+    OPEN,
     TOPIC_CONFIG,
     Announcement,
+    announced_name,
     write_tombstones,
 )
 from sinks.kafka.wire import TRANSIENT, KafkaWire
@@ -188,9 +192,10 @@ class KafkaSink(Sink):
     """
 
     kind = "kafka"
-    _driver_only = ("_conns", "_store")
+    _driver_only = ("_conns", "_store", "_pool")
     prepared_work_expires = True
     prepared_work_holds_resources = True
+    speculation_safe = True  # every attempt has its own pooled id (sinks/kafka/pool.py)
 
     def prepared_work_timeout(self) -> float | None:
         return self.transaction_timeout_ms / 1000
@@ -243,6 +248,7 @@ class KafkaSink(Sink):
         self._checkpoint_interval_s = 0.0
         self.registry_topic = registry_topic
         self.topic_max_bytes: int | None = None  # the topic's max.message.bytes (preflight)
+        self.pooled_ids = False  # the broker describes transactions (preflight): pool the ids
         self.flush_timeout = flush_timeout
         self.connect_timeout = connect_timeout
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
@@ -347,9 +353,13 @@ class KafkaSink(Sink):
     def __repr__(self) -> str:
         return f"KafkaSink({self.describe()}, key={self.key}, value={self.value})"
 
-    def transactional_id(self, name: TxnName) -> str:
-        """The Kafka ``transactional.id`` of a transaction name."""
-        return f"{self.id_prefix}{name}"
+    def transactional_id(self, ctx: WriteContext) -> str:
+        """The Kafka ``transactional.id`` a writer of ``ctx`` uses: a pooled id of
+        its batch's lane (:mod:`sinks.kafka.pool`), or, for a writer opened
+        without a lease, its transaction's name."""
+        if ctx.lease is None or ctx.scope.incarnation is None:
+            return f"{self.id_prefix}{ctx.txn_name()}"
+        return pooled_id(self.id_prefix, ctx.scope, ctx.lease, ctx.partition, ctx.attempt_number)
 
     @property
     def max_request_size(self) -> int:
@@ -360,6 +370,7 @@ class KafkaSink(Sink):
     # -- driver-side state (never pickled to executors) ----------------------------------
 
     def _init_driver_state(self) -> None:
+        self._pool = IdPool()
         self._conns = DriverConnections(
             self.bootstrap_servers, self.producer_config, self.commit_timeout
         )
@@ -419,6 +430,7 @@ class KafkaSink(Sink):
                 raise access.denied(self.describe(), acl, self.producer_config) from e
             # the writers size their record batches to it (they run on executors: pickled)
             self.topic_max_bytes = checks.topic_max_message_bytes(wire, self.topic)
+            self.pooled_ids = wire.api_version(DescribeTransactionsRequest) >= 0
 
     @property
     def changelog(self) -> bool:
@@ -493,7 +505,7 @@ class KafkaSink(Sink):
     # -- executor side -------------------------------------------------------------------
 
     def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
-        return KafkaWriter(self._writer_settings(), ctx, self.transactional_id(ctx.txn_name()))
+        return KafkaWriter(self._writer_settings(), ctx, self.transactional_id(ctx))
 
     def _writer_settings(self) -> WriterSettings:
         return WriterSettings(
@@ -531,6 +543,7 @@ class KafkaSink(Sink):
     def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
         ours = scope.incarnation
         assert ours is not None
+        self._pool.reset(scope)  # a start: recovery ends every earlier transaction first
         store = self._store
         if store is None:
             log.warning(
@@ -666,10 +679,23 @@ class KafkaSink(Sink):
         ids = sorted({c["transactional_id"] for c in committables})
         if not ids:
             return
-        parts = slices(ids, most=self.commit_connections)  # fence() empties them as it goes
+        # a pooled id is ended by its own producer id and epoch (sinks/kafka/pool.py)
+        own = {
+            c["transactional_id"]: Announcement(
+                self.topic, -1, int(c["producer_id"]), epoch=int(c["epoch"])
+            )
+            for c in committables
+            for n in [TxnName.require(c["txn"])]
+            if self._not_to_fence(
+                c["transactional_id"], JobScope(n.job, n.pipeline, n.sink_id, n.incarnation)
+            )
+        }
+        legacy = [t for t in ids if t not in own]
+        parts = slices(legacy, most=self.commit_connections)  # fence() empties them as it goes
 
         def attempt() -> None:
             with self._conns.wire() as wire:
+                txn.abort_own(wire, own)
                 self._conns.each(wire, [p for p in parts if p], self._fence, "abort")
 
         retry_transient(
@@ -683,20 +709,62 @@ class KafkaSink(Sink):
     def _announced(
         self, wire: KafkaWire, prefixes: tuple[str, ...]
     ) -> dict[str, tuple[TxnName, Announcement]]:
-        """Every transactional id announced for this topic under one of
-        ``prefixes`` (after ``transactional_id_prefix``) and not tombstoned,
-        read from the registry (incrementally), with its name and how it ended."""
+        """Every transactional id announced for this topic whose transaction's
+        name starts with one of ``prefixes`` and not tombstoned, read from the
+        registry (incrementally), with its name and how it ended."""
         assert self._store is not None
         live = self._store.view.refresh(wire)
-        prefixes = tuple(self.id_prefix + p for p in prefixes)
         found: dict[str, tuple[TxnName, Announcement]] = {}
         for tid, a in sorted(live.items()):
-            if not tid.startswith(prefixes) or a.topic != self.topic:
+            if a.topic != self.topic:
                 continue
-            name = TxnName.parse(tid[len(self.id_prefix) :])
-            if name is not None:
+            name = announced_name(tid, a, self.id_prefix)
+            if name is not None and str(name).startswith(prefixes):
                 found[tid] = (name, a)
         return found
+
+    # -- the pool of transactional ids (sinks/kafka/pool.py) ------------------------------
+
+    def lease(self, scope: JobScope, batch_id: int) -> int | None:
+        """The lane of pooled transactional ids ``batch_id``'s writers use; None
+        (an id per transaction, as before the pool) on a broker that cannot
+        describe a transaction (tansu, Kafka before 3.0: a writer could not
+        tell another's open transaction on its id) or for a ledger that never
+        claimed."""
+        if scope.incarnation is None or not self.pooled_ids:
+            return None
+        return self._pool.lease(scope, batch_id, self._busy_lanes(scope))
+
+    def settled(self, scope: JobScope, through_batch: int) -> None:
+        """Release the lanes of settled batches whose ids the registry shows ended."""
+        self._pool.settle(scope, through_batch)
+        released = self._pool.release(scope, self._busy_lanes(scope))
+        if released:
+            log.debug("%s: lanes %s of %s back in the pool", self.describe(), released, scope)
+
+    def _busy_lanes(self, scope: JobScope) -> set[int]:
+        """Lanes of ``scope`` with an id the registry (as last read) still shows:
+        its transaction open, or ended and not yet tombstoned (a tombstone
+        written after a new announcement of the id would hide that one)."""
+        if self._store is None:
+            return set()
+        prefix = pool_prefix(self.id_prefix, scope)
+        return {
+            lane
+            for tid in self._store.view.live()
+            if tid.startswith(prefix)
+            for lane in [lane_of(tid, self.id_prefix)]
+            if lane is not None
+        }
+
+    def _not_to_fence(self, transactional_id: str, scope: JobScope) -> bool:
+        """Whether ``transactional_id`` is a pooled id that a task of this run may
+        hold now: it is ended by its transaction's own epoch, never fenced."""
+        return lane_of(transactional_id, self.id_prefix) is not None and self._pool.leasing(scope)
+
+    def pool_size(self, scope: JobScope) -> int:
+        """How many lanes of pooled ids ``scope`` has used in this run."""
+        return self._pool.size(scope)
 
     def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
         """Every transactional id of (``job``, ``pipeline``, this sink) announced
@@ -723,7 +791,8 @@ class KafkaSink(Sink):
                 name,
                 a.state,
                 (f"transactional id {tid}, " if tid != str(name) else "")
-                + f"producer id {a.producer_id}, announced on registry partition {a.partition}",
+                + f"producer id {a.producer_id}, epoch {a.epoch}, announced on registry "
+                f"partition {a.partition}",
             )
             for tid, (name, a) in found.items()
         ]
@@ -740,15 +809,27 @@ class KafkaSink(Sink):
         if store is None:
             return []
 
+        orphans_named: dict[str, TxnName] = {}
+
         def sweep() -> tuple[list[TxnName], dict[str, Announcement]]:
             with self._conns.wire() as wire:
                 announced = self._announced(wire, scope.own_prefixes())
                 orphans = {t: n for t, (n, _) in announced.items() if is_orphan(n)}
-                fenced = [t for t in sorted(orphans) if announced[t][1].state != COMMITTED]
+                orphans_named.update(orphans)
+                # (an orphan that ended already needs no fence: its writer aborted it, or
+                # the broker did at its timeout, bumping the epoch)
+                ending = [t for t in sorted(orphans) if announced[t][1].state == OPEN]
+                # a pooled id may be leased to a batch in flight (now, or by the time
+                # a fence lands): end the orphan's own transaction (its producer id
+                # and epoch), never fence the id
+                pooled = [t for t in ending if self._not_to_fence(t, scope)]
+                if pooled:
+                    txn.abort_own(wire, {t: announced[t][1] for t in pooled})
+                fenced = [t for t in ending if t not in pooled]
                 if fenced:
                     self._fence(wire, list(fenced))  # fenced twice after a retry: harmless
-                live = store.view.refresh(wire)  # the markers of the fenced ones
-                return [orphans[t] for t in fenced], {t: live[t] for t in orphans if t in live}
+                live = store.view.refresh(wire)  # the markers of the ended ones
+                return [orphans[t] for t in ending], {t: live[t] for t in orphans if t in live}
 
         fenced, found = retry_transient(
             sweep,
@@ -757,7 +838,9 @@ class KafkaSink(Sink):
             deadline=self.commit_timeout,
         )
         committed = [t for t, a in found.items() if a.state == COMMITTED]
-        if committed and self._record_committed(committed, as_named=True):
+        if committed and self._record_committed(
+            [orphans_named[t] for t in committed], as_named=True
+        ):
             self._tombstone(committed)
         self._tombstone(sorted(t for t, a in found.items() if a.state == ABORTED))
         aborted = sorted(str(n) for n in fenced)
@@ -776,24 +859,27 @@ class KafkaSink(Sink):
         """Record the committed batches in a progress record, then tombstone
         their announcements (which said the same until then)."""
         ids = sorted({c["transactional_id"] for c in committables})
-        if ids and self._record_committed(ids):
+        names = [TxnName.require(c["txn"]) for c in committables]
+        if ids and self._record_committed(names):
             self._tombstone(ids)
 
-    def _record_committed(self, ids: list[str], *, as_named: bool = False) -> bool:
-        """Append the progress records of the committed ``ids`` (see
-        :meth:`ProgressStore.record_committed`); False (and the announcements
-        must stay) when they could not be written."""
+    def _record_committed(self, names: list[TxnName], *, as_named: bool = False) -> bool:
+        """Append the progress records of the committed transactions ``names``
+        (see :meth:`ProgressStore.record_committed`); False (and the
+        announcements must stay) when they could not be written."""
         store = self._store
         if store is None:
             return True
         try:
             with self._conns.wire() as wire, self._conns.producer() as producer:
-                store.record_committed(wire, producer, ids, _REGISTRY_TIMEOUT_S, as_named=as_named)
+                store.record_committed(
+                    wire, producer, names, _REGISTRY_TIMEOUT_S, as_named=as_named
+                )
         except Exception as e:
             log.warning(
                 "could not record the progress of %d committed transaction(s) in registry %s "
                 "(%r); their announcements stay and say the same",
-                len(ids),
+                len(names),
                 self.registry_topic,
                 e,
             )

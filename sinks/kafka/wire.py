@@ -29,6 +29,7 @@ from typing import Any
 
 import kafka.errors as Errors
 from kafka import KafkaAdminClient
+from kafka.protocol.admin import DescribeTransactionsRequest, ListTransactionsRequest
 from kafka.protocol.consumer import FetchRequest
 from kafka.protocol.metadata import (
     CoordinatorType,
@@ -78,6 +79,16 @@ TRANSIENT: tuple[type[BaseException], ...] = (Errors.RetriableError, Errors.Unkn
 def client_config(producer_config: dict[str, Any] | None) -> dict[str, Any]:
     """The part of a producer configuration that also applies to an admin client."""
     return {k: v for k, v in (producer_config or {}).items() if k in _CLIENT_KEYS}
+
+
+@dataclass(frozen=True)
+class TxnState:
+    """A transactional id as its coordinator describes it."""
+
+    state: str
+    """Empty, Ongoing, PrepareCommit, PrepareAbort, CompleteCommit, CompleteAbort, ..."""
+    producer_id: int
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -301,6 +312,36 @@ class KafkaWire:
                 raise future.exception
             errors[tid] = Errors.for_code(future.value.error_code)
         return errors
+
+    def describe_transaction(self, coordinator: Any, transactional_id: str) -> TxnState | None:
+        """DescribeTransactions of one id at its coordinator: its state, producer
+        id and epoch; None when the broker does not implement the request
+        (tansu) or does not know the id."""
+        if self.api_version(DescribeTransactionsRequest) < 0:
+            return None
+        response = self.send(
+            DescribeTransactionsRequest(transactional_ids=[transactional_id]), coordinator
+        )
+        for t in response.transaction_states:
+            error = Errors.for_code(t.error_code)
+            if error is Errors.TransactionalIdNotFoundError:
+                return None
+            if error is not Errors.NoError:
+                raise error(f"DescribeTransactions of {transactional_id}")
+            return TxnState(t.transaction_state, t.producer_id, t.producer_epoch)
+        return None
+
+    def list_transactions(self) -> list[str]:
+        """Every transactional id the brokers' transaction coordinators hold
+        (ListTransactions to each broker); what the pool keeps flat."""
+        found: list[str] = []
+        for node in self.broker_ids():
+            response = self.send(ListTransactionsRequest(), node)
+            error = Errors.for_code(response.error_code)
+            if error is not Errors.NoError:
+                raise error(f"ListTransactions at broker {node}")
+            found += [t.transactional_id for t in response.transaction_states]
+        return sorted(found)
 
     # -- raw log ------------------------------------------------------------------------
 

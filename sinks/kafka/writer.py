@@ -95,6 +95,7 @@ class KafkaWriter(SinkWriter):
         self._txn = str(ctx.txn_name())
         self._tid = transactional_id
         self._spark_partition = ctx.partition
+        self._pooled = ctx.lease is not None  # the id is reused: never abort another's work
         self._options = ProducerOptions.of(settings.producer_config)
         self._wire: KafkaWire | None = None
         self._producer: TxnProducer | None = None
@@ -124,7 +125,7 @@ class KafkaWriter(SinkWriter):
             transaction_timeout_ms=cfg.transaction_timeout_ms,
             options=self._options,
         )
-        producer.begin()
+        producer.begin(guard=self._pooled)
         self._producer = producer
         self._opened_at = time.time()  # the broker's timer starts with the first record
         if cfg.registry_topic:
@@ -141,7 +142,7 @@ class KafkaWriter(SinkWriter):
         partition = partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
         batches = records.record_batches(
             pa.array([key], pa.large_binary()),
-            pa.array([announcement(self._settings.topic)], pa.large_binary()),
+            pa.array([announcement(self._settings.topic, self._txn)], pa.large_binary()),
             producer_id=producer.producer_id,
             producer_epoch=producer.epoch,
             base_sequence=producer.next_sequence(registry, partition),
