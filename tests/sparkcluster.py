@@ -49,6 +49,7 @@ class _Proc:
     log: Path
     port: int
     proc: subprocess.Popen[bytes] | None = None
+    host: str = "127.0.0.1"
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -68,7 +69,10 @@ class _Proc:
 
 
 class SparkCluster(NativeService):
-    """A standalone master and ``workers`` one-core workers on 127.0.0.1."""
+    """A standalone master and ``workers`` one-core workers on loopback: the
+    master on 127.0.0.1, worker *i* on 127.0.0.(i+1), so that Spark sees hosts
+    of their own (it never runs a speculative copy of a task on the host of
+    another attempt)."""
 
     def __init__(
         self,
@@ -84,7 +88,10 @@ class SparkCluster(NativeService):
         self.master = _Proc("master", self.root / "master.log", free_port())
         self.webui_port = free_port()
         self.workers = [
-            _Proc(f"worker-{i}", self.root / f"worker-{i}.log", free_port()) for i in range(workers)
+            _Proc(
+                f"worker-{i}", self.root / f"worker-{i}.log", free_port(), host=f"127.0.0.{i + 1}"
+            )
+            for i in range(workers)
         ]
 
     @property
@@ -93,7 +100,7 @@ class SparkCluster(NativeService):
 
     # -- processes --------------------------------------------------------------------
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, host: str = "127.0.0.1") -> dict[str, str]:
         env = {
             k: v
             for k, v in os.environ.items()
@@ -102,7 +109,7 @@ class SparkCluster(NativeService):
             if not k.startswith(("PYSPARK_", "TWOPHASE_", "PYTHON"))
         }
         env["SPARK_HOME"] = str(SPARK_HOME)
-        env["SPARK_LOCAL_IP"] = "127.0.0.1"
+        env["SPARK_LOCAL_IP"] = host
         env["SPARK_LOG_DIR"] = str(self.root / "logs")
         # A dead worker is dropped after 20 s (default 60); both sides need the
         # setting: a worker heartbeats every timeout/4 of its own configuration.
@@ -117,7 +124,7 @@ class SparkCluster(NativeService):
         with open(p.log, "ab") as out:
             p.proc = subprocess.Popen(
                 argv,
-                env=self._env(),
+                env=self._env(p.host),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -132,7 +139,7 @@ class SparkCluster(NativeService):
             str(SPARK_HOME / "bin" / "spark-class"),
             WORKER,
             "--host",
-            "127.0.0.1",
+            p.host,
             "--port",
             str(p.port),
             "--webui-port",

@@ -42,6 +42,9 @@ INPUT_SCHEMA = StructType(
 
 MASTER_ENV = "TWOPHASE_TEST_MASTER"
 EXECUTOR_ENV_ENV = "TWOPHASE_TEST_EXECUTOR_ENV"
+SPECULATION_ENV = "TWOPHASE_TEST_SPECULATION"
+"""set: a cluster job runs with ``spark.speculation`` on, eager (Spark never
+speculates in local mode)"""
 
 
 def make_spark(app: str, master: str = "local[2,2]", jvm_packages: bool = False) -> SparkSession:
@@ -66,6 +69,14 @@ def make_spark(app: str, master: str = "local[2,2]", jvm_packages: bool = False)
         for k, v in os.environ.items():
             if k.startswith("TWOPHASE_") and k not in (MASTER_ENV, EXECUTOR_ENV_ENV):
                 builder = builder.config(f"spark.executorEnv.{k}", v)
+        if os.environ.get(SPECULATION_ENV):
+            builder = (
+                builder.config("spark.speculation", "true")
+                .config("spark.speculation.interval", "100ms")
+                .config("spark.speculation.quantile", "0.5")
+                .config("spark.speculation.multiplier", "1.5")
+                .config("spark.speculation.minTaskRuntime", "500ms")
+            )
     if jvm_packages and "PYSPARK_GATEWAY_PORT" not in os.environ:
         # A local session gets delta-spark and Spark's Kafka source when their jars are
         # cached (lifecycle/testing/jars.py); spark-submit's driver JVM is started already.

@@ -45,7 +45,7 @@ from tests.multisink import Run
 from tests.pgcheck import assert_exactly_once, job_prepared
 from tests.procs import JobProcess, run_job, wait_for
 from tests.sparkcluster import SparkCluster
-from tests.sparkutil import EXECUTOR_ENV_ENV, MASTER_ENV
+from tests.sparkutil import EXECUTOR_ENV_ENV, MASTER_ENV, SPECULATION_ENV
 
 pytestmark = pytest.mark.cluster
 
@@ -216,6 +216,37 @@ def test_executor_loss_after_prepare(  # type: ignore[no-untyped-def]
     run.check(n)
 
 
+def test_speculative_attempts_of_kafka_tasks_never_share_a_transaction(  # type: ignore[no-untyped-def]
+    on_cluster, pg_dsn, kafka_bootstrap, kafka_topic
+):
+    """``spark.speculation`` on (a Kafka-only job allows it): one task of batch 1
+    stalls right after its transaction is prepared, Spark starts a speculative
+    copy on the other worker, which takes an id of its own (attempt number 1 in
+    the batch's lane), prepares and wins. The stalled attempt's transaction is
+    ended by the sweep, never committed; every row once."""
+    from tests.kafkacheck import txn_outcomes
+
+    run = _run(on_cluster, pg_dsn, kafka_bootstrap, kafka_topic(3), "kafka")
+    run.env = {**on_cluster.env, SPECULATION_ENV: "1"}
+    n = write_input(on_cluster.shared / "in", files=3, rows_per_file=200)
+    proc = run.start("executor.prepared@1+once=stall:25", extra=["--partitions", "4"])
+    assert proc.proc.returncode == 0, proc.tail(5000)
+    run.check(n)
+    from sinks.naming import TxnName
+
+    outcomes = txn_outcomes(kafka_bootstrap, run.job, settle=15)
+    assert all(v in ("committed", "aborted") for v in outcomes.values()), outcomes
+    attempts: dict[str, list[str]] = {}
+    for name, verdict in outcomes.items():
+        parsed = TxnName.parse(name)
+        assert parsed is not None
+        if parsed.batch_id == 1:
+            attempts.setdefault(parsed.partition_prefix(), []).append(verdict)
+    # no task failed: a partition with two attempts had a speculative copy
+    raced = [sorted(v) for v in attempts.values() if len(v) > 1]
+    assert raced == [["aborted", "committed"]], attempts
+
+
 # -- lifecycle ----------------------------------------------------------------------------
 
 
@@ -258,7 +289,6 @@ def test_three_pipelines_share_one_final_checkpoint_on_the_cluster(  # type: ign
     assert job_prepared(pg_dsn, "three") == []
 
 
-@pytest.mark.smoke
 def test_drain_on_the_cluster(on_cluster, pg_dsn):  # type: ignore[no-untyped-def]
     """``twophase stop --drain`` to an unbounded job on the cluster (the way to
     drain a job under spark-submit, where a SIGTERM to the process group would

@@ -62,6 +62,7 @@ def main() -> int:
     )
     ap.add_argument("--delta-write-with", default="auto", help="DeltaSink(write_with=...)")
     ap.add_argument("--probe", default=None, help="a driver-side path executors must not see")
+    ap.add_argument("--partitions", type=int, default=None, help="repartition each batch")
     args = ap.parse_args()
     spark = start_driver(args.job)
     if args.probe:
@@ -72,6 +73,8 @@ def main() -> int:
         .json(args.input)
         .withColumn("part", F.col("id") % 3)
     )
+    if args.partitions:
+        df = df.repartition(args.partitions)
     sinks: list[Sink] = []
     for kind in args.sinks.split(","):
         needs = {"pg": ["dsn"], "kafka": ["bootstrap", "topic"], "delta": ["delta"]}.get(kind, [])
