@@ -131,20 +131,29 @@ def _run(
 # -- the deployment path and each sink end to end ------------------------------------------
 
 
-@pytest.mark.parametrize("sink", [pytest.param("pg", marks=pytest.mark.smoke), "kafka", "delta"])
+@pytest.mark.parametrize("sink", ["pg", "kafka", "delta"])
 def test_each_sink_end_to_end_on_the_cluster(  # type: ignore[no-untyped-def]
     on_cluster, pg_dsn, kafka_bootstrap, kafka_topic, sink
 ):
     _orders(pg_dsn)
     run = _run(on_cluster, pg_dsn, kafka_bootstrap, kafka_topic(3), sink)
     n = write_input(on_cluster.shared / "in", files=3, rows_per_file=200)
-    secret = on_cluster.driver / "driver-only.txt"
-    secret.write_text("executors must not see this file")
-    proc = run.start(extra=["--probe", str(secret)])
+    proc = run.start(extra=["--probe", str(_driver_only_file(on_cluster))])
     assert proc.proc.returncode == 0, proc.tail(5000)
     assert proc.result()["committed"] is True
     run.check(n)
+    _assert_deployed(proc)
 
+
+def _driver_only_file(on: ClusterRun) -> Path:
+    secret = on.driver / "driver-only.txt"
+    secret.write_text("executors must not see this file")
+    return secret
+
+
+def _assert_deployed(proc: JobProcess) -> None:
+    """The job's executors ran the archive's Python and the wheel's packages,
+    and could not see the driver's disk (the ``--probe`` of the job)."""
     probes = _probes(proc)
     for p in probes:
         # the executor's Python is the archive's, with the project from the wheel
@@ -270,12 +279,13 @@ def test_three_pipelines_share_one_final_checkpoint_on_the_cluster(  # type: ign
         f"name=large,input={shared / 'large'},sink=delta,path={delta},kind=bounded",
     ]
     args = ["--dsn", pg_dsn, "--bootstrap", kafka_bootstrap, "--state", str(state)]
-    args += ["--job", "three", "--interval", "60"]
+    args += ["--job", "three", "--interval", "60", "--probe", str(_driver_only_file(on_cluster))]
     for spec in specs:
         args += ["--pipeline", spec]
     proc = run_job("lifecycle_job.py", args, shared / "job.log", env=on_cluster.env)
     assert proc.proc.returncode == 0, proc.tail(5000)
     assert proc.result()["committed"] is True
+    _assert_deployed(proc)  # the README's deployment path, for all three sinks
     assert_exactly_once(pg_dsn, "small", n["small"])
     kafka_exactly_once(kafka_bootstrap, topic, n["medium"])
     assert_nothing_open(kafka_bootstrap, topic, "three")

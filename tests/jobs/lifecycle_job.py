@@ -24,7 +24,7 @@ from pyspark.sql import functions as F
 
 from lifecycle import Job
 from sinks import DeltaSink, KafkaSink, PostgresSink, Sink
-from tests.jobs._driver import finish, start_driver
+from tests.jobs._driver import finish, probe_executors, start_driver
 from tests.sparkutil import EVENT_SCHEMA, INPUT_SCHEMA
 
 
@@ -53,9 +53,12 @@ def main() -> int:
     ap.add_argument("--final", default="shared")
     ap.add_argument("--stop-grace", type=float, default=10.0)
     ap.add_argument("--pipeline", action="append", default=[])
+    ap.add_argument("--probe", default=None, help="a driver-side path executors must not see")
     ap.add_argument("--ledger", default=None, help="the ledger's directory (state on a URI)")
     args = ap.parse_args()
     spark = start_driver(args.job)
+    if args.probe:
+        probe_executors(spark, args.probe)
     job = Job(
         spark,
         args.job,
