@@ -93,6 +93,13 @@ class SecureListener:
     def password(self, user: str) -> str:
         return self.admin_password if user == ADMIN else self.users[user]
 
+    def _jaas(self, user: str) -> str:
+        """The JAAS line of ``user``'s SCRAM login (the broker's own, Java clients')."""
+        return (
+            "org.apache.kafka.common.security.scram.ScramLoginModule required "
+            f'username="{user}" password="{self.password(user)}";'
+        )
+
     def scram_arguments(self) -> list[str]:
         """``StorageTool format`` arguments that create the SCRAM users."""
         out: list[str] = []
@@ -103,10 +110,6 @@ class SecureListener:
     def broker_config(self, port: int, controller_port: int) -> dict[str, str]:
         """The broker's listener, TLS, SASL and authorizer settings."""
         assert self._dir is not None, "prepare() first"
-        jaas = (
-            "org.apache.kafka.common.security.scram.ScramLoginModule required "
-            f'username="{ADMIN}" password="{self.admin_password}";'
-        )
         return {
             "listeners": (f"SASL_SSL://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}"),
             "advertised.listeners": f"SASL_SSL://127.0.0.1:{port}",
@@ -114,7 +117,7 @@ class SecureListener:
             "inter.broker.listener.name": "SASL_SSL",
             "sasl.enabled.mechanisms": MECHANISM,
             "sasl.mechanism.inter.broker.protocol": MECHANISM,
-            f"listener.name.sasl_ssl.{MECHANISM.lower()}.sasl.jaas.config": jaas,
+            f"listener.name.sasl_ssl.{MECHANISM.lower()}.sasl.jaas.config": self._jaas(ADMIN),
             "ssl.keystore.type": "PKCS12",
             "ssl.keystore.location": str(self._dir / "broker.p12"),
             "ssl.keystore.password": self._store_password,
@@ -148,14 +151,10 @@ class SecureListener:
 
     def spark(self, user: str) -> dict[str, str]:
         """Spark Kafka source options (``kafka.``-prefixed) for ``user``."""
-        jaas = (
-            "org.apache.kafka.common.security.scram.ScramLoginModule required "
-            f'username="{user}" password="{self.password(user)}";'
-        )
         return {
             "kafka.security.protocol": "SASL_SSL",
             "kafka.sasl.mechanism": MECHANISM,
-            "kafka.sasl.jaas.config": jaas,
+            "kafka.sasl.jaas.config": self._jaas(user),
             "kafka.ssl.truststore.type": "PEM",
             "kafka.ssl.truststore.location": self.cafile,
         }

@@ -168,12 +168,6 @@ class IdPool:
         with self._lock:
             return scope.key() in self._leasing
 
-    def leased(self, scope: JobScope) -> set[int]:
-        """The lanes of ``scope`` leased now."""
-        key = scope.key()
-        with self._lock:
-            return {lane for (k, lane) in self._leases if k == key}
-
     def size(self, scope: JobScope) -> int:
         """How many lanes ``scope`` has made (the pool's size, in lanes)."""
         with self._lock:

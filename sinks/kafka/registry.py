@@ -85,6 +85,10 @@ class Announcement:
     txn: str | None = None
     """the transaction's name (None in a version-1 announcement: the id names it)"""
 
+    def own_epoch(self) -> tuple[int, int]:
+        """(producer id, epoch) of the announcing transaction."""
+        return self.producer_id, self.epoch
+
 
 def announced_name(tid: str, a: Announcement, id_prefix: str) -> TxnName | None:
     """The name of the transaction announced for ``tid``: the announcement's own

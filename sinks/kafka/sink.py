@@ -681,9 +681,7 @@ class KafkaSink(Sink):
             return
         # a pooled id is ended by its own producer id and epoch (sinks/kafka/pool.py)
         own = {
-            c["transactional_id"]: Announcement(
-                self.topic, -1, int(c["producer_id"]), epoch=int(c["epoch"])
-            )
+            c["transactional_id"]: (int(c["producer_id"]), int(c["epoch"]))
             for c in committables
             for n in [TxnName.require(c["txn"])]
             if self._not_to_fence(
@@ -824,14 +822,14 @@ class KafkaSink(Sink):
                 # and epoch), never fence the id
                 pooled = [t for t in ending if self._not_to_fence(t, scope)]
                 if pooled:
-                    txn.abort_own(wire, {t: announced[t][1] for t in pooled})
+                    txn.abort_own(wire, {t: announced[t][1].own_epoch() for t in pooled})
                 fenced = [t for t in ending if t not in pooled]
                 if fenced:
                     self._fence(wire, list(fenced))  # fenced twice after a retry: harmless
                 live = store.view.refresh(wire)  # the markers of the ended ones
                 return [orphans[t] for t in ending], {t: live[t] for t in orphans if t in live}
 
-        fenced, found = retry_transient(
+        ended, found = retry_transient(
             sweep,
             what=f"sweep of lingering transactions in {self.describe()}",
             transient=TRANSIENT,
@@ -843,7 +841,7 @@ class KafkaSink(Sink):
         ):
             self._tombstone(committed)
         self._tombstone(sorted(t for t, a in found.items() if a.state == ABORTED))
-        aborted = sorted(str(n) for n in fenced)
+        aborted = sorted(str(n) for n in ended)
         if aborted:
             log.info("aborted %d lingering Kafka transaction(s): %s", len(aborted), aborted)
         return aborted

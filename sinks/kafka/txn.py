@@ -122,28 +122,28 @@ _ENDED = (
 """EndTxn(abort) answers after which the transaction of that epoch has ended"""
 
 
-def abort_own(wire: KafkaWire, announced: dict[str, Any]) -> None:
-    """End each announced transaction itself: EndTxn(abort) with the producer
-    id and epoch of its announcement (``{transactional id: Announcement}``),
-    which cannot touch a newer transaction of a reused id (a wrong epoch is
-    refused), where InitProducerId on the id would abort whatever is open on it.
-    A broker that closes the connection instead (tansu, for a wrong epoch) is
-    left to the registry's marker: an orphan still open there is tried again
-    by the next sweep."""
-    if not announced:
+def abort_own(wire: KafkaWire, transactions: dict[str, tuple[int, int]]) -> None:
+    """End each transaction itself: EndTxn(abort) with its own producer id and
+    epoch (``{transactional id: (producer id, epoch)}``), which cannot touch a
+    newer transaction of a reused id (a wrong epoch is refused), where
+    InitProducerId on the id would abort whatever is open on it. A broker that
+    closes the connection instead (tansu, for a wrong epoch) is left to the
+    registry's marker: an orphan still open there is tried again by the next
+    sweep."""
+    if not transactions:
         return
-    coordinators = wire.find_coordinators(list(announced))
-    for tid, a in announced.items():
+    coordinators = wire.find_coordinators(list(transactions))
+    for tid, (producer_id, epoch) in transactions.items():
         try:
-            error = wire.end_txn(coordinators[tid], tid, a.producer_id, a.epoch, False)
+            error = wire.end_txn(coordinators[tid], tid, producer_id, epoch, False)
         except Errors.KafkaConnectionError as e:
-            log.debug("EndTxn(abort) of %s (epoch %s): connection closed (%s)", tid, a.epoch, e)
+            log.debug("EndTxn(abort) of %s (epoch %s): connection closed (%s)", tid, epoch, e)
             continue
         if error in _ENDED:
             continue
         if issubclass(error, Errors.RetriableError):
             raise error(f"EndTxn(abort) of {tid}")
-        log.warning("EndTxn(abort) of orphan %s (epoch %s) answered %s", tid, a.epoch, error)
+        log.warning("EndTxn(abort) of %s (epoch %s) answered %s", tid, epoch, error)
 
 
 def fence(wire: KafkaWire, transactional_ids: list[str], timeout_ms: int) -> None:
