@@ -27,6 +27,18 @@ def _delta_spark(spark):  # type: ignore[no-untyped-def]
     return spark
 
 
+@pytest.fixture
+def interpreted(spark):  # type: ignore[no-untyped-def]
+    """The session without code generation while a test runs: delta-spark's DML
+    on a table of a few rows spends most of its time compiling generated code
+    (a MERGE here: about 6 s with it, 2 s without)."""
+    key = "spark.sql.codegen.factoryMode"
+    before = spark.conf.get(key, "FALLBACK")
+    spark.conf.set(key, "NO_CODEGEN")
+    yield spark
+    spark.conf.set(key, before)
+
+
 def _job(spark, tmp_path: Path, sink: DeltaSink, rows: list[dict[str, Any]], name: str):  # type: ignore[no-untyped-def]
     src = tmp_path / f"in-{name}"
     src.mkdir()
@@ -37,47 +49,20 @@ def _job(spark, tmp_path: Path, sink: DeltaSink, rows: list[dict[str, Any]], nam
     return job
 
 
-def _dv_table(spark, uri: Path) -> None:  # type: ignore[no-untyped-def]
-    """ids 0-9 in two partitions, row 3 deleted by delta-spark's DELETE: a
-    deletion vector, not a rewrite."""
-    (
-        spark.range(10)
-        .selectExpr("id", "id % 2 AS part", "0L AS v")
-        .write.format("delta")
-        .partitionBy("part")
-        .option("delta.enableDeletionVectors", "true")
-        .save(str(uri))
-    )
-    spark.sql(f"DELETE FROM delta.`{uri}` WHERE id = 3")
-    log = (uri / "_delta_log" / "00000000000000000001.json").read_text()
-    assert '"deletionVector"' in log  # the DELETE left a deletion vector
-
-
-def test_deletion_vectors_refuse_keyed_and_replace_sinks_and_allow_appends(spark, tmp_path):  # type: ignore[no-untyped-def]
-    """A keyed merge used to read a candidate file's raw Parquet (row 3 came
-    back) and remove it by path alone (log replay kept the old file live: every
-    key twice). Both are refused before anything is written, naming the
-    feature; an append adds files and is honoured: delta-spark reads the
-    deleted row as deleted and the appended rows once."""
-    spark = _delta_spark(spark)
-    uri = tmp_path / "t"
-    _dv_table(spark, uri)
-    version = DeltaTable(str(uri)).version()
-    upsert = DeltaSink(uri, key=["id"])
-    with pytest.raises(PreflightError, match=r"deletionVectors.*DROP FEATURE"):
-        _job(spark, tmp_path, upsert, [{"id": 5, "part": 1, "v": 1}], "keyed").run()
-    replace = DeltaSink(uri, replace_where="part = 1")
-    with pytest.raises(PreflightError, match=r"deletionVectors"):
-        _job(spark, tmp_path, replace, [{"id": 5, "part": 1, "v": 1}], "replace").run()
-    assert DeltaTable(str(uri)).version() == version  # nothing written
-    rows = [{"id": i, "part": i % 2, "v": 1} for i in range(10, 15)]
-    assert _job(spark, tmp_path, DeltaSink(uri), rows, "append").run().committed
-    read = spark.read.format("delta").load(str(uri)).collect()
-    assert sorted(r["id"] for r in read) == [i for i in range(15) if i != 3]
-    verify.assert_nothing_left_delta(uri)
-
-
-def test_an_append_only_table_refuses_keyed_and_replace_sinks(spark, tmp_path):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "prop, refusal",
+    [
+        ("delta.appendOnly", r"append-only \(delta.appendOnly=true\)"),
+        ("delta.enableChangeDataFeed", r"change data feed on.*deleted and inserted again"),
+    ],
+)
+def test_append_only_and_change_feed_tables_refuse_keyed_and_replace_sinks(  # type: ignore[no-untyped-def]
+    spark, tmp_path, prop, refusal
+):
+    """Delta forbids removing files from an append-only table; on a table with
+    the change data feed, a rewrite without change-data files would read to a
+    change-feed reader as every row of each rewritten file deleted and inserted
+    again. Both are refused before anything is written."""
     import pyarrow as pa
 
     uri = tmp_path / "t"
@@ -85,13 +70,13 @@ def test_an_append_only_table_refuses_keyed_and_replace_sinks(spark, tmp_path): 
         str(uri),
         pa.table({"id": [1, 2], "part": [1, 0], "v": [0, 0]}),
         partition_by=["part"],
-        configuration={"delta.appendOnly": "true"},
+        configuration={prop: "true"},
     )
     for name, sink in (
         ("k", DeltaSink(uri, key=["id"])),
         ("r", DeltaSink(uri, replace_where="part = 1")),
     ):
-        with pytest.raises(PreflightError, match=r"append-only \(delta.appendOnly=true\)"):
+        with pytest.raises(PreflightError, match=refusal):
             _job(spark, tmp_path, sink, [{"id": 1, "part": 1, "v": 1}], name).run()
     assert DeltaTable(str(uri)).version() == 0
 
@@ -116,3 +101,133 @@ def test_a_table_made_append_only_after_preflight_fails_the_commit_at_once(spark
     assert time.monotonic() - started < 60
     rows = DeltaTable(str(uri)).to_pyarrow_table().to_pylist()
     assert sorted((r["id"], r["v"]) for r in rows) == [(i, 0) for i in range(4)]
+
+
+# -- tables delta-spark made, with the features its users turn on: appends ----------------
+
+EVERY_FEATURE = (
+    "delta.enableRowTracking = true, delta.enableInCommitTimestamps = true, "
+    "delta.checkpointPolicy = 'v2', delta.checkpointInterval = 2, "
+    "delta.enableChangeDataFeed = true, delta.enableDeletionVectors = true, "
+    "delta.enableTypeWidening = true"
+)
+"""every feature whose appends the sink honours, in one table (with liquid
+clustering and a TIMESTAMP_NTZ column): the features delta-rs cannot write
+make the driver commit through delta-spark (sinks/delta/spark_txn.py)"""
+
+
+def _made_by_delta_spark(spark, uri: Path, props: str) -> list[Any]:  # type: ignore[no-untyped-def]
+    """A table delta-spark creates clustered by id with ``props``, then changes
+    with its DML (INSERT, a MERGE that updates two rows and deletes one, a
+    widening of ``v`` from INT to BIGINT); returns the rows delta-spark reads
+    afterwards."""
+    t = f"delta.`{uri}`"
+    spark.sql(
+        f"CREATE TABLE {t} (id BIGINT, part BIGINT, v INT, at TIMESTAMP_NTZ) USING delta "
+        f"CLUSTER BY (id) TBLPROPERTIES ({props})"
+    )
+    spark.sql(f"INSERT INTO {t} SELECT id, id % 2, id, NULL FROM range(8)")
+    spark.sql(  # an update and a delete: deletion vectors, change data, row ids kept
+        f"MERGE INTO {t} AS d USING (SELECT id, CAST(id * 11 AS INT) AS v FROM "
+        "VALUES (1L), (2L), (3L) AS s(id)) AS s ON d.id = s.id "
+        "WHEN MATCHED AND s.id = 2 THEN DELETE WHEN MATCHED THEN UPDATE SET d.v = s.v"
+    )
+    spark.sql(f"ALTER TABLE {t} ALTER COLUMN v TYPE BIGINT")
+    return _delta_spark_rows(spark, uri)
+
+
+def _delta_spark_rows(spark, uri: Path, columns: str = "id, part, v, at") -> list[Any]:  # type: ignore[no-untyped-def]
+    query = f"SELECT {columns} FROM delta.`{uri}` ORDER BY id"
+    return [tuple(r) for r in spark.sql(query).collect()]
+
+
+def _commit_info(uri: Path, version: int) -> dict[str, Any]:
+    lines = (uri / "_delta_log" / f"{version:020d}.json").read_text().splitlines()
+    return next(json.loads(x)["commitInfo"] for x in lines if '"commitInfo"' in x)
+
+
+def test_a_table_with_the_features_delta_spark_users_turn_on_takes_appends(interpreted, tmp_path):  # type: ignore[no-untyped-def]
+    """delta-rs refuses to commit to this table (row tracking, in-commit
+    timestamps, clustering, type widening); the sink's driver commits through
+    delta-spark's own transaction. A job appends two checkpoints; delta-spark reads the rows
+    its DML left (the deleted row stays deleted) plus every appended row once,
+    and what each feature promises holds: fresh unique row ids and old rows
+    keeping theirs, monotonic in-commit timestamps, the clustering kept and
+    OPTIMIZE clustering the new files, v2 checkpoints read back, values past
+    INT's range in the widened column, wall-clock TIMESTAMP_NTZ values, and
+    the change feed showing each appended row once, as an insert."""
+    from datetime import datetime
+
+    spark = _delta_spark(interpreted)
+    uri = tmp_path / "t"
+    before = _made_by_delta_spark(spark, uri, EVERY_FEATURE)
+    assert [r[:3] for r in before] == [(0, 0, 0), (1, 1, 11), (3, 1, 33)] + [
+        (i, i % 2, i) for i in range(4, 8)
+    ]
+    # A keyed merge or a replace would read a file's raw Parquet (row 2 back) and
+    # remove it by path alone (the file live twice): refused before anything runs.
+    version = DeltaTable(str(uri)).version()
+    for name, sink in (
+        ("k", DeltaSink(uri, key=["id"])),
+        ("r", DeltaSink(uri, replace_where="part = 1")),
+    ):
+        with pytest.raises(PreflightError, match=r"deletionVectors.*appends are honoured"):
+            _job(spark, tmp_path, sink, [{"id": 5, "part": 1, "v": 1}], name).run()
+    assert DeltaTable(str(uri)).version() == version
+    row_ids = dict(_delta_spark_rows(spark, uri, "id, _metadata.row_id"))
+    schema = "id long, part long, v long, at timestamp_ntz"
+    src = tmp_path / "in"
+    src.mkdir()
+    appended = []
+    for n, ids in enumerate((range(100, 110), range(110, 120))):
+        rows = [
+            {"id": i, "part": i % 2, "v": 2**31 + i, "at": f"2026-03-29T02:{i % 60:02d}:00"}
+            for i in ids
+        ]
+        (src / f"p{n}.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        appended += [
+            (r["id"], r["part"], r["v"], datetime(2026, 3, 29, 2, r["id"] % 60)) for r in rows
+        ]
+    job = Job(spark, "append", tmp_path / "state", checkpoint_interval=0)
+    df = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(str(src))
+    job.add_pipeline("p", df, [DeltaSink(uri)], bounded=True)
+    assert job.run().committed
+    latest = int(spark.sql(f"DESCRIBE HISTORY delta.`{uri}` LIMIT 1").first()[0])
+    versions = [latest - 1, latest]  # a checkpoint per batch, after the claim
+    expected = sorted(before + appended)
+    assert _delta_spark_rows(spark, uri) == expected
+    verify.assert_nothing_left_delta(uri)
+    for v in versions:
+        info = _commit_info(uri, v)
+        assert info["operation"] == "STREAMING UPDATE"
+        assert info["operationMetrics"]["numOutputRows"] == "10"
+        assert info["operationParameters"]["queryId"].startswith("tp2.")
+    # row tracking: unique ids, old rows keep theirs, new rows carry their version
+    tracked = _delta_spark_rows(spark, uri, "id, _metadata.row_id, _metadata.row_commit_version")
+    assert len({r[1] for r in tracked}) == len(tracked)
+    assert all(row_ids[r[0]] == r[1] for r in tracked if r[0] < 100)
+    assert {r[2] for r in tracked if r[0] >= 100} == set(versions)
+    # in-commit timestamps
+    stamps = [_commit_info(uri, v).get("inCommitTimestamp") for v in range(versions[-1] + 1)]
+    assert None not in stamps and stamps == sorted(stamps)
+    # the change feed: each appended row once, as an insert of its version
+    changes = spark.sql(
+        f"SELECT id, _change_type, _commit_version FROM table_changes_by_path("
+        f"'{uri}', {versions[0]}) ORDER BY id"
+    ).collect()
+    assert [(r[0], r[1]) for r in changes] == [(r[0], "insert") for r in appended]
+    by_version: dict[int, set[int]] = {}
+    for r in changes:
+        by_version.setdefault(r[2], set()).add(r[0])
+    assert sorted(by_version) == versions  # one version per checkpoint, a file each
+    assert sorted(map(min, by_version.values())) == [100, 110]
+    assert all(len(ids) == 10 and max(ids) - min(ids) == 9 for ids in by_version.values())
+    # v2 checkpoints, read back by a fresh delta-spark log
+    assert list((uri / "_delta_log").glob("*.checkpoint.*.*")), "no v2 checkpoint written"
+    spark._jvm.org.apache.spark.sql.delta.DeltaLog.clearCache()
+    assert _delta_spark_rows(spark, uri) == expected
+    # clustering kept; delta-spark's OPTIMIZE clusters the appended files
+    detail = spark.sql(f"DESCRIBE DETAIL delta.`{uri}`").first()
+    assert list(detail["clusteringColumns"]) == ["id"]
+    spark.sql(f"OPTIMIZE delta.`{uri}`")
+    assert _delta_spark_rows(spark, uri) == expected

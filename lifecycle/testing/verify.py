@@ -265,17 +265,19 @@ def assert_final_state_kafka(
 
 _LOG_DIR = "_delta_log"
 _OWN_DIR = "_twophase"
+_CHANGE_DATA_DIR = "_change_data"
+"""delta-spark's change-data files (``cdc`` actions of its UPDATE, DELETE, MERGE)"""
 
 
 def data_files_delta(table_uri: str | Path) -> set[str]:
-    """Every file of a local table directory outside ``_delta_log`` and the
-    sink's ``_twophase`` directory (relative paths)."""
+    """Every file of a local table directory outside ``_delta_log``,
+    ``_change_data`` and the sink's ``_twophase`` directory (relative paths)."""
     root = Path(table_uri)
     out = set()
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = Path(dirpath).relative_to(root)
         if rel_dir == Path("."):
-            dirnames[:] = [d for d in dirnames if d not in (_LOG_DIR, _OWN_DIR)]
+            dirnames[:] = [d for d in dirnames if d not in (_LOG_DIR, _OWN_DIR, _CHANGE_DATA_DIR)]
         out.update(str(rel_dir / f) if rel_dir != Path(".") else f for f in filenames)
     return out
 

@@ -26,6 +26,7 @@ from urllib.parse import unquote
 from deltalake import DeltaTable
 
 from sinks.audit import CheckpointEvidence, Finding, Verdict
+from sinks.delta import progress
 from sinks.delta.storage import TableStorage
 from sinks.naming import TxnName
 
@@ -64,9 +65,10 @@ def audit(
         ]
     history = dt.history()
     versions = {
-        int(h["twophaseBatch"]): int(h["version"])
+        batch: int(h["version"])
         for h in history
-        if h.get("twophaseApp") == app and h.get("twophaseBatch") is not None
+        for (app_of, batch) in [_app_batch(h)]
+        if app_of == app
     }
     oldest_ms = min((int(h.get("timestamp", 0)) for h in history), default=None)
     starts_at_zero = any(int(h.get("version", -1)) == 0 for h in history)
@@ -195,3 +197,12 @@ def _check(
             rows,
         )
     return Finding(checkpoint, txn, Verdict.OK, f"version {version}", rows)
+
+
+def _app_batch(commit: dict[str, Any]) -> tuple[str | None, int]:
+    """The app transaction a commit records: delta-rs commits carry
+    ``twophaseApp``/``twophaseBatch``, delta-spark's only ``userMetadata``."""
+    if commit.get("twophaseApp") is not None and commit.get("twophaseBatch") is not None:
+        return str(commit["twophaseApp"]), int(commit["twophaseBatch"])
+    found = progress.parse_user_metadata(commit.get("userMetadata"))
+    return found if found is not None else (None, -1)

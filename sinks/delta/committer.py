@@ -66,7 +66,7 @@ from sinks.base import (
     LingeringTxn,
     OrphanTest,
 )
-from sinks.delta import merge, progress, replace, table
+from sinks.delta import merge, progress, replace, spark_txn, table
 from sinks.delta.layout import DeltaSchemaError, Layout, check_file_schema
 from sinks.delta.storage import (
     DATA_SUFFIX,
@@ -166,10 +166,12 @@ class DeltaCommitter:
                 "transaction(s) cannot be committed"
             )
         owner = self.claims.owner(scope.job, scope.pipeline, scope.sink_id, scope.incarnation)
-        found = progress.read(dt, scope)
+        txn = spark_txn.open_if_needed(dt, self.storage.root, where)
+        snapshot = txn if txn is not None else dt  # what the checks read is what commits
+        found = progress.read(snapshot, scope)
         if found.owner is not None and owner is not None and found.owner != owner:
             raise conflict(where, scope.key(), found, owner, at_commit=True)
-        done = dt.transaction_version(app)
+        done = snapshot.transaction_version(app)
         if done is not None and done >= version:
             log.info(
                 "%s: %s holds batches up to %d committed, this commit's are up to %d: "
@@ -188,7 +190,12 @@ class DeltaCommitter:
                         self.storage.delete(a["path"])
                     self.storage.delete(marker_path(a["path"]))
             return
-        table.check_writable(dt, where, removes=self.rules.keyed or self.replace_where is not None)
+        table.check_writable(
+            dt,
+            where,
+            removes=self.rules.keyed or self.replace_where is not None,
+            delta_spark=txn is not None,
+        )
         layout = table.layout_of(dt)
         if self.rules.keyed:
             merge.commit(
@@ -210,17 +217,27 @@ class DeltaCommitter:
             if self.replace_where is not None
             else []
         )
-        dt.create_write_transaction(
-            [*adds, *gone],
-            mode="append",
-            schema=dt.schema(),
-            partition_by=list(layout.partition_by) or None,
-            commit_properties=CommitProperties(
-                app_transactions=[Transaction(app, version, int(time.time() * 1000))],
-                custom_metadata={"twophaseApp": app, "twophaseBatch": version},
-                max_commit_retries=0,  # compare-and-set: the checks above held
-            ),
-        )
+        record = Transaction(app, version, int(time.time() * 1000))
+        if txn is not None:
+            txn.commit(adds, [record], epoch=(app, version))
+        else:
+            dt.create_write_transaction(
+                [*adds, *gone],
+                mode="append",
+                schema=dt.schema(),
+                partition_by=list(layout.partition_by) or None,
+                commit_properties=CommitProperties(
+                    app_transactions=[record],
+                    custom_metadata=progress.history_metadata(
+                        app,
+                        version,
+                        adds,
+                        removed_files=len(gone),
+                        removed_bytes=sum(int(r.size or 0) for r in gone),
+                    ),
+                    max_commit_retries=0,  # compare-and-set: the checks above held
+                ),
+            )
         log.debug(
             "%s: committed %d file(s) of %d transaction(s) as %s v%d",
             where,

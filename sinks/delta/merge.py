@@ -50,6 +50,7 @@ from deltalake.transaction import AddAction, RemoveAction
 
 from sinks import _faults
 from sinks.base import Committable, JobScope
+from sinks.delta import progress
 from sinks.delta.changes import DELETE_COLUMN, change_schema, range_value
 from sinks.delta.layout import Layout, partition_value, quoted
 from sinks.delta.spark_stage import SparkStage
@@ -347,8 +348,13 @@ def commit(
             commit_properties=CommitProperties(
                 app_transactions=[Transaction(app, version, int(time.time() * 1000))],
                 custom_metadata={
-                    "twophaseApp": app,
-                    "twophaseBatch": version,
+                    **progress.history_metadata(
+                        app,
+                        version,
+                        adds,
+                        removed_files=len(candidates),
+                        removed_bytes=rewritten,
+                    ),
                     "twophaseMerge": json.dumps(summary, sort_keys=True),
                 },
                 max_commit_retries=0,  # another writer first: plan again on its version

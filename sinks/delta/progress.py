@@ -25,9 +25,13 @@ and finds the winner's claim.
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.transaction import AddAction
 
 from sinks.base import JobScope
 from sinks.naming import scope_prefix
@@ -54,6 +58,50 @@ def progress_app(scope: JobScope) -> str:
     return scope_prefix(scope.job, scope.pipeline, scope.sink_id, scope.incarnation).rstrip(".")
 
 
+def user_metadata(app: str, batch: int) -> str:
+    """The ``userMetadata`` of a data commit: the column of delta-spark's
+    ``DESCRIBE HISTORY`` that shows a user which app transaction it is."""
+    return f"twophase {app} batch {batch}"
+
+
+def parse_user_metadata(text: str | None) -> tuple[str, int] | None:
+    """``(app, batch)`` of :func:`user_metadata`'s text, else ``None``."""
+    parts = (text or "").split(" ")
+    if len(parts) == 4 and parts[0] == "twophase" and parts[2] == "batch" and parts[3].isdigit():
+        return parts[1], int(parts[3])
+    return None
+
+
+def history_metadata(
+    app: str,
+    batch: int,
+    adds: Sequence[AddAction],
+    *,
+    removed_files: int = 0,
+    removed_bytes: int = 0,
+) -> dict[str, Any]:
+    """What a delta-rs data commit's ``commitInfo`` carries besides delta-rs's
+    own fields: the app transaction for the sink's audit, ``userMetadata``
+    (delta-spark's commits carry only that), and ``operationMetrics`` under
+    delta-spark's names and as its strings, so that ``DESCRIBE HISTORY`` shows
+    them (delta-rs's own are numbers under other names, which delta-spark's
+    history reads as none)."""
+    rows = sum(int(json.loads(a.stats or "{}").get("numRecords", 0)) for a in adds)
+    metrics = {
+        "numFiles": len(adds),
+        "numOutputRows": rows,
+        "numOutputBytes": sum(int(a.size) for a in adds),
+        "numRemovedFiles": removed_files,
+        "numRemovedBytes": removed_bytes,
+    }
+    return {
+        "twophaseApp": app,
+        "twophaseBatch": batch,
+        "userMetadata": user_metadata(app, batch),
+        "operationMetrics": {k: str(v) for k, v in metrics.items()},
+    }
+
+
 def _number(incarnation: str) -> int:
     return int(incarnation, 16)
 
@@ -62,7 +110,14 @@ def _incarnation(number: int | None) -> str | None:
     return None if number is None else format(number, "012x")
 
 
-def read(dt: DeltaTable, scope: JobScope) -> SinkProgress:
+class AppVersions(Protocol):
+    """A snapshot's app transactions: a delta-rs ``DeltaTable`` or a delta-spark
+    transaction (:class:`~sinks.delta.spark_txn.SparkTxn`)."""
+
+    def transaction_version(self, app_id: str) -> int | None: ...
+
+
+def read(dt: AppVersions, scope: JobScope) -> SinkProgress:
     """The progress record of ``scope`` in the snapshot ``dt``."""
     owner = _incarnation(dt.transaction_version(owner_app(scope)))
     if owner is None:

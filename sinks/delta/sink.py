@@ -36,7 +36,7 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.delta import audit as delta_audit
-from sinks.delta import progress, replace, table
+from sinks.delta import progress, replace, spark_txn, table
 from sinks.delta.changes import ChangeWriter
 from sinks.delta.committer import _TRANSIENT, DeltaCommitter, app_id
 from sinks.delta.layout import DeltaSchemaError, Layout
@@ -311,7 +311,12 @@ class DeltaSink(Sink):
             dt = self._load()
             if dt is None:
                 raise DeltaSchemaError(f"{where} vanished right after it was created")
-        table.check_writable(dt, where, removes=self.rules.keyed or self.replace_where is not None)
+        table.check_writable(
+            dt,
+            where,
+            removes=self.rules.keyed or self.replace_where is not None,
+            delta_spark=spark_txn.available(self._storage.root),
+        )
         retention = dt.metadata().configuration.get(progress.RETENTION_PROPERTY)
         if retention is not None:
             raise DeltaSchemaError(
@@ -407,12 +412,16 @@ class DeltaSink(Sink):
             dt = self._load()
             if dt is None:
                 raise PreflightError(f"{self.describe()} does not exist (preflight creates it)")
-            found = progress.read(dt, scope)
+            txn = spark_txn.open_if_needed(dt, self._storage.root, self.describe())
+            found = progress.read(txn if txn is not None else dt, scope)
             if not may_claim(found, ours, start_over_from):
                 raise conflict(self.describe(), scope.key(), found, ours)
             if found.owner == ours:
                 return found
-            progress.commit_claim(dt, scope, previous=found.owner)  # compare-and-set
+            if txn is not None:  # delta-spark checks the owner it read: compare-and-set
+                txn.commit([], progress.claim_transactions(scope, found.owner))
+            else:
+                progress.commit_claim(dt, scope, previous=found.owner)  # compare-and-set
             return SinkProgress(owner=ours, batch=-1, previous=found.owner)
 
         found = retry_transient(

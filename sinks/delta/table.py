@@ -17,6 +17,7 @@ import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Schema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
+from sinks.delta import spark_txn
 from sinks.delta.layout import DeltaSchemaError, Layout
 
 log = logging.getLogger("sinks.delta")
@@ -56,21 +57,43 @@ def layout_of(dt: DeltaTable) -> Layout:
     return Layout.of(schema, dt.metadata().partition_columns)
 
 
-def check_writable(dt: DeltaTable, where: str, *, removes: bool = False) -> None:
+def check_writable(
+    dt: DeltaTable, where: str, *, removes: bool = False, delta_spark: bool = False
+) -> None:
     """Refuse a table whose protocol or metadata asks writers for more than this
     sink does (it appends plain Parquet files whose columns carry logical names).
 
     ``removes``: the sink's commits also remove files (a keyed merge, a
     partition replace), which reads the files it replaces and asks more of the
-    table (:func:`check_rewritable`)."""
+    table (:func:`check_rewritable`). ``delta_spark``: the driver can commit
+    through delta-spark (:mod:`sinks.delta.spark_txn`), which honours the
+    features delta-rs cannot write (:data:`~sinks.delta.spark_txn.DELTA_SPARK_FEATURES`)."""
     proto = dt.protocol()
     if removes:
         check_rewritable(dt, where)
-    unknown = sorted(set(proto.writer_features or ()) - _WRITER_FEATURES)
+    through_spark = spark_txn.needed(dt)
+    unknown = sorted(set(proto.writer_features or ()) - _WRITER_FEATURES - set(through_spark))
     if proto.min_writer_version > 7 or unknown:
         raise DeltaSchemaError(
             f"{where} needs writer protocol {proto.min_writer_version} with features "
             f"{unknown}, which DeltaSink does not implement; write to a table without them"
+        )
+    if through_spark and removes:
+        raise DeltaSchemaError(
+            f"{where} has the table feature(s) {through_spark}, whose commits DeltaSink makes "
+            "through delta-spark; a keyed DeltaSink (key=) or a replace (replace_where=) does "
+            "not commit that way yet. Append (no key=, no replace_where=), or write to a "
+            "table without them"
+        )
+    if through_spark and not delta_spark:
+        import pyspark
+
+        line = ".".join(pyspark.__version__.split(".")[:2])
+        raise DeltaSchemaError(
+            f"{where} has the table feature(s) {through_spark}, which delta-rs cannot write; "
+            "DeltaSink commits such a table through delta-spark, which needs a local or "
+            "shared-filesystem table and a job whose Spark session has delta-spark: "
+            + spark_txn.missing_advice(line)
         )
     config = dt.metadata().configuration or {}
     mode = config.get("delta.columnMapping.mode", "none")
@@ -99,6 +122,7 @@ def check_writable(dt: DeltaTable, where: str, *, removes: bool = False) -> None
 
 
 DELETION_VECTORS = "deletionVectors"
+CHANGE_DATA_FEED = "delta.enableChangeDataFeed"
 
 
 def check_rewritable(dt: DeltaTable, where: str) -> None:
@@ -109,6 +133,9 @@ def check_rewritable(dt: DeltaTable, where: str) -> None:
       would come back), and a remove action must name the deletion vector of
       the file it removes (else log replay keeps the file live: every row
       twice). Any table whose protocol lists the feature can carry them.
+    * **The change data feed**: a rewrite without change-data files reads, to a
+      change-feed reader, as every row of each rewritten file deleted and
+      inserted again.
     * **``delta.appendOnly``**: Delta forbids removing files (delta-rs refuses
       the commit), so the rewrite could never commit.
 
@@ -126,6 +153,14 @@ def check_rewritable(dt: DeltaTable, where: str) -> None:
             "unless TRUNCATE HISTORY is given, and DeltaSink writes no table with that)"
         )
     config = dt.metadata().configuration or {}
+    if str(config.get(CHANGE_DATA_FEED, "false")).lower() == "true":
+        raise DeltaSchemaError(
+            f"{where} has the change data feed on ({CHANGE_DATA_FEED}=true): a keyed "
+            "DeltaSink (key=) or a replace (replace_where=) rewrites whole files, and without "
+            "change-data files (which DeltaSink does not write yet) a change-feed reader would "
+            "see every row of a rewritten file deleted and inserted again. Append (no key=, no "
+            "replace_where=): appends are honoured, each row an insert of its version"
+        )
     if str(config.get("delta.appendOnly", "false")).lower() == "true":
         raise DeltaSchemaError(
             f"{where} is append-only (delta.appendOnly=true): a keyed DeltaSink (key=) or a "

@@ -1,0 +1,250 @@
+"""Commits through delta-spark's own transaction, for tables whose features
+delta-rs cannot write.
+
+The sink commits with delta-rs (:mod:`sinks.delta.committer`), which refuses
+any commit to a table whose protocol lists a writer feature it does not
+implement. Tables made by delta-spark often list such features. For those the
+driver commits through delta-spark's ``OptimisticTransaction`` instead (the JVM
+of the job's own Spark session, over py4j), so the commit is the one delta-spark
+itself would make:
+
+* **row tracking**: fresh row ids (``baseRowId``) and
+  ``defaultRowCommitVersion`` on every added file, and the table's high-water
+  mark (``delta.rowTracking`` domain) moved on;
+* **in-commit timestamps**: ``inCommitTimestamp`` in the commit, monotonic;
+* **liquid clustering**, **domain metadata**: kept as they are (added files are
+  unclustered until delta-spark's OPTIMIZE clusters them, as with any append);
+* **v2 checkpoints**, checksums and log cleanup: delta-spark's post-commit hooks;
+* **type widening**: files are written with the table's current (widened) types.
+
+The rules the sink's protocol needs from it:
+
+1. **What was read is what is checked.** The app-transaction versions the
+   commit's checks read (owner, previous, the incarnation's progress) are read
+   through the same transaction (``txnVersion``), which records them: a
+   concurrent commit that sets any of them fails this one with delta-spark's
+   ``ConcurrentTransactionException``. Every conflict delta-spark reports is
+   raised as :class:`DeltaSparkConflict` (a ``CommitFailedError``), so the
+   caller runs its checks again on the new snapshot, exactly as after a failed
+   delta-rs commit. A blind append by another writer is no conflict: delta-spark
+   commits on top of it.
+2. **One version, the app transaction inside.** A data commit carries
+   ``txn(app id, highest batch)`` beside its files, as the delta-rs path does.
+   It is recorded as delta-spark's streaming sink records its own: operation
+   ``STREAMING UPDATE`` with ``queryId`` the app id and ``epochId`` the batch,
+   and the metrics ``DESCRIBE HISTORY`` shows for it (files and rows added).
+3. **Refusals are final.** Anything else delta-spark refuses (a protocol it
+   does not support, an invalid action) is raised as
+   :class:`~sinks.errors.CommitRefusedError`: retrying cannot pass it.
+
+Only local and shared-filesystem tables (what the job's Spark reaches by path),
+and only a driver whose Spark session has delta-spark's jars.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from deltalake import DeltaTable, Transaction
+from deltalake.exceptions import CommitFailedError
+from deltalake.transaction import AddAction
+
+from sinks.delta import progress
+from sinks.errors import CommitRefusedError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+DELTA_SPARK_FEATURES = frozenset(
+    {
+        "rowTracking",
+        "inCommitTimestamp",
+        "clustering",
+        "domainMetadata",
+        "typeWidening",
+        "typeWidening-preview",
+        "v2Checkpoint",
+    }
+)
+"""writer features delta-rs refuses to commit to and delta-spark's own commit
+honours for the files this sink adds"""
+
+_DELTA_LOG_CLASS = "org.apache.spark.sql.delta.DeltaLog"
+_CONFLICT_CLASS = "java.util.ConcurrentModificationException"
+
+
+class DeltaSparkConflict(CommitFailedError):  # type: ignore[misc]
+    """Another writer's commit conflicts with this one (delta-spark's
+    ``Concurrent...Exception``): check again on the new snapshot."""
+
+
+class DeltaSparkMissingError(CommitRefusedError):
+    """The table needs delta-spark's commit and the driver's session lacks it."""
+
+
+def needed(dt: DeltaTable) -> list[str]:
+    """The table's writer features for which commits go through delta-spark."""
+    proto = dt.protocol()
+    return sorted(set(proto.writer_features or ()) & DELTA_SPARK_FEATURES)
+
+
+def session() -> SparkSession | None:
+    """The driver's Spark session if its JVM has delta-spark, else ``None``
+    (never starts one)."""
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.getActiveSession() or SparkSession._instantiatedSession
+    if spark is None:
+        return None
+    try:
+        spark._jvm.py4j.reflection.ReflectionUtil.classForName(_DELTA_LOG_CLASS)
+    except Exception:
+        return None
+    return spark
+
+
+def missing_advice(spark_line: str) -> str:
+    """How to give a job's session delta-spark (for error messages)."""
+    return (
+        "start the job's Spark session with delta-spark (spark.jars or --packages "
+        f"io.delta:delta-spark_{spark_line}_2.13 with io.delta:delta-storage, and "
+        "spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension)"
+    )
+
+
+def open_if_needed(dt: DeltaTable, root: str | None, where: str) -> SparkTxn | None:
+    """A delta-spark transaction when the table ``dt`` needs one (:func:`needed`),
+    else ``None`` (delta-rs commits)."""
+    if not needed(dt):
+        return None
+    if root is None:
+        raise CommitRefusedError(
+            f"{where} has the table feature(s) {needed(dt)}, which only delta-spark's commit "
+            "honours, and DeltaSink commits through delta-spark only to local or "
+            "shared-filesystem tables"
+        )
+    return SparkTxn.open(root, where)
+
+
+def available(root: str | None) -> bool:
+    """Whether commits to the table at ``root`` can go through delta-spark."""
+    return root is not None and session() is not None
+
+
+@dataclass
+class SparkTxn:
+    """One delta-spark transaction on a table, started on its latest version."""
+
+    _spark: Any
+    _txn: Any
+
+    @classmethod
+    def open(cls, root: str, where: str) -> SparkTxn:
+        spark = session()
+        if spark is None:
+            import pyspark
+
+            line = ".".join(pyspark.__version__.split(".")[:2])
+            raise DeltaSparkMissingError(
+                f"{where} has table features that only delta-spark's commit honours; "
+                + missing_advice(line)
+            )
+        jvm = spark._jvm
+        delta_log = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(
+            spark._jsparkSession, str(root)
+        )
+        return cls(spark, delta_log.startTransaction())
+
+    @property
+    def read_version(self) -> int:
+        return int(self._txn.readVersion())
+
+    def transaction_version(self, app: str) -> int | None:
+        """The app's version in this transaction's snapshot (recorded as read)."""
+        v = int(self._txn.txnVersion(app))
+        return None if v < 0 else v
+
+    def commit(
+        self,
+        adds: Sequence[AddAction],
+        txns: Sequence[Transaction],
+        *,
+        epoch: tuple[str, int] | None = None,
+    ) -> int:
+        """Commit ``adds`` and ``txns`` as one version; returns it.
+
+        ``epoch``: ``(query id, batch)`` of a data commit, recorded as a
+        ``STREAMING UPDATE``; ``None``: a commit without data (a claim)."""
+        jvm = self._spark._jvm
+        actions = [_add_json(a) for a in adds] + [_txn_json(t) for t in txns]
+        parsed = jvm.java.util.ArrayList()
+        for a in actions:
+            parsed.add(jvm.org.apache.spark.sql.delta.actions.Action.fromJson(json.dumps(a)))
+        seq = jvm.scala.jdk.javaapi.CollectionConverters.asScala(parsed).toSeq()
+        ops = jvm.org.apache.spark.sql.delta
+        if epoch is None:
+            op = getattr(getattr(ops, "DeltaOperations$ManualUpdate$"), "MODULE$")
+        else:
+            op = getattr(ops, "DeltaOperations$StreamingUpdate")(
+                jvm.org.apache.spark.sql.streaming.OutputMode.Append(),
+                epoch[0],
+                epoch[1],
+                jvm.scala.Option.apply(progress.user_metadata(*epoch)),
+            )
+            self._register_metrics(adds)
+        try:
+            return int(self._txn.commit(seq, op))
+        except Exception as e:
+            java = getattr(e, "java_exception", None)
+            if java is None:
+                raise
+            cls = jvm.py4j.reflection.ReflectionUtil.classForName(_CONFLICT_CLASS)
+            text = f"{java.getClass().getName()}: {java.getMessage()}"
+            if cls.isInstance(java):
+                raise DeltaSparkConflict(text) from None
+            raise CommitRefusedError(f"delta-spark refused the commit: {text}") from None
+
+    def _register_metrics(self, adds: Sequence[AddAction]) -> None:
+        """What ``DESCRIBE HISTORY`` shows for a streaming update."""
+        jvm = self._spark._jvm
+        rows = sum(json.loads(a.stats or "{}").get("numRecords", 0) for a in adds)
+        values = {
+            "numAddedFiles": len(adds),
+            "numRemovedFiles": 0,
+            "numOutputRows": rows,
+            "numOutputBytes": sum(a.size for a in adds),
+        }
+        metrics = jvm.java.util.HashMap()
+        sc = self._spark.sparkContext._jsc.sc()
+        for name, value in values.items():
+            m = jvm.org.apache.spark.sql.execution.metric.SQLMetrics.createMetric(sc, name)
+            m.set(int(value))
+            metrics.put(name, m)
+        scala_map = getattr(getattr(jvm.scala.collection.immutable, "Map$"), "MODULE$")
+        as_scala = jvm.scala.jdk.javaapi.CollectionConverters.asScala(metrics)
+        immutable = getattr(scala_map, "from")(as_scala)
+        self._txn.registerSQLMetrics(self._spark._jsparkSession, immutable)
+
+
+def _add_json(a: AddAction) -> dict[str, Any]:
+    """Delta's ``add`` action (its path a relative URI, as the protocol has it)."""
+    return {
+        "add": {
+            "path": quote(a.path, safe="/="),
+            "partitionValues": dict(a.partition_values),
+            "size": int(a.size),
+            "modificationTime": int(a.modification_time),
+            "dataChange": bool(a.data_change),
+            "stats": a.stats,
+        }
+    }
+
+
+def _txn_json(t: Transaction) -> dict[str, Any]:
+    last = t.last_updated if t.last_updated is not None else int(time.time() * 1000)
+    return {"txn": {"appId": t.app_id, "version": int(t.version), "lastUpdated": int(last)}}
