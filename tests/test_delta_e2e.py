@@ -93,6 +93,20 @@ def test_bounded_job_exactly_once_one_version_per_checkpoint(spark, tmp_path, in
 
     # Spark reads the files the snapshot lists: the same rows
     assert deltacheck.spark_rows(spark, uri) == _expected(range(n))
+    if interval == 0:
+        # delta-spark: every version as deltalake reads it, the history naming each
+        # checkpoint's commit, and a streaming read seeing every row once
+        history = deltacheck.assert_delta_spark_reads_every_version(spark, uri)
+        batches = sorted(
+            int(h["userMetadata"].rsplit(" ", 1)[1])
+            for h in history
+            if (h["userMetadata"] or "").startswith(f"twophase {app} ")
+        )
+        assert batches == list(range(5)) and {
+            h["operation"] for h in history if h["userMetadata"]
+        } == {"WRITE"}
+        seen = deltacheck.assert_streaming_read_sees_each_row_once(spark, uri, tmp_path / "read")
+        assert len(seen) == n
 
 
 def test_nothing_visible_before_checkpoint_completes(spark, tmp_path):  # type: ignore[no-untyped-def]

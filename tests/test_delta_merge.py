@@ -20,6 +20,7 @@ from deltalake import DeltaTable, write_deltalake
 from lifecycle import Job, TaskFailedError
 from lifecycle.testing import verify
 from sinks import ConfigError, DeltaSink, _faults
+from tests import deltacheck
 from tests.changefeed import SCHEMA as FEED
 from tests.changefeed import write_feed
 
@@ -44,6 +45,11 @@ def _merges(uri: Path) -> list[dict[str, Any]]:
     return [json.loads(h["twophaseMerge"]) for h in history if h.get("twophaseMerge")]
 
 
+def _versions_of_merges(uri: Path) -> list[int]:
+    history = sorted(DeltaTable(str(uri)).history(), key=lambda h: h["version"])
+    return [int(h["version"]) for h in history if h.get("twophaseMerge")]
+
+
 def _feed_job(spark, tmp_path: Path, sink: DeltaSink, interval: float, name: str = "dm"):  # type: ignore[no-untyped-def]
     df = spark.readStream.schema(FEED).option("maxFilesPerTrigger", 1).json(str(tmp_path / "in"))
     job = Job(spark, name, tmp_path / "state", checkpoint_interval=interval)
@@ -63,6 +69,15 @@ def test_a_change_feed_merges_into_delta_equal_to_the_model(spark, tmp_path):  #
     assert merges[0]["filesRemoved"] == 0 and merges[-1]["filesRemoved"] >= 1
     verify.assert_nothing_left_delta(uri)
     assert "op" not in DeltaTable(str(uri)).schema().to_arrow().names
+    # delta-spark reads every version alike; a streaming read of the keyed table
+    # runs through the merges with skipChangeCommits, which leaves out every version
+    # that removes files (README, "Reading the sink's tables with delta-spark")
+    deltacheck.assert_delta_spark_reads_every_version(spark, uri)
+    seen = deltacheck.assert_streaming_read_sees_each_row_once(
+        spark, uri, tmp_path / "read", skip_change_commits=True
+    )
+    first = DeltaTable(str(uri), version=_versions_of_merges(uri)[0])
+    assert len(seen) == first.to_pyarrow_table().num_rows  # the first merge only added
 
 
 def test_several_batches_merge_as_one_version_the_last_batch_winning(spark, tmp_path):  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ import pytest
 from lifecycle import Job, TaskFailedError
 from lifecycle.ledger import read_ledger
 from sinks import ConfigError, KafkaSink, PostgresSink, _faults
+from tests import deltacheck
 
 DAY = "day = '2026-11-01'"
 SCHEMA = "day string, id long, v string"
@@ -265,6 +266,8 @@ def test_an_empty_partition_value_is_replaced_as_null(spark, tmp_path):  # type:
         assert _delta_rows(uri) == [(None, 1, "new")]
         read = spark.read.format("delta").load(str(uri)).collect()
         assert [tuple(r) for r in read] == [(None, 1, "new")]
+    # every version (each replace removing the slice's files) read alike by delta-spark
+    deltacheck.assert_delta_spark_reads_every_version(spark, uri)
 
 
 def test_a_predicate_whose_value_changes_is_refused(spark, pg_dsn, tmp_path):  # type: ignore[no-untyped-def]

@@ -16,6 +16,7 @@ from lifecycle import Job
 from sinks import PostgresSink, PreflightError
 from sinks.base import JobScope, WriteContext
 from sinks.postgres import catalog
+from tests import deltacheck
 from tests.pgcheck import job_prepared
 
 
@@ -157,6 +158,11 @@ def test_delta_schema_merge_adds_columns_in_a_version_of_their_own(spark, tmp_pa
     assert "ADD COLUMN" in ops and ops.index("ADD COLUMN") < len(ops) - 1  # before the data
     got = dt.to_pyarrow_table().to_pylist()
     assert len(got) == 22 and sum(1 for r in got if r["name"] is None) == 2
+    # delta-spark reads each version in its own schema, and a stream from the start
+    # reads the rows written before the new columns with nulls in them
+    deltacheck.assert_delta_spark_reads_every_version(spark, uri)
+    seen = deltacheck.assert_streaming_read_sees_each_row_once(spark, uri, tmp_path / "read")
+    assert len(seen) == 22
 
 
 def test_delta_schema_merge_refuses_a_type_change(tmp_path):  # type: ignore[no-untyped-def]
