@@ -109,6 +109,8 @@ def _with_jvm_packages(builder: SparkSession.Builder) -> SparkSession.Builder:
         # 50 partitions by default; the tests' tables hold a handful of files, and on
         # two cores one partition makes a versionAsOf read about three times faster
         builder = builder.config("spark.databricks.delta.snapshotPartitions", "1")
+        # and VACUUM lists a table's directories in as many tasks as this (10,000)
+        builder = builder.config("spark.sql.sources.parallelPartitionDiscovery.parallelism", "2")
     return builder
 
 

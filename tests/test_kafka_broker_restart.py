@@ -338,6 +338,7 @@ def _run(tmp: Path, broker: Restartable, files: int, rows_per_file: int) -> tupl
     return Run(tmp, None, broker.bootstrap, topic, sinks="kafka"), n
 
 
+@tiers.SLOW  # the writer side of a restart: the default run's ..._before_its_partitions_join_...
 def test_job_rides_out_a_broker_killed_while_executors_write(
     apache_broker: ApacheKafka, tmp_path: Path
 ) -> None:

@@ -94,6 +94,54 @@ def test_a_rolled_back_prepared_transaction_is_written_again_from_the_source(
     assert moves.get("owe_lost", 0) >= 1 and moves.get("repay_owed", 0) >= 1, moves
 
 
+@tiers.SLOW  # rule 5's replay is the default run's (the PostgreSQL case above)
+def test_staged_files_a_vacuum_removed_are_written_again_from_the_source(
+    spark: Any, tmp_path: Path
+) -> None:
+    """delta-spark's VACUUM with no retention (its safety check turned off)
+    deletes every file the snapshot does not reference, and the sink's prepared
+    files wait in the table's directories until their commit. The commit finds
+    them gone and commits nothing of them (the job stops); the next start owes
+    the batch to the sink and writes it again from the source: every row once,
+    nothing left staged, and delta-spark reads every version alike."""
+    from lifecycle.testing import jars
+
+    jars.require("delta")
+    n = write_input(tmp_path / "in", files=3, rows_per_file=40)
+    uri = tmp_path / "delta"
+    vacuumed: list[int] = []
+
+    def vacuum() -> None:
+        if not vacuumed:  # once: the first checkpoint's commit
+            spark.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
+            gone = spark.sql(f"VACUUM delta.`{uri}` RETAIN 0 HOURS").collect()
+            vacuumed.append(len(gone))
+
+    def job() -> Job:
+        df = spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1)
+        j = Job(spark, "vacuum", tmp_path / "state", checkpoint_interval=0)
+        j.add_pipeline("load", df.json(str(tmp_path / "in")), [DeltaSink(str(uri))], bounded=True)
+        return j
+
+    _faults.register("driver.before_commit", vacuum)
+    try:
+        with pytest.raises(CheckpointCommitError) as failed:
+            job().run()
+    finally:
+        _faults.clear()
+        spark.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "true")
+    assert isinstance(failed.value.__cause__, TransactionLostError)
+    assert "is gone without having been committed" in str(failed.value.__cause__)
+    assert deltacheck.read_rows(str(uri)).num_rows == 0  # nothing committed with files missing
+
+    job().run()
+    deltacheck.assert_exactly_once(str(uri), n)
+    deltacheck.assert_nothing_staged(str(uri))
+    doc = read_ledger(tmp_path / "state")
+    assert doc is not None and doc["owed"] == {} and doc["pending"] == {}
+    deltacheck.assert_delta_spark_reads_every_version(spark, uri)
+
+
 @pytest.mark.parametrize("then", ["restore the file", "give the batch up"])
 def test_a_batch_whose_source_is_gone_stops_the_job_naming_what_is_missing(
     spark: Any, pg_dsn: str, tmp_path: Path, then: str, capsys: pytest.CaptureFixture[str]

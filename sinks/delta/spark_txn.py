@@ -45,11 +45,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+import pyarrow as pa
 from deltalake import DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction
@@ -119,7 +121,10 @@ def missing_advice(spark_line: str) -> str:
 
 def open_if_needed(dt: DeltaTable, root: str | None, where: str) -> SparkTxn | None:
     """A delta-spark transaction when the table ``dt`` needs one (:func:`needed`),
-    else ``None`` (delta-rs commits)."""
+    else ``None`` (delta-rs commits). ``dt`` is moved to the transaction's
+    snapshot, so that every check made on it (features, schema, the files
+    committed) is of the version the commit builds on: a change after it is
+    delta-spark's conflict, never unchecked (rule 1)."""
     if not needed(dt):
         return None
     if root is None:
@@ -128,7 +133,10 @@ def open_if_needed(dt: DeltaTable, root: str | None, where: str) -> SparkTxn | N
             "honours, and DeltaSink commits through delta-spark only to local or "
             "shared-filesystem tables"
         )
-    return SparkTxn.open(root, where)
+    txn = _guarded(lambda: SparkTxn.open(root, where))
+    if dt.version() != txn.read_version:
+        dt.load_as_version(txn.read_version)
+    return txn
 
 
 def available(root: str | None) -> bool:
@@ -156,7 +164,8 @@ class SparkTxn:
             )
         jvm = spark._jvm
         delta_log = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(
-            spark._jsparkSession, str(root)
+            spark._jsparkSession,
+            Path(root).resolve().as_uri(),  # never fs.defaultFS
         )
         return cls(spark, delta_log.startTransaction())
 
@@ -166,7 +175,7 @@ class SparkTxn:
 
     def transaction_version(self, app: str) -> int | None:
         """The app's version in this transaction's snapshot (recorded as read)."""
-        v = int(self._txn.txnVersion(app))
+        v = int(_guarded(lambda: self._txn.txnVersion(app)))
         return None if v < 0 else v
 
     def commit(
@@ -182,32 +191,44 @@ class SparkTxn:
         ``STREAMING UPDATE``; ``None``: a commit without data (a claim)."""
         jvm = self._spark._jvm
         actions = [_add_json(a) for a in adds] + [_txn_json(t) for t in txns]
-        parsed = jvm.java.util.ArrayList()
-        for a in actions:
-            parsed.add(jvm.org.apache.spark.sql.delta.actions.Action.fromJson(json.dumps(a)))
-        seq = jvm.scala.jdk.javaapi.CollectionConverters.asScala(parsed).toSeq()
-        ops = jvm.org.apache.spark.sql.delta
-        if epoch is None:
-            op = getattr(getattr(ops, "DeltaOperations$ManualUpdate$"), "MODULE$")
-        else:
-            op = getattr(ops, "DeltaOperations$StreamingUpdate")(
-                jvm.org.apache.spark.sql.streaming.OutputMode.Append(),
-                epoch[0],
-                epoch[1],
-                jvm.scala.Option.apply(progress.user_metadata(*epoch)),
-            )
-            self._register_metrics(adds)
-        try:
+
+        def commit() -> int:
+            parsed = jvm.java.util.ArrayList()
+            for a in actions:
+                parsed.add(jvm.org.apache.spark.sql.delta.actions.Action.fromJson(json.dumps(a)))
+            seq = jvm.scala.jdk.javaapi.CollectionConverters.asScala(parsed).toSeq()
+            ops = jvm.org.apache.spark.sql.delta
+            if epoch is None:
+                op = getattr(getattr(ops, "DeltaOperations$ManualUpdate$"), "MODULE$")
+            else:
+                op = getattr(ops, "DeltaOperations$StreamingUpdate")(
+                    jvm.org.apache.spark.sql.streaming.OutputMode.Append(),
+                    epoch[0],
+                    epoch[1],
+                    jvm.scala.Option.apply(progress.user_metadata(*epoch)),
+                )
+                self._register_metrics(adds)
             return int(self._txn.commit(seq, op))
-        except Exception as e:
-            java = getattr(e, "java_exception", None)
-            if java is None:
-                raise
-            cls = jvm.py4j.reflection.ReflectionUtil.classForName(_CONFLICT_CLASS)
-            text = f"{java.getClass().getName()}: {java.getMessage()}"
-            if cls.isInstance(java):
-                raise DeltaSparkConflict(text) from None
-            raise CommitRefusedError(f"delta-spark refused the commit: {text}") from None
+
+        try:
+            return _guarded(commit)
+        except DeltaSparkConflict:
+            raise
+        except Exception:
+            # A commit can land and still raise (a post-commit hook that throws):
+            # the app transactions it carried say so.
+            if txns and self._landed(txns):
+                return -1
+            raise
+
+    def _landed(self, txns: Sequence[Transaction]) -> bool:
+        """Whether the table's latest version holds every app transaction of
+        ``txns`` (a driver's commits of one app id follow one another)."""
+        try:
+            fresh = self._txn.deltaLog().startTransaction()
+            return all(int(fresh.txnVersion(t.app_id)) == int(t.version) for t in txns)
+        except Exception:
+            return False
 
     def _register_metrics(self, adds: Sequence[AddAction]) -> None:
         """What ``DESCRIBE HISTORY`` shows for a streaming update."""
@@ -229,6 +250,54 @@ class SparkTxn:
         as_scala = jvm.scala.jdk.javaapi.CollectionConverters.asScala(metrics)
         immutable = getattr(scala_map, "from")(as_scala)
         self._txn.registerSQLMetrics(self._spark._jsparkSession, immutable)
+
+
+def add_columns(root: str, fields: Sequence[pa.Field], where: str) -> None:
+    """Add nullable columns in one version through delta-spark's ``ALTER TABLE
+    ... ADD COLUMNS`` (schema evolution of a table delta-rs cannot commit to)."""
+    from pyspark.sql.pandas.types import from_arrow_type
+
+    spark = session()
+    if spark is None:
+        raise DeltaSparkMissingError(f"{where}: adding columns needs delta-spark's session")
+    columns = ", ".join(
+        "`" + f.name.replace("`", "``") + "` " + from_arrow_type(f.type).simpleString()
+        for f in fields
+    )
+    path = Path(root).resolve().as_uri().replace("`", "``")
+    _guarded(lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})"))
+
+
+def _guarded(call: Callable[[], Any]) -> Any:
+    """``call()`` with delta-spark's Java exceptions classified: a conflict as
+    :class:`DeltaSparkConflict`, an I/O error as ``OSError`` (transient, as
+    delta-rs's are), anything else as :class:`~sinks.errors.CommitRefusedError`
+    (rule 3). PySpark converts some Java exceptions (``AnalysisException``,
+    ``IllegalArgumentException``, ...) itself; those are classified alike."""
+    try:
+        return call()
+    except DeltaSparkMissingError:
+        raise
+    except Exception as e:
+        java = getattr(e, "java_exception", None) or getattr(e, "_origin", None)
+        if java is None:
+            raise
+        from pyspark.sql import SparkSession
+
+        spark = session() or SparkSession._instantiatedSession
+        assert spark is not None
+        text = f"{java.getClass().getName()}: {java.getMessage()}"
+
+        def is_a(name: str) -> bool:
+            return bool(
+                spark._jvm.py4j.reflection.ReflectionUtil.classForName(name).isInstance(java)
+            )
+
+        if is_a(_CONFLICT_CLASS):
+            raise DeltaSparkConflict(text) from None
+        if is_a("java.io.IOException"):
+            raise OSError(f"delta-spark: {text}") from None
+        raise CommitRefusedError(f"delta-spark refused the commit: {text}") from None
 
 
 def _add_json(a: AddAction) -> dict[str, Any]:
