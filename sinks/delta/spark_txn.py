@@ -27,15 +27,27 @@ The rules the sink's protocol needs from it:
    raised as :class:`DeltaSparkConflict` (a ``CommitFailedError``), so the
    caller runs its checks again on the new snapshot, exactly as after a failed
    delta-rs commit. A blind append by another writer is no conflict: delta-spark
-   commits on top of it.
+   commits on top of it. The deltalake snapshot the other checks read (the
+   table's features and schema, the files already committed) is moved to the
+   transaction's read version (:func:`open_if_needed`), so no check is made on
+   another version than the one committed on: a metadata or protocol change
+   since is delta-spark's conflict too.
 2. **One version, the app transaction inside.** A data commit carries
    ``txn(app id, highest batch)`` beside its files, as the delta-rs path does.
    It is recorded as delta-spark's streaming sink records its own: operation
    ``STREAMING UPDATE`` with ``queryId`` the app id and ``epochId`` the batch,
    and the metrics ``DESCRIBE HISTORY`` shows for it (files and rows added).
-3. **Refusals are final.** Anything else delta-spark refuses (a protocol it
-   does not support, an invalid action) is raised as
-   :class:`~sinks.errors.CommitRefusedError`: retrying cannot pass it.
+3. **Refusals are final, I/O is not.** A Java I/O error is raised as
+   ``OSError`` (retried until the sink's ``commit_timeout``, as delta-rs's
+   are); anything else delta-spark refuses (a protocol it does not support,
+   an invalid action) as :class:`~sinks.errors.CommitRefusedError`: retrying
+   cannot pass it.
+4. **A commit that landed is not a failure.** When the commit raises after
+   its version was written (a post-commit hook that throws), the table's app
+   transactions show it, and it counts as done.
+5. **Only what commits needs Spark.** A claim reads through deltalake and
+   opens a transaction only when it has a claim to commit, so ``twophase
+   recover`` (no Spark) reads such tables; committing to them needs the job.
 
 Only local and shared-filesystem tables (what the job's Spark reaches by path),
 and only a driver whose Spark session has delta-spark's jars.

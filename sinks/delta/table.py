@@ -4,7 +4,9 @@ delta-rs validates nothing when files are committed with
 ``create_write_transaction``, so everything this sink relies on about a table is
 checked here: that the sink can write it faithfully (no column mapping, CHECK
 constraints, generated or identity columns, invariants, or writer features it
-does not know), and what its columns and partition columns are.
+does not know; the features only delta-spark's commit honours need a session
+with delta-spark, :mod:`sinks.delta.spark_txn`), and what its columns and
+partition columns are.
 """
 
 from __future__ import annotations
