@@ -24,6 +24,7 @@ from lifecycle.coordinator import sink_label
 from lifecycle.ledger import read_ledger
 from sinks import DeltaSink, PreflightError, _faults
 from sinks.base import JobScope
+from sinks.delta import progress
 from sinks.delta import table as delta_table
 from sinks.delta.sink import app_id
 from tests import deltacheck
@@ -97,11 +98,8 @@ def test_bounded_job_exactly_once_one_version_per_checkpoint(spark, tmp_path, in
         # delta-spark: every version as deltalake reads it, the history naming each
         # checkpoint's commit, and a streaming read seeing every row once
         history = deltacheck.assert_delta_spark_reads_every_version(spark, uri)
-        batches = sorted(
-            int(h["userMetadata"].rsplit(" ", 1)[1])
-            for h in history
-            if (h["userMetadata"] or "").startswith(f"twophase {app} ")
-        )
+        recorded = [progress.parse_user_metadata(h["userMetadata"]) for h in history]
+        batches = sorted(r[1] for r in recorded if r is not None and r[0] == app)
         assert batches == list(range(5)) and {
             h["operation"] for h in history if h["userMetadata"]
         } == {"WRITE"}

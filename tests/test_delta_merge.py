@@ -39,15 +39,15 @@ def _spark_rows(spark, uri: Path) -> dict[int, dict[str, Any]]:  # type: ignore[
     return {r["id"]: r.asDict() for r in spark.read.parquet(*files).collect()}
 
 
+def _merge_commits(uri: Path) -> list[dict[str, Any]]:
+    """The commit infos of the merge versions, oldest first."""
+    history = sorted(DeltaTable(str(uri)).history(), key=lambda h: h["version"])
+    return [h for h in history if h.get("twophaseMerge")]
+
+
 def _merges(uri: Path) -> list[dict[str, Any]]:
     """What each merge version did, oldest first."""
-    history = sorted(DeltaTable(str(uri)).history(), key=lambda h: h["version"])
-    return [json.loads(h["twophaseMerge"]) for h in history if h.get("twophaseMerge")]
-
-
-def _versions_of_merges(uri: Path) -> list[int]:
-    history = sorted(DeltaTable(str(uri)).history(), key=lambda h: h["version"])
-    return [int(h["version"]) for h in history if h.get("twophaseMerge")]
+    return [json.loads(h["twophaseMerge"]) for h in _merge_commits(uri)]
 
 
 def _feed_job(spark, tmp_path: Path, sink: DeltaSink, interval: float, name: str = "dm"):  # type: ignore[no-untyped-def]
@@ -76,7 +76,7 @@ def test_a_change_feed_merges_into_delta_equal_to_the_model(spark, tmp_path):  #
     seen = deltacheck.assert_streaming_read_sees_each_row_once(
         spark, uri, tmp_path / "read", skip_change_commits=True
     )
-    first = DeltaTable(str(uri), version=_versions_of_merges(uri)[0])
+    first = DeltaTable(str(uri), version=int(_merge_commits(uri)[0]["version"]))
     assert len(seen) == first.to_pyarrow_table().num_rows  # the first merge only added
 
 

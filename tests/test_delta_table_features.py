@@ -147,8 +147,7 @@ def _log_actions(uri: Path, version: int) -> list[dict[str, Any]]:
 
 
 def _commit_info(uri: Path, version: int) -> dict[str, Any]:
-    lines = (uri / "_delta_log" / f"{version:020d}.json").read_text().splitlines()
-    return next(json.loads(x)["commitInfo"] for x in lines if '"commitInfo"' in x)
+    return next(a["commitInfo"] for a in _log_actions(uri, version) if "commitInfo" in a)
 
 
 def test_a_table_with_the_features_delta_spark_users_turn_on_takes_appends(interpreted, tmp_path):  # type: ignore[no-untyped-def]
@@ -236,12 +235,7 @@ def test_a_table_with_the_features_delta_spark_users_turn_on_takes_appends(inter
     # clustering kept; delta-spark's OPTIMIZE clusters the appended files
     detail = spark.sql(f"DESCRIBE DETAIL delta.`{uri}`").first()
     assert list(detail["clusteringColumns"]) == ["id"]
-    ours = {
-        json.loads(x)["add"]["path"]
-        for v in versions
-        for x in (uri / "_delta_log" / f"{v:020d}.json").read_text().splitlines()
-        if '"add"' in x
-    }
+    ours = {a["add"]["path"] for v in versions for a in _log_actions(uri, v) if "add" in a}
     spark.sql(f"OPTIMIZE delta.`{uri}`")
     assert _delta_spark_rows(spark, uri) == expected
     optimized = _log_actions(

@@ -219,6 +219,7 @@ class DeltaCommitter:
         )
         record = Transaction(app, version, int(time.time() * 1000))
         if txn is not None:
+            assert not gone, "check_writable refuses replaces on delta-spark-committed tables"
             txn.commit(adds, [record], epoch=(app, version))
         else:
             dt.create_write_transaction(

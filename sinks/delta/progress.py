@@ -72,6 +72,13 @@ def parse_user_metadata(text: str | None) -> tuple[str, int] | None:
     return None
 
 
+def added_totals(adds: Sequence[AddAction]) -> tuple[int, int]:
+    """Rows (the files' ``numRecords``) and bytes of ``adds``: what a commit's
+    history metrics say it added."""
+    rows = sum(int(json.loads(a.stats or "{}").get("numRecords", 0)) for a in adds)
+    return rows, sum(int(a.size) for a in adds)
+
+
 def history_metadata(
     app: str,
     batch: int,
@@ -86,11 +93,11 @@ def history_metadata(
     delta-spark's names and as its strings, so that ``DESCRIBE HISTORY`` shows
     them (delta-rs's own are numbers under other names, which delta-spark's
     history reads as none)."""
-    rows = sum(int(json.loads(a.stats or "{}").get("numRecords", 0)) for a in adds)
+    rows, size = added_totals(adds)
     metrics = {
         "numFiles": len(adds),
         "numOutputRows": rows,
-        "numOutputBytes": sum(int(a.size) for a in adds),
+        "numOutputBytes": size,
         "numRemovedFiles": removed_files,
         "numRemovedBytes": removed_bytes,
     }

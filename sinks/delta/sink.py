@@ -350,11 +350,7 @@ class DeltaSink(Sink):
         dt = self._load()
         if dt is None:
             raise PreflightError(f"{self.describe()} vanished after preflight")
-        missing = [f for f in new if f.name not in {x.name for x in dt.schema().fields}]
-        if missing and spark_txn.needed(dt) and self._storage.root is not None:
-            spark_txn.add_columns(self._storage.root, missing, self.describe())
-        else:
-            table.add_columns(dt, new)
+        table.add_columns(dt, new, self._storage.root, self.describe())
         log.info(
             "%s: added the column(s) %s (schema_mode='merge')",
             self.describe(),
@@ -417,20 +413,21 @@ class DeltaSink(Sink):
             if dt is None:
                 raise PreflightError(f"{self.describe()} does not exist (preflight creates it)")
             found = progress.read(dt, scope)
-            if found.owner != ours and spark_txn.needed(dt):
+            txn = None
+            if found.owner != ours:
                 # only a claim to commit needs delta-spark (twophase recover has no
                 # Spark): read again through its transaction, which checks what it read
                 txn = spark_txn.open_if_needed(dt, self._storage.root, self.describe())
-                assert txn is not None
-                found = progress.read(txn, scope)
-                if may_claim(found, ours, start_over_from) and found.owner != ours:
-                    txn.commit([], progress.claim_transactions(scope, found.owner))
-                    return SinkProgress(owner=ours, batch=-1, previous=found.owner)
+                if txn is not None:
+                    found = progress.read(txn, scope)
             if not may_claim(found, ours, start_over_from):
                 raise conflict(self.describe(), scope.key(), found, ours)
             if found.owner == ours:
                 return found
-            progress.commit_claim(dt, scope, previous=found.owner)  # compare-and-set
+            if txn is not None:
+                txn.commit([], progress.claim_transactions(scope, found.owner))
+            else:
+                progress.commit_claim(dt, scope, previous=found.owner)  # compare-and-set
             return SinkProgress(owner=ours, batch=-1, previous=found.owner)
 
         found = retry_transient(

@@ -122,8 +122,12 @@ def session() -> SparkSession | None:
     return spark
 
 
-def missing_advice(spark_line: str) -> str:
-    """How to give a job's session delta-spark (for error messages)."""
+def missing_advice() -> str:
+    """How to give a job's session delta-spark (for error messages), for the
+    installed pyspark's Spark line."""
+    import pyspark
+
+    spark_line = ".".join(pyspark.__version__.split(".")[:2])
     return (
         "start the job's Spark session with delta-spark (spark.jars or --packages "
         f"io.delta:delta-spark_{spark_line}_2.13 with io.delta:delta-storage, and "
@@ -137,15 +141,16 @@ def open_if_needed(dt: DeltaTable, root: str | None, where: str) -> SparkTxn | N
     snapshot, so that every check made on it (features, schema, the files
     committed) is of the version the commit builds on: a change after it is
     delta-spark's conflict, never unchecked (rule 1)."""
-    if not needed(dt):
+    features = needed(dt)
+    if not features:
         return None
     if root is None:
         raise CommitRefusedError(
-            f"{where} has the table feature(s) {needed(dt)}, which only delta-spark's commit "
+            f"{where} has the table feature(s) {features}, which only delta-spark's commit "
             "honours, and DeltaSink commits through delta-spark only to local or "
             "shared-filesystem tables"
         )
-    txn = _guarded(lambda: SparkTxn.open(root, where))
+    txn = SparkTxn.open(root, where)
     if dt.version() != txn.read_version:
         dt.load_as_version(txn.read_version)
     return txn
@@ -167,19 +172,16 @@ class SparkTxn:
     def open(cls, root: str, where: str) -> SparkTxn:
         spark = session()
         if spark is None:
-            import pyspark
-
-            line = ".".join(pyspark.__version__.split(".")[:2])
             raise DeltaSparkMissingError(
                 f"{where} has table features that only delta-spark's commit honours; "
-                + missing_advice(line)
+                + missing_advice()
             )
-        jvm = spark._jvm
-        delta_log = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(
-            spark._jsparkSession,
-            Path(root).resolve().as_uri(),  # never fs.defaultFS
+        delta_log = spark._jvm.org.apache.spark.sql.delta.DeltaLog
+        uri = Path(root).resolve().as_uri()  # never fs.defaultFS
+        txn = _guarded(
+            spark, lambda: delta_log.forTable(spark._jsparkSession, uri).startTransaction()
         )
-        return cls(spark, delta_log.startTransaction())
+        return cls(spark, txn)
 
     @property
     def read_version(self) -> int:
@@ -187,7 +189,7 @@ class SparkTxn:
 
     def transaction_version(self, app: str) -> int | None:
         """The app's version in this transaction's snapshot (recorded as read)."""
-        v = int(_guarded(lambda: self._txn.txnVersion(app)))
+        v = int(_guarded(self._spark, lambda: self._txn.txnVersion(app)))
         return None if v < 0 else v
 
     def commit(
@@ -223,7 +225,7 @@ class SparkTxn:
             return int(self._txn.commit(seq, op))
 
         try:
-            return _guarded(commit)
+            return int(_guarded(self._spark, commit))
         except DeltaSparkConflict:
             raise
         except Exception:
@@ -245,12 +247,12 @@ class SparkTxn:
     def _register_metrics(self, adds: Sequence[AddAction]) -> None:
         """What ``DESCRIBE HISTORY`` shows for a streaming update."""
         jvm = self._spark._jvm
-        rows = sum(json.loads(a.stats or "{}").get("numRecords", 0) for a in adds)
+        rows, size = progress.added_totals(adds)
         values = {
             "numAddedFiles": len(adds),
             "numRemovedFiles": 0,
             "numOutputRows": rows,
-            "numOutputBytes": sum(a.size for a in adds),
+            "numOutputBytes": size,
         }
         metrics = jvm.java.util.HashMap()
         sc = self._spark.sparkContext._jsc.sc()
@@ -277,10 +279,10 @@ def add_columns(root: str, fields: Sequence[pa.Field], where: str) -> None:
         for f in fields
     )
     path = Path(root).resolve().as_uri().replace("`", "``")
-    _guarded(lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})"))
+    _guarded(spark, lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})"))
 
 
-def _guarded(call: Callable[[], Any]) -> Any:
+def _guarded(spark: Any, call: Callable[[], Any]) -> Any:
     """``call()`` with delta-spark's Java exceptions classified: a conflict as
     :class:`DeltaSparkConflict`, an I/O error as ``OSError`` (transient, as
     delta-rs's are), anything else as :class:`~sinks.errors.CommitRefusedError`
@@ -288,22 +290,15 @@ def _guarded(call: Callable[[], Any]) -> Any:
     ``IllegalArgumentException``, ...) itself; those are classified alike."""
     try:
         return call()
-    except DeltaSparkMissingError:
-        raise
     except Exception as e:
         java = getattr(e, "java_exception", None) or getattr(e, "_origin", None)
         if java is None:
             raise
-        from pyspark.sql import SparkSession
-
-        spark = session() or SparkSession._instantiatedSession
-        assert spark is not None
         text = f"{java.getClass().getName()}: {java.getMessage()}"
 
         def is_a(name: str) -> bool:
-            return bool(
-                spark._jvm.py4j.reflection.ReflectionUtil.classForName(name).isInstance(java)
-            )
+            cls = spark._jvm.py4j.reflection.ReflectionUtil.classForName(name)
+            return bool(cls.isInstance(java))
 
         if is_a(_CONFLICT_CLASS):
             raise DeltaSparkConflict(text) from None

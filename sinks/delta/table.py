@@ -88,14 +88,11 @@ def check_writable(
             "table without them"
         )
     if through_spark and not delta_spark:
-        import pyspark
-
-        line = ".".join(pyspark.__version__.split(".")[:2])
         raise DeltaSchemaError(
             f"{where} has the table feature(s) {through_spark}, which delta-rs cannot write; "
             "DeltaSink commits such a table through delta-spark, which needs a local or "
             "shared-filesystem table and a job whose Spark session has delta-spark: "
-            + spark_txn.missing_advice(line)
+            + spark_txn.missing_advice()
         )
     config = dt.metadata().configuration or {}
     mode = config.get("delta.columnMapping.mode", "none")
@@ -201,10 +198,19 @@ def committed_paths(dt: DeltaTable) -> set[str]:
     return {unquote(p) for p in paths}
 
 
-def add_columns(dt: DeltaTable, fields: list[pa.Field]) -> None:
-    """Add nullable columns to the table, in one version (schema evolution)."""
+def add_columns(
+    dt: DeltaTable, fields: list[pa.Field], root: str | None = None, where: str = ""
+) -> None:
+    """Add nullable columns to the table, in one version (schema evolution):
+    through delta-spark when the table's commits go through it (a local table
+    at ``root`` with :func:`~sinks.delta.spark_txn.needed` features), else
+    through deltalake."""
     from deltalake.schema import Schema as DeltaSchema
 
     missing = [f for f in fields if f.name not in {x.name for x in dt.schema().fields}]
-    if missing:
+    if not missing:
+        return
+    if root is not None and spark_txn.needed(dt):
+        spark_txn.add_columns(root, missing, where)
+    else:
         dt.alter.add_columns(list(DeltaSchema.from_arrow(pa.schema(missing)).fields))
