@@ -37,8 +37,9 @@ Points: ``executor.write``, ``executor.prepared``, ``driver.before_record``,
 ``driver.after_record``, ``driver.before_commit``, ``driver.mid_commit``,
 ``driver.ending_input`` (a pipeline has recorded that its input ends),
 ``driver.before_repay`` (an owed batch was written again and its work recorded,
-not committed: :mod:`lifecycle.replay`), ``driver.merge_staged``
-(a keyed Delta sink staged its merge and has not committed it).
+not committed: :mod:`lifecycle.replay`), ``driver.merge_planned``
+(a keyed Delta sink planned its merge: chose the files it rewrites, read none),
+``driver.merge_staged`` (it staged its merge and has not committed it).
 """
 
 from __future__ import annotations

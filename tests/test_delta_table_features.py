@@ -20,6 +20,7 @@ from deltalake import DeltaTable, write_deltalake
 from lifecycle import CheckpointCommitError, Job
 from lifecycle.testing import jars, verify
 from sinks import DeltaSink, PreflightError, _faults
+from tests import deltacheck
 
 
 def _delta_spark(spark):  # type: ignore[no-untyped-def]
@@ -333,3 +334,51 @@ def test_a_partitioned_table_committed_through_delta_spark(spark, tmp_path):  # 
     wider = "id long, part string, v long, note string"
     job("wider", more, wider, DeltaSink(uri, schema_mode="merge")).run()
     assert _delta_spark_rows(spark, uri, "id, note") == [(i, None) for i in range(12)] + [(12, "n")]
+
+
+def test_keyed_and_replace_sinks_rewrite_the_files_delta_spark_wrote(interpreted, tmp_path):  # type: ignore[no-untyped-def]
+    """A partitioned table delta-spark made and changed (partition values with
+    a space, a colon, a slash, a percent sign, and null; its UPDATE rewrote a
+    file): a keyed sink rewrites delta-spark's files in every partition, a
+    replace empties one and fills it again. The sink's removes name the files
+    as delta-spark's log does, so delta-spark reads every version as deltalake
+    does, no removed row comes back and none is read twice."""
+    spark = _delta_spark(interpreted)
+    uri = tmp_path / "t"
+    parts = ["a b", "x:/y", None, "50%"]
+    spark.createDataFrame(
+        [(i, parts[i % 4], 0) for i in range(16)], "id long, part string, v long"
+    ).write.format("delta").partitionBy("part").save(str(uri))
+    spark.sql(f"UPDATE delta.`{uri}` SET v = 1 WHERE id = 5").collect()
+
+    def run(name: str, rows: list[dict[str, Any]], sink: DeltaSink) -> None:
+        src = tmp_path / f"in-{name}"
+        src.mkdir()
+        (src / "p.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        job = Job(spark, name, tmp_path / f"state-{name}", checkpoint_interval=0)
+        job.add_pipeline(
+            "p",
+            spark.readStream.schema("id long, part string, v long").json(str(src)),
+            [sink],
+            bounded=True,
+        )
+        job.run()
+
+    model = {i: (parts[i % 4], 1 if i == 5 else 0) for i in range(16)}
+    upserts = [{"id": i, "part": parts[i % 4], "v": 10 + i} for i in (0, 1, 2, 3, 5)] + [
+        {"id": 20, "part": "50%", "v": 20}
+    ]
+    run("keyed", upserts, DeltaSink(uri, key=["id"]))
+    model.update({r["id"]: (r["part"], r["v"]) for r in upserts})
+    refill = [{"id": 30, "part": "a b", "v": 30}]
+    run("replace", refill, DeltaSink(uri, replace_where="part = 'a b'"))
+    model = {i: pv for i, pv in model.items() if pv[0] != "a b"} | {30: ("a b", 30)}
+    want = sorted((i, p, v) for i, (p, v) in model.items())
+    assert _delta_spark_rows(spark, uri, "id, part, v") == want
+    got = DeltaTable(str(uri)).to_pyarrow_table().to_pylist()
+    assert sorted((r["id"], r["part"], r["v"]) for r in got) == want
+    deltacheck.assert_delta_spark_reads_every_version(spark, uri)
+    deltacheck.assert_streaming_read_sees_each_row_once(
+        spark, uri, tmp_path / "stream", skip_change_commits=True
+    )
+    verify.assert_nothing_left_delta(uri)

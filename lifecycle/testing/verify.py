@@ -283,15 +283,16 @@ def data_files_delta(table_uri: str | Path) -> set[str]:
 
 
 def _engine_file(rel: str, added: set[str]) -> bool:
-    """A file another Delta engine keeps beside the data, never one the sink
-    stages: delta-spark's deletion vectors (``deletion_vector_<uuid>.bin``) and
-    Hadoop's checksums (``.<name>.crc``) of added files and of those."""
+    """A file another engine keeps beside the data, never one the sink stages:
+    any file not named after a transaction of the sink (``tp1.``, ``tp2.``;
+    delta-spark's data files and deletion vectors, among them the files of its
+    statements that conflicted, left for VACUUM), and Hadoop's checksums
+    (``.<name>.crc``) of the sink's files the table added."""
     name = Path(rel).name
-    if name.startswith("deletion_vector_") and name.endswith(".bin"):
+    if not name.startswith(("tp1.", "tp2.", ".tp1.", ".tp2.")):
         return True
     if name.startswith(".") and name.endswith(".crc"):
-        base = str(Path(rel).with_name(name[1:-4]))
-        return base in added or Path(base).name.startswith("deletion_vector_")
+        return str(Path(rel).with_name(name[1:-4])) in added
     return False
 
 

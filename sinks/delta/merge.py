@@ -24,6 +24,9 @@ writes and deletes. The commit applies them to the table copy-on-write:
    deleted and the whole merge is planned again on the new snapshot (the
    caller retries), never committed twice. A retried commit whose version the
    table already holds is recognised by the app transaction and only cleans up.
+   So does a rewrite that fails while the table moved on: another writer
+   compacted the candidates and a VACUUM deleted them, or deleted the staged
+   files, before the commit (delta-spark logs VACUUM as versions).
 
 The change files are deleted once the version exists (a crash before that
 leaves them to the sweep, as committed transactions' leftovers).
@@ -318,19 +321,32 @@ def commit(
                 "changes are not in the table. " + REWRITE_ADVICE
             )
     candidates = plan(dt, layout, rules, changes)
+    _faults.hit("driver.merge_planned", batch=version, sink="delta")
     run = max(TxnName.require(c["txn"]).run for c in committables)
     spark = SparkSession.builder.getOrCreate()
-    staged = rewrite(
-        spark,
-        storage,
-        layout,
-        rules,
-        candidates,
-        changes,
-        where,
-        lambda df: SparkStage(storage, layout, where).stage(df, scope, run, version, _attempt()),
-    )
-    adds = [checked_add(staged, a) for a in staged["adds"]] if staged else []
+    staged: Committable | None = None
+    planned_on = dt.version()
+    stager = SparkStage(storage, layout, where)
+    try:
+        staged = rewrite(
+            spark,
+            storage,
+            layout,
+            rules,
+            candidates,
+            changes,
+            where,
+            lambda df: stager.stage(df, scope, run, version, _attempt()),
+        )
+        adds = [checked_add(staged, a) for a in staged["adds"]] if staged else []
+    except Exception as e:
+        if not _moved_on(dt):
+            raise
+        _delete_staged(storage, staged)
+        raise CommitFailedError(
+            f"{where}: another writer committed while the merge read and staged the files it "
+            f"planned on version {planned_on} (some are gone: {str(e)[:300]}); planning again"
+        ) from e
     rewritten = sum(c.size for c in candidates)
     summary = {
         "changes": {c["txn"]: int(c.get("rows", 0)) for c in committables},
@@ -363,9 +379,7 @@ def commit(
         _faults.hit("driver.merge_landed", batch=version, sink="delta")
     except BaseException as e:
         if _did_not_land(e, dt, app, version, where):
-            for a in staged["adds"] if staged else ():
-                storage.delete(a["path"])
-                storage.delete(marker_path(a["path"]))
+            _delete_staged(storage, staged)
         raise
     log.info(
         "%s: merged %d change(s) of %d batch(es) as %s v%d: %d file(s) (%d bytes) rewritten, "
@@ -383,6 +397,24 @@ def commit(
     for a in staged["adds"] if staged else ():
         storage.delete(marker_path(a["path"]))
     discard_changes(storage, committables)
+
+
+def _delete_staged(storage: TableStorage, staged: Committable | None) -> None:
+    for a in staged["adds"] if staged else ():
+        storage.delete(a["path"])
+        storage.delete(marker_path(a["path"]))
+
+
+def _moved_on(dt: DeltaTable) -> bool:
+    """Whether the table has a version after ``dt``'s: then a planned file that
+    cannot be read was compacted and vacuumed away by another writer (delta-spark
+    logs VACUUM as versions of its own), and the plan, not the table, is wrong."""
+    seen = dt.version()
+    try:
+        dt.update_incremental()
+    except Exception:
+        return False
+    return dt.version() > seen
 
 
 def _did_not_land(e: BaseException, dt: DeltaTable, app: str, version: int, where: str) -> bool:
