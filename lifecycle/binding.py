@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import pyarrow as pa
 from pyspark import TaskContext
 from pyspark.sql import DataFrame
+from pyspark.sql.pandas.types import to_arrow_schema
 
 from lifecycle._columns import column
 from lifecycle.coordinator import Coordinator
@@ -88,6 +89,11 @@ def precommit(
     df: DataFrame, sink: Sink, scope: JobScope, run: int, batch_id: int, schema: pa.Schema
 ) -> list[Committable]:
     """Write ``df`` through ``sink`` on the executors; return the committables."""
+    framed = sink.frame_for_write(df)
+    if framed is not df:
+        df = framed
+        tz = df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
+        schema = to_arrow_schema(df.schema, timezone=tz)
     own = sink.precommit_frame(df, scope, run, batch_id)
     if own is not None:
         return own

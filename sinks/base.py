@@ -279,6 +279,14 @@ class Sink(abc.ABC):
     def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
         """Open the executor-side writer of one task attempt."""
 
+    def frame_for_write(self, df: Any) -> Any:
+        """The micro-batch (a Spark ``DataFrame``) as this sink writes it, on the
+        driver before every batch; the default is ``df`` itself. A sink adds the
+        columns its target derives and the checks its target makes here (the
+        Delta sink: generated columns, CHECK constraints), so that they run on
+        the executors, before anything is staged."""
+        return df
+
     def precommit_frame(
         self, df: Any, scope: JobScope, run: int, batch_id: int
     ) -> list[Committable] | None:

@@ -16,6 +16,7 @@ listing the directory. Local tables only.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -269,6 +270,14 @@ SINK_OPERATIONS = {"WRITE", "STREAMING UPDATE"}
 rewrite, or delta-spark's streaming update (tables committed through it)"""
 
 
+def _as_spark(value: Any) -> Any:
+    """A value deltalake reads as Spark collects it: an instant (``timestamp``)
+    as naive wall-clock time in UTC, the tests' session time zone."""
+    if isinstance(value, datetime.datetime) and value.tzinfo is not None:
+        return value.astimezone(datetime.timezone.utc).replace(tzinfo=None)
+    return value
+
+
 def assert_delta_spark_reads_every_version(
     spark: Any, uri: str | Path, *, since: int = 0
 ) -> list[Any]:
@@ -291,7 +300,7 @@ def assert_delta_spark_reads_every_version(
         df = spark.read.format("delta").option("versionAsOf", v).load(path)
         got = sorted((tuple(r) for r in df.collect()), key=row_order)
         t = DeltaTable(path, version=v).to_pyarrow_table()
-        values = (t.column(c).to_pylist() for c in df.columns)
+        values = ([_as_spark(x) for x in t.column(c).to_pylist()] for c in df.columns)
         want = sorted(zip(*values, strict=True), key=row_order)
         assert got == want, f"{uri} version {v}: delta-spark and deltalake read different rows"
         meta = h["userMetadata"] or ""

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from lifecycle import CheckpointCommitError, Job
+from lifecycle import CheckpointCommitError, Job, TaskFailedError
 from lifecycle.testing import jars, verify
 from sinks import DeltaSink, PreflightError, _faults
 from tests import deltacheck
@@ -251,29 +251,23 @@ def test_a_table_with_the_features_delta_spark_users_turn_on_takes_appends(inter
     [
         ("v BIGINT", "delta.columnMapping.mode = 'name'", "column mapping"),
         ("v BIGINT", "delta.columnMapping.mode = 'id'", "column mapping"),
-        ("v BIGINT, CONSTRAINT positive CHECK (v >= 0)", "", "CHECK constraints"),
-        ("v BIGINT, w BIGINT GENERATED ALWAYS AS (v * 2)", "", "generated"),
-        ("v BIGINT, n BIGINT GENERATED ALWAYS AS IDENTITY", "", "identity"),
+        ("v BIGINT, n BIGINT GENERATED ALWAYS AS IDENTITY", "", "identity column"),
     ],
-    ids=["column mapping name", "column mapping id", "CHECK", "generated", "identity"],
+    ids=["column mapping name", "column mapping id", "identity"],
 )
 def test_features_whose_rows_the_sink_does_not_write_yet_are_refused(  # type: ignore[no-untyped-def]
     spark, tmp_path, ddl, props, named
 ):
-    """Files with logical column names in a column-mapped table, rows no CHECK
-    constraint was checked against, generated or identity values left empty:
-    each would be a row a reader of the feature sees wrongly. Appends, merges
-    and replaces are refused before anything is written, naming the feature."""
+    """Files with logical column names in a column-mapped table, identity
+    values left empty: each would be a row a reader of the feature sees
+    wrongly. Appends and merges are refused before anything is written,
+    naming the feature."""
     spark = _delta_spark(spark)
     uri = tmp_path / "t"
-    check = "CONSTRAINT" in ddl
-    columns = ddl.split(", CONSTRAINT")[0]
     spark.sql(
-        f"CREATE TABLE delta.`{uri}` (id BIGINT, part BIGINT, {columns}) USING delta "
+        f"CREATE TABLE delta.`{uri}` (id BIGINT, part BIGINT, {ddl}) USING delta "
         f"PARTITIONED BY (part) {f'TBLPROPERTIES ({props})' if props else ''}"
     )
-    if check:
-        spark.sql(f"ALTER TABLE delta.`{uri}` ADD CONSTRAINT positive CHECK (v >= 0)")
     version = DeltaTable(str(uri)).version()
     for name, sink in (("a", DeltaSink(uri)), ("k", DeltaSink(uri, key=["id"]))):
         with pytest.raises(PreflightError, match=named):
@@ -381,4 +375,96 @@ def test_keyed_and_replace_sinks_rewrite_the_files_delta_spark_wrote(interpreted
     deltacheck.assert_streaming_read_sees_each_row_once(
         spark, uri, tmp_path / "stream", skip_change_commits=True
     )
+    verify.assert_nothing_left_delta(uri)
+
+
+_RULED = "id long, v long, ts timestamp"
+
+
+def test_check_constraints_and_generated_columns_hold_as_delta_spark_holds_them(  # type: ignore[no-untyped-def]
+    interpreted, tmp_path
+):
+    """A table delta-spark made with a CHECK constraint and two generated
+    columns, one of them the partition column (``day``, the date of ``ts``).
+    The sink computes the generated columns a DataFrame lacks exactly as
+    delta-spark's INSERT computes them in a twin table, and checks those a
+    DataFrame gives; a row delta-spark refuses (the CHECK false or null, a
+    given generated value that differs) fails its batch, naming the rule,
+    with nothing committed; a keyed sink's delete row is not checked. A
+    constraint added while a checkpoint's rows wait for their commit keeps
+    them out: the restart writes them again, checked against it."""
+    spark = _delta_spark(interpreted)
+    uri, twin = tmp_path / "t", tmp_path / "twin"
+    for t in (uri, twin):
+        spark.sql(
+            f"CREATE TABLE delta.`{t}` (id BIGINT, v BIGINT, ts TIMESTAMP, "
+            "day DATE GENERATED ALWAYS AS (CAST(ts AS DATE)), "
+            "g BIGINT GENERATED ALWAYS AS (v * 2)) USING delta PARTITIONED BY (day)"
+        )
+        spark.sql(f"ALTER TABLE delta.`{t}` ADD CONSTRAINT positive CHECK (v > 0)")
+    rows = [{"id": i, "v": i + 1, "ts": f"2026-0{1 + i % 3}-1{i}T23:30:00Z"} for i in range(6)]
+
+    def run(name: str, batch: list[dict[str, Any]], sink: DeltaSink, schema: str = _RULED) -> None:
+        src = tmp_path / f"in-{name}"
+        src.mkdir()
+        (src / "p.json").write_text("".join(json.dumps(r) + "\n" for r in batch))
+        job = Job(spark, name, tmp_path / f"state-{name}", checkpoint_interval=0)
+        job.add_pipeline("p", spark.readStream.schema(schema).json(str(src)), [sink], bounded=True)
+        job.run()
+
+    run("append", rows, DeltaSink(uri))
+    values = ", ".join(f"({r['id']}, {r['v']}, TIMESTAMP'{r['ts']}')" for r in rows)
+    spark.sql(f"INSERT INTO delta.`{twin}` (id, v, ts) VALUES {values}")
+    both = "id, v, ts, day, g"
+    assert _delta_spark_rows(spark, uri, both) == _delta_spark_rows(spark, twin, both)
+    assert {r[3] for r in _delta_spark_rows(spark, uri, both)} == {
+        r[2].date() for r in _delta_spark_rows(spark, uri, both)
+    }
+
+    before = _delta_spark_rows(spark, uri, both)
+    refused = [
+        ("null", [{"id": 9, "v": None, "ts": rows[0]["ts"]}], _RULED, r"positive \(v > 0\)"),
+        (
+            "given",
+            [{"id": 9, "v": 1, "ts": rows[0]["ts"], "g": 3}],
+            _RULED + ", g long",
+            r"Generated Column \(g <=> \(v \* 2\)\)",
+        ),
+    ]
+    for name, batch, schema, rule in refused:
+        with pytest.raises(TaskFailedError, match=rule):
+            run(name, [*rows[:2], *batch], DeltaSink(uri, key=["id"]), schema)
+        assert _delta_spark_rows(spark, uri, both) == before, name
+        verify.assert_nothing_left_delta(uri)
+
+    keyed = DeltaSink(uri, key=["id"], delete_when="gone")
+    changes = [
+        {"id": 0, "v": 50, "ts": rows[0]["ts"], "g": 100, "gone": False},  # given, and right
+        {"id": 1, "v": None, "ts": None, "g": None, "gone": True},  # a delete: not checked
+    ]
+    run("keyed", changes, keyed, _RULED + ", g long, gone boolean")
+    got = {r[0]: r for r in _delta_spark_rows(spark, uri, both)}
+    assert sorted(got) == [0, 2, 3, 4, 5] and got[0][1:2] + got[0][4:] == (50, 100)
+
+    def tighten() -> None:
+        spark.sql(f"ALTER TABLE delta.`{uri}` ADD CONSTRAINT small CHECK (v < 1000)")
+
+    late = [{"id": 20, "v": 7, "ts": rows[0]["ts"]}]
+    _faults.register("driver.before_commit", tighten)
+    try:
+        with pytest.raises(CheckpointCommitError, match="constraints or generated columns changed"):
+            run("late", late, DeltaSink(uri))
+    finally:
+        _faults.clear()
+    assert 20 not in {r[0] for r in _delta_spark_rows(spark, uri, both)}
+    job = Job(spark, "late", tmp_path / "state-late", checkpoint_interval=0)
+    job.add_pipeline(
+        "p",
+        spark.readStream.schema(_RULED).json(str(tmp_path / "in-late")),
+        [DeltaSink(uri)],
+        bounded=True,
+    )
+    job.run()  # written again from the source, checked against both constraints
+    assert got[0] and 20 in {r[0] for r in _delta_spark_rows(spark, uri, both)}
+    deltacheck.assert_delta_spark_reads_every_version(spark, uri)
     verify.assert_nothing_left_delta(uri)

@@ -166,7 +166,13 @@ class ChangeWriter(SinkWriter):
                 else None
             ),
         }
-        return {"txn": self._txn, "rows": self._rows, "bytes": info[0], "changes": [change]}
+        return {
+            "txn": self._txn,
+            "rows": self._rows,
+            "bytes": info[0],
+            "changes": [change],
+            **self._layout.stamp(),
+        }
 
     def close(self, failed: bool = False) -> None:
         if self._writer is not None:

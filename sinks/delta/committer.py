@@ -67,6 +67,7 @@ from sinks.base import (
     OrphanTest,
 )
 from sinks.delta import merge, progress, replace, spark_txn, table
+from sinks.delta.constraints import RowRules
 from sinks.delta.layout import DeltaSchemaError, Layout, check_file_schema
 from sinks.delta.storage import (
     DATA_SUFFIX,
@@ -196,6 +197,7 @@ class DeltaCommitter:
             removes=self.rules.keyed or self.replace_where is not None,
             delta_spark=txn is not None,
         )
+        RowRules.of(dt, where).check_staged(cs, where)
         layout = table.layout_of(dt)
         if self.rules.keyed:
             merge.commit(
@@ -375,13 +377,18 @@ class DeltaCommitter:
         """The checks of :meth:`commit`: committed when the table's app version of
         its scope is at or above its batch (commits carry the highest batch of
         their call, and batches only grow); else prepared when every staged file
-        is there as prepared, lost when one is gone or changed."""
+        is there as prepared and its rows were checked against the table's row
+        rules of now, lost when one is gone or changed or the rules changed."""
 
         def read() -> dict[str, str]:
             dt = self.load()
             if dt is None:
                 return {c["txn"]: LOST for c in committables}
             layout = table.layout_of(dt)
+            try:
+                rules = RowRules.of(dt, self.where).digest
+            except DeltaSchemaError:
+                rules = None  # rules no row can be checked against: nothing commits
             found: dict[str, str] = {}
             for c in committables:
                 name = TxnName.require(c["txn"])
@@ -391,6 +398,8 @@ class DeltaCommitter:
                     found[c["txn"]] = COMMITTED
                     continue
                 try:
+                    if c.get("checked", "") != rules:
+                        raise TransactionLostError(c["txn"])
                     for a in c.get("adds", ()):
                         self.checked_add(c, a, layout)
                     for ch in c.get("changes", ()):

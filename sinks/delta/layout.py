@@ -276,6 +276,14 @@ class Layout:
 
     schema: pa.Schema
     partition_by: tuple[str, ...]
+    checked: str = ""
+    """the digest of the table's row rules the writers' rows are checked
+    against (:attr:`sinks.delta.constraints.RowRules.digest`; "" for none),
+    recorded in each committable so that the commit can tell they still hold"""
+
+    def stamp(self) -> dict[str, str]:
+        """What a committable records of the rules its rows were checked against."""
+        return {"checked": self.checked} if self.checked else {}
 
     @property
     def file_schema(self) -> pa.Schema:
@@ -299,14 +307,22 @@ class Layout:
                     f"partitions by {PARTITION_TYPES} columns only"
                 )
 
-    def check_input(self, schema: pa.Schema, where: str, *, merge: bool = False) -> list[pa.Field]:
+    def check_input(
+        self,
+        schema: pa.Schema,
+        where: str,
+        *,
+        merge: bool = False,
+        derived: frozenset[str] = frozenset(),
+    ) -> list[pa.Field]:
         """Refuse input of ``schema`` unless every column fits the table's column of
-        the same name and the column sets are equal (order may differ). With
-        ``merge`` (``schema_mode="merge"``), columns the table lacks are allowed:
-        returned, as the nullable Delta columns to add."""
+        the same name and the column sets are equal (order may differ), but for
+        ``derived`` columns, which the input may lack (generated columns the sink
+        computes). With ``merge`` (``schema_mode="merge"``), columns the table
+        lacks are allowed: returned, as the nullable Delta columns to add."""
         have = {f.name for f in schema}
         want = set(self.schema.names)
-        missing = [n for n in self.schema.names if n not in have]
+        missing = [n for n in self.schema.names if n not in have and n not in derived]
         extra = [n for n in schema.names if n not in want]
         if missing or (extra and not merge):
             lower = {n.lower(): n for n in self.schema.names}

@@ -11,6 +11,7 @@ committer's (:mod:`sinks.delta.committer`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -39,7 +40,8 @@ from sinks.delta import audit as delta_audit
 from sinks.delta import progress, replace, spark_txn, table
 from sinks.delta.changes import ChangeWriter
 from sinks.delta.committer import _TRANSIENT, DeltaCommitter, app_id
-from sinks.delta.layout import DeltaSchemaError, Layout
+from sinks.delta.constraints import RowRules
+from sinks.delta.layout import DeltaSchemaError, Layout, quoted
 from sinks.delta.spark_stage import SparkStage, nested_not_null
 from sinks.delta.storage import (
     TableStorage,
@@ -167,6 +169,7 @@ class DeltaSink(Sink):
         self._new_columns: list[pa.Field] = []
         self._storage = TableStorage(self.table_uri, self.storage_options)
         self._layout: Layout | None = None
+        self._row_rules = RowRules()
         self._claims = ClaimedScopes()
         self._init_driver_state()
 
@@ -317,6 +320,7 @@ class DeltaSink(Sink):
             removes=self.rules.keyed or self.replace_where is not None,
             delta_spark=spark_txn.available(self._storage.root),
         )
+        self._row_rules = RowRules.of(dt, where)
         retention = dt.metadata().configuration.get(progress.RETENTION_PROPERTY)
         if retention is not None:
             raise DeltaSchemaError(
@@ -325,7 +329,7 @@ class DeltaSink(Sink):
                 "then a replayed batch could be committed twice. Unset the property "
                 "(ALTER TABLE ... UNSET TBLPROPERTIES)"
             )
-        layout = table.layout_of(dt)
+        layout = dataclasses.replace(table.layout_of(dt), checked=self._row_rules.digest)
         if self.partition_by is not None and list(layout.partition_by) != self.partition_by:
             raise DeltaSchemaError(
                 f"{where} is partitioned by {list(layout.partition_by)}, but DeltaSink was "
@@ -333,7 +337,12 @@ class DeltaSink(Sink):
                 "(in that order) or partition_by=None"
             )
         layout.check_partitioning(where)
-        self._new_columns = layout.check_input(schema, where, merge=self.schema_mode == "merge")
+        self._new_columns = layout.check_input(
+            schema,
+            where,
+            merge=self.schema_mode == "merge",
+            derived=self._row_rules.generated_columns,
+        )
         if self.replace_where is not None:
             replace.check_predicate(self.replace_where, layout, where)
         return layout
@@ -383,6 +392,21 @@ class DeltaSink(Sink):
                 and not nested_not_null(self._layout)
             )
         return self.write_with == "spark"
+
+    def frame_for_write(self, df: Any) -> Any:
+        """``df`` with the table's generated columns it lacks computed and its
+        CHECK constraints, invariants and given generated columns checked
+        (:mod:`sinks.delta.constraints`)."""
+        layout = self._ready()
+        if not self._row_rules:
+            return df
+        is_delete = None
+        d = self.rules.delete_when
+        if d is not None:
+            from pyspark.sql import functions as F
+
+            is_delete = F.coalesce(F.col(quoted(d.column)) == F.lit(d.value), F.lit(False))
+        return self._row_rules.frame(df, layout, self.describe(), is_delete)
 
     def precommit_frame(
         self, df: Any, scope: JobScope, run: int, batch_id: int

@@ -215,7 +215,7 @@ class SparkStage:
             raise
         if not adds:
             return None
-        return {"txn": str(txn), "rows": rows, "adds": adds}
+        return {"txn": str(txn), "rows": rows, "adds": adds, **self._layout.stamp()}
 
     def _write(self, df: DataFrame, staging: str) -> None:
         _micros_timestamps(df, self._layout)

@@ -2,16 +2,16 @@
 
 delta-rs validates nothing when files are committed with
 ``create_write_transaction``, so everything this sink relies on about a table is
-checked here: that the sink can write it faithfully (no column mapping, CHECK
-constraints, generated or identity columns, invariants, or writer features it
-does not know; the features only delta-spark's commit honours need a session
-with delta-spark, :mod:`sinks.delta.spark_txn`), and what its columns and
-partition columns are.
+checked here: that the sink can write it faithfully (no column mapping,
+identity columns or writer features it does not know; the features only
+delta-spark's commit honours need a session with delta-spark,
+:mod:`sinks.delta.spark_txn`; CHECK constraints, invariants and generated
+columns are enforced on the rows, :mod:`sinks.delta.constraints`), and what its
+columns and partition columns are.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from urllib.parse import unquote
 
@@ -20,14 +20,15 @@ from deltalake import CommitProperties, DeltaTable, Schema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from sinks.delta import spark_txn
+from sinks.delta.constraints import RowRules
 from sinks.delta.layout import DeltaSchemaError, Layout
 
 log = logging.getLogger("sinks.delta")
 
 # Writer features whose data files and add actions need nothing from a plain
-# append beyond what this sink writes (the ones that do are refused below when
-# they are in use: invariants, constraints, generated and identity columns,
-# column mapping).
+# append beyond what this sink writes (the rows of invariants, constraints and
+# generated columns are checked and computed in Spark; identity columns and
+# column mapping are refused below when they are in use).
 _WRITER_FEATURES = frozenset(
     {
         "appendOnly",
@@ -101,23 +102,7 @@ def check_writable(
             f"{where} uses column mapping (delta.columnMapping.mode={mode}); DeltaSink writes "
             "files with logical column names and cannot write such a table"
         )
-    constraints = sorted(k for k in config if k.startswith("delta.constraints."))
-    if constraints:
-        raise DeltaSchemaError(
-            f"{where} has CHECK constraints {constraints}; DeltaSink does not enforce them, so "
-            "it refuses to write the table (drop the constraints or write elsewhere)"
-        )
-    for field in json.loads(dt.schema().to_json())["fields"]:
-        keys = sorted(
-            k
-            for k in field.get("metadata", {})
-            if k.startswith(("delta.invariants", "delta.generationExpression", "delta.identity"))
-        )
-        if keys:
-            raise DeltaSchemaError(
-                f"{where}: column {field['name']!r} has {keys}; DeltaSink does not compute or "
-                "enforce invariants, generated or identity columns"
-            )
+    RowRules.of(dt, where)  # refuses identity columns and nested rules
 
 
 DELETION_VECTORS = "deletionVectors"

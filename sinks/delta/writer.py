@@ -251,7 +251,7 @@ class DeltaWriter(SinkWriter):
                     "stats": f.stats.to_json(),
                 }
             )
-        return {"txn": self._txn, "rows": self._rows, "adds": adds}
+        return {"txn": self._txn, "rows": self._rows, "adds": adds, **self._layout.stamp()}
 
     def close(self, failed: bool = False) -> None:
         for f in self._open.values():
