@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lifecycle.adopt import Adopted, AdoptionRefusedError, adopt_checkpoint
     from lifecycle.coordinator import Coordinator
     from lifecycle.errors import (
         BatchLostError,
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from lifecycle.pipeline import PipelineState
 
 _EXPORTS = {
+    "Adopted": "lifecycle.adopt",
+    "AdoptionRefusedError": "lifecycle.adopt",
+    "adopt_checkpoint": "lifecycle.adopt",
     "BatchLostError": "lifecycle.errors",
     "Checkpoint": "lifecycle.ledger",
     "CheckpointCommitError": "lifecycle.errors",
@@ -44,6 +48,8 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Adopted",
+    "AdoptionRefusedError",
     "BatchLostError",
     "Checkpoint",
     "CheckpointCommitError",
@@ -57,6 +63,7 @@ __all__ = [
     "PostgresLedger",
     "RecoveryRefusedError",
     "TaskFailedError",
+    "adopt_checkpoint",
     "configure_logging",
 ]
 
