@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet
 import pytest
 from deltalake import DeltaTable, write_deltalake
 from pyspark.sql import functions as F
@@ -286,3 +288,57 @@ def test_jobs_racing_to_create_the_table(spark, tmp_path, monkeypatch, caplog): 
         )
     deltacheck.assert_nothing_staged(uri)
     assert deltacheck.spark_rows(spark, uri) == _expected(range(200)) + _expected(range(1000, 1200))
+
+
+def test_a_long_history_with_checkpoints_and_log_cleanup_reads_alike(spark, tmp_path):  # type: ignore[no-untyped-def]
+    """A table delta-spark made with a Delta checkpoint every 3 versions and
+    its log (and removed files) kept one second: two runs of the sink (a delta-spark INSERT
+    between them) write checkpoints, and log cleanup deletes the commits
+    they cover. delta-spark reads every version its history still has as
+    deltalake does, the latest from a checkpoint; the checkpoint carries the
+    sink's app transactions (what a restart reads to skip committed batches),
+    for deltalake and delta-spark alike."""
+    from lifecycle.testing import jars
+
+    jars.require("delta")
+    uri = tmp_path / "t"
+    spark.sql(
+        f"CREATE TABLE delta.`{uri}` (id BIGINT, name STRING, amount DOUBLE, kind STRING) "
+        "USING delta PARTITIONED BY (kind) TBLPROPERTIES (delta.checkpointInterval = 3, "
+        "delta.logRetentionDuration = 'interval 1 seconds', "
+        "delta.deletedFileRetentionDuration = 'interval 1 seconds')"
+    )
+
+    def run(name: str, start: int) -> None:
+        write_input(tmp_path / name, files=6, rows_per_file=20, start=start)
+        job = Job(spark, name, tmp_path / f"state-{name}", checkpoint_interval=0)
+        job.add_pipeline("load", _stream(spark, tmp_path / name), [DeltaSink(uri)], bounded=True)
+        job.run()
+
+    run("first", 0)
+    time.sleep(1.2)  # the first commits expire
+    spark.sql(f"INSERT INTO delta.`{uri}` VALUES (1000, 'x', 1.0, 'a')")
+    run("second", 120)
+    log_dir = uri / "_delta_log"
+    assert not (log_dir / f"{0:020d}.json").exists(), "log cleanup deleted no commit"
+    checkpoints = sorted(log_dir.glob("*.checkpoint.parquet"))
+    assert checkpoints, "no Delta checkpoint was written"
+    ids = sorted(deltacheck.read_rows(uri).column("id").to_pylist())
+    assert ids == [*range(240), 1000]
+    # delta-spark refuses time travel past the deleted-file retention: back to its default
+    spark.sql(
+        f"ALTER TABLE delta.`{uri}` SET TBLPROPERTIES "
+        "(delta.deletedFileRetentionDuration = 'interval 7 days', "
+        "delta.logRetentionDuration = 'interval 30 days')"
+    )
+    deltacheck.assert_delta_spark_reads_every_version(spark, uri)
+    jvm = spark._jvm.org.apache.spark.sql.delta.DeltaLog
+    fresh = jvm.forTable(spark._jsparkSession, f"file://{uri}").startTransaction()
+    txns = pa.parquet.read_table(checkpoints[-1], columns=["txn"]).column("txn").to_pylist()
+    for name in ("first", "second"):
+        ledger = read_ledger(tmp_path / f"state-{name}")
+        assert ledger is not None
+        app = app_id(JobScope(name, "load", DeltaSink(uri).sink_id, ledger["incarnation"]))
+        assert DeltaTable(str(uri)).transaction_version(app) == 5
+        assert int(fresh.txnVersion(app)) == 5
+        assert app in {t["appId"] for t in txns if t}, "a checkpoint lost a sink's app version"
