@@ -22,12 +22,27 @@ checkpoint's last planned batch ``n`` (the highest ``offsets/n``):
 3. ``commits/n`` is missing and the table's ``txnVersion`` is below ``n``: the
    write did not land. Spark replays batch ``n`` with the same offsets, now
    through the job's sinks.
-4. Refused (:class:`AdoptionRefusedError`, nothing copied): the table's
-   ``txnVersion`` is above ``n`` (it holds batches the checkpoint never
-   planned: another query under the same app id, or a checkpoint older than
-   the table); ``commits/n`` is missing and no table and app id were given to
-   decide 2 or 3; the pipeline already has a Spark checkpoint (adopting is
-   for a job's first start); the old checkpoint has no ``offsets``.
+4. Refused (:class:`AdoptionRefusedError`, nothing copied):
+
+   * the table's ``txnVersion`` is above ``n`` (it holds batches the
+     checkpoint never planned: another query under the same app id, or a
+     checkpoint older than the table), or below the last batch the checkpoint
+     recorded done, or absent while it recorded some (a wrong table or app
+     id: deciding rule 3 on it would write a landed batch twice);
+   * ``commits/n`` is missing and no table and app id were given to decide 2
+     or 3, or ``commits/n-1`` is missing too (a log Spark would not leave);
+   * rule 2 on a stateful query (a ``state/`` directory) or a commit log in
+     another format than ``v1``: the entry Spark would write carries the
+     state's versions and watermark of batch ``n``, which only Spark knows.
+     Run the old query to the end of that batch instead;
+   * the pipeline already has a Spark checkpoint (adopting is for a job's
+     first start), the job's ``state_dir`` is a URI (adopt into a local
+     directory; copy a remote checkpoint down first), or the old checkpoint
+     has no ``offsets``.
+
+The copy is atomic: it is assembled (with the recorded commit) in a sibling
+directory, flushed, and renamed into place, so a crash leaves either no
+checkpoint (adopt again) or the whole one.
 
 Stop the old query before adopting, and never start it again: the two would
 write the same batches. The job's pipeline must read the same source the same
@@ -42,6 +57,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from lifecycle.state.store import scheme_of
 from sinks.errors import ConfigError
 
 _EMPTY_COMMIT = 'v1\n{"nextBatchWatermarkMs":0}'
@@ -79,6 +95,11 @@ def adopt_checkpoint(
     settling its last batch against the Delta table the old query wrote
     (``delta_table``, under ``txn_app_id``). Local directories (copy a remote
     checkpoint down first). See the module's rules."""
+    if scheme_of(state_dir) is not None:
+        raise AdoptionRefusedError(
+            f"state_dir {os.fspath(state_dir)!r} is a URI; adopt into a local state_dir (copy "
+            "it up afterwards with the job stopped), or copy the checkpoint by hand"
+        )
     old = Path(checkpoint)
     offsets = _batches(old / "offsets")
     if not offsets:
@@ -86,7 +107,13 @@ def adopt_checkpoint(
             f"{old} has no offsets/: not the checkpointLocation of a streaming query that ran"
         )
     last = max(offsets)
-    committed = last in _batches(old / "commits")
+    commits = _batches(old / "commits")
+    committed = last in commits
+    if not committed and last > 0 and last - 1 not in commits:
+        raise AdoptionRefusedError(
+            f"{old} planned batch {last} but recorded neither it nor batch {last - 1} done: "
+            "not a log Spark leaves; run the old query again until it settles"
+        )
     target = Path(state_dir) / "pipelines" / pipeline / "spark"
     if target.exists() and any(target.iterdir()):
         raise AdoptionRefusedError(
@@ -98,6 +125,13 @@ def adopt_checkpoint(
         if delta_table is None or txn_app_id is None:
             raise AdoptionRefusedError("give both delta_table and txn_app_id, or neither")
         landed = _txn_version(os.fspath(delta_table), txn_app_id, storage_options)
+        done = max(commits, default=None)
+        if done is not None and (landed is None or landed < done):
+            raise AdoptionRefusedError(
+                f"{delta_table} holds txnVersion {landed} of {txn_app_id!r}, but {old} recorded "
+                f"batch {done} done: is this the table and app id the old query wrote? "
+                "(Deciding on it could write a batch that landed twice)"
+            )
         if landed is not None and landed > last:
             raise AdoptionRefusedError(
                 f"{delta_table} holds txnVersion {landed} of {txn_app_id!r}, past the last batch "
@@ -112,10 +146,54 @@ def adopt_checkpoint(
             "whether its write landed, or run the old query to the end of that batch first"
         )
     record = not committed and landed == last
-    shutil.copytree(old, target, dirs_exist_ok=True)
     if record:
-        _record_commit(target / "commits", last)
+        _check_recordable(old, last)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.adopting")
+    shutil.rmtree(staging, ignore_errors=True)  # an adoption that crashed half-way
+    shutil.copytree(old, staging)
+    if record:
+        _record_commit(staging / "commits", last)
+    _fsync_tree(staging)
+    if target.exists():
+        target.rmdir()  # empty (checked above)
+    os.replace(staging, target)
+    _fsync_dir(target.parent)
     return Adopted(target, last, recorded=record, replays=not committed and not record)
+
+
+def _check_recordable(old: Path, batch: int) -> None:
+    """Refuse to record ``batch`` done where Spark's entry would carry more than
+    the entry before it (state versions, a watermark only batch ``batch`` sets)."""
+    commits = old / "commits"
+    before = sorted(b for b in _batches(commits) if b < batch)
+    header = (commits / str(before[-1])).read_text().split("\n", 1)[0] if before else "v1"
+    if (old / "state").exists() or header != "v1":
+        raise AdoptionRefusedError(
+            f"{old}: batch {batch} landed in the table but Spark did not record it done, and "
+            "the query is stateful (or its commit log is not v1): the entry Spark would write "
+            "carries state versions and a watermark only Spark knows. Run the old query until "
+            f"batch {batch} is recorded done (it skips the write: txnVersion), then adopt"
+        )
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _batches(directory: Path) -> set[int]:

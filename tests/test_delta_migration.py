@@ -79,6 +79,8 @@ def test_a_foreach_batch_job_with_idempotent_writes_moves_to_delta_sink(spark, t
     state = tmp_path / "state"
     with pytest.raises(AdoptionRefusedError, match="give delta_table and txn_app_id"):
         adopt_checkpoint(state, "orders", old)
+    with pytest.raises(AdoptionRefusedError, match="is this the table and app id"):
+        adopt_checkpoint(state, "orders", old, delta_table=table, txn_app_id="a typo")
     adopted = adopt_checkpoint(state, "orders", old, delta_table=table, txn_app_id=APP)
     assert adopted.last_batch == 2
     assert (adopted.recorded, adopted.replays) == (landed == "landed", landed != "landed")

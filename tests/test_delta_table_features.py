@@ -13,7 +13,9 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
@@ -147,6 +149,16 @@ def _log_actions(uri: Path, version: int) -> list[dict[str, Any]]:
     return [json.loads(x) for x in lines if x.strip()]
 
 
+def _sink_adds(uri: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(version, add action) of every file the sink added (named after a transaction)."""
+    return [
+        (v, a["add"])
+        for v in range(DeltaTable(str(uri)).version() + 1)
+        for a in _log_actions(uri, v)
+        if "add" in a and a["add"]["path"].split("/")[-1].startswith("tp2.")
+    ]
+
+
 def _commit_info(uri: Path, version: int) -> dict[str, Any]:
     return next(a["commitInfo"] for a in _log_actions(uri, version) if "commitInfo" in a)
 
@@ -246,33 +258,95 @@ def test_a_table_with_the_features_delta_spark_users_turn_on_takes_appends(inter
     assert {a["add"].get("clusteringProvider") for a in optimized if "add" in a} == {"liquid"}
 
 
-@pytest.mark.parametrize(
-    "ddl, props, named",
-    [
-        ("v BIGINT", "delta.columnMapping.mode = 'name'", "column mapping"),
-        ("v BIGINT", "delta.columnMapping.mode = 'id'", "column mapping"),
-        ("v BIGINT, n BIGINT GENERATED ALWAYS AS IDENTITY", "", "identity column"),
-    ],
-    ids=["column mapping name", "column mapping id", "identity"],
-)
-def test_features_whose_rows_the_sink_does_not_write_yet_are_refused(  # type: ignore[no-untyped-def]
-    spark, tmp_path, ddl, props, named
-):
-    """Files with logical column names in a column-mapped table, identity
-    values left empty: each would be a row a reader of the feature sees
-    wrongly. Appends and merges are refused before anything is written,
-    naming the feature."""
+def test_identity_columns_are_refused_before_anything_is_written(spark, tmp_path):  # type: ignore[no-untyped-def]
+    """Identity values come from a high-water mark each writer's commit
+    advances: rows staged before their commit cannot hold them. Appends and
+    merges are refused before anything is written, naming the column."""
     spark = _delta_spark(spark)
     uri = tmp_path / "t"
     spark.sql(
-        f"CREATE TABLE delta.`{uri}` (id BIGINT, part BIGINT, {ddl}) USING delta "
-        f"PARTITIONED BY (part) {f'TBLPROPERTIES ({props})' if props else ''}"
+        f"CREATE TABLE delta.`{uri}` (id BIGINT, part BIGINT, v BIGINT, "
+        "n BIGINT GENERATED ALWAYS AS IDENTITY) USING delta PARTITIONED BY (part)"
     )
     version = DeltaTable(str(uri)).version()
     for name, sink in (("a", DeltaSink(uri)), ("k", DeltaSink(uri, key=["id"]))):
-        with pytest.raises(PreflightError, match=named):
+        with pytest.raises(PreflightError, match="'n' is an identity column"):
             _job(spark, tmp_path, sink, [{"id": 1, "part": 1, "v": 1}], name).run()
     assert DeltaTable(str(uri)).version() == version
+
+
+@pytest.mark.parametrize("mode", ["name", "id"])
+def test_a_column_mapped_table_takes_appends_by_physical_names(interpreted, tmp_path, mode):  # type: ignore[no-untyped-def]
+    """A table delta-spark made with column mapping, a nested struct and a
+    partition column, then changed: a column renamed (its files keep the old
+    physical name), one dropped (its data stays in the old files), a row
+    updated. The sink's files carry the physical names and field ids at every
+    level, its stats and partition values the physical names: delta-spark
+    reads the old rows and the appended ones, filters by the renamed column,
+    and streams each row once. A keyed sink is refused, naming the mapping."""
+    spark = _delta_spark(interpreted)
+    uri = tmp_path / "t"
+    spark.sql(
+        f"CREATE TABLE delta.`{uri}` (id BIGINT, part STRING, s STRUCT<a: INT, b: STRING>, "
+        "v BIGINT, gone STRING) USING delta PARTITIONED BY (part) "
+        f"TBLPROPERTIES (delta.columnMapping.mode = '{mode}')"
+    )
+    spark.sql(
+        f"INSERT INTO delta.`{uri}` VALUES (1, 'a b', named_struct('a', 1, 'b', 'x'), 10, 'g'), "
+        "(2, NULL, NULL, 20, 'g')"
+    )
+    spark.sql(f"ALTER TABLE delta.`{uri}` RENAME COLUMN v TO w")
+    spark.sql(f"ALTER TABLE delta.`{uri}` DROP COLUMN gone")
+    spark.sql(f"UPDATE delta.`{uri}` SET w = 21 WHERE id = 2")
+    parts = ["a b", None, "x:/y"]
+    rows = [
+        {"id": i, "part": parts[i % 3], "s": {"a": i, "b": f"s{i}"} if i % 4 else None, "w": i}
+        for i in range(10, 22)
+    ]
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "p.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    schema = "id long, part string, s struct<a: int, b: string>, w long"
+    job = Job(spark, "cm", tmp_path / "state", checkpoint_interval=0)
+    job.add_pipeline(
+        "p", spark.readStream.schema(schema).json(str(src)), [DeltaSink(uri)], bounded=True
+    )
+    job.run()
+
+    def as_tuple(r: dict[str, Any]) -> tuple[Any, ...]:
+        s = r["s"]
+        return (r["id"], r["part"], (s["a"], s["b"]) if s else None, r["w"])
+
+    want = [(1, "a b", (1, "x"), 10), (2, None, None, 21), *map(as_tuple, rows)]
+    got = [
+        (r.id, r.part, tuple(r.s) if r.s else None, r.w)
+        for r in spark.sql(f"SELECT * FROM delta.`{uri}` ORDER BY id").collect()
+    ]
+    assert got == want
+    assert [r.id for r in spark.sql(f"SELECT id FROM delta.`{uri}` WHERE w = 15").collect()] == [15]
+    schema_json = json.loads(DeltaTable(str(uri)).schema().to_json())
+    physical = {
+        f["name"]: f["metadata"]["delta.columnMapping.physicalName"] for f in schema_json["fields"]
+    }
+    ours = _sink_adds(uri)
+    assert ours
+    for _, add in ours:
+        assert set(add["partitionValues"]) == {physical["part"]}
+        stats = json.loads(add["stats"])
+        assert set(stats["minValues"]) <= {physical["id"], physical["s"], physical["w"]}
+        footer = pq.read_schema(uri / unquote(add["path"]))
+        assert footer.names == [physical["id"], physical["s"], physical["w"]]
+        assert all(f.metadata and b"PARQUET:field_id" in f.metadata for f in footer)
+        nested = footer.field(physical["s"]).type
+        assert all(nested.field(i).name.startswith("col-") for i in range(nested.num_fields))
+    # from the sink's first version: a stream across the rename needs delta-spark's schema log
+    first = min(v for v, _ in ours)
+    seen = deltacheck.assert_streaming_read_sees_each_row_once(
+        spark, uri, tmp_path / "stream", starting_version=first
+    )
+    assert sorted(r[0] for r in seen) == [r["id"] for r in rows]
+    with pytest.raises(PreflightError, match="uses column mapping"):
+        DeltaSink(uri, key=["id"]).preflight(DeltaTable(str(uri)).schema().to_arrow())  # type: ignore[arg-type]
 
 
 def test_a_partitioned_table_committed_through_delta_spark(spark, tmp_path):  # type: ignore[no-untyped-def]

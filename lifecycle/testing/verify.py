@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -282,14 +283,20 @@ def data_files_delta(table_uri: str | Path) -> set[str]:
     return out
 
 
+_DELTA_SPARK_FILE = re.compile(
+    r"^\.?(part-\d+-[0-9a-f-]{36}[^/]*\.parquet|deletion_vector_[0-9a-f-]{36}\.bin)(\.crc)?$"
+)
+"""delta-spark's data files (``part-00000-<uuid>-c000.snappy.parquet``) and
+deletion vectors, with Hadoop's checksums (``.<name>.crc``)"""
+
+
 def _engine_file(rel: str, added: set[str]) -> bool:
     """A file another engine keeps beside the data, never one the sink stages:
-    any file not named after a transaction of the sink (``tp1.``, ``tp2.``;
-    delta-spark's data files and deletion vectors, among them the files of its
-    statements that conflicted, left for VACUUM), and Hadoop's checksums
-    (``.<name>.crc``) of the sink's files the table added."""
+    delta-spark's data files and deletion vectors (among them the files of its
+    statements that conflicted, left for VACUUM), and Hadoop's checksums of
+    the sink's files the table added."""
     name = Path(rel).name
-    if not name.startswith(("tp1.", "tp2.", ".tp1.", ".tp2.")):
+    if _DELTA_SPARK_FILE.match(name):
         return True
     if name.startswith(".") and name.endswith(".crc"):
         return str(Path(rel).with_name(name[1:-4])) in added

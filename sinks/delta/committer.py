@@ -271,10 +271,11 @@ class DeltaCommitter:
                 f"{add['size']} it had when prepared: it was changed, so it is not committed"
             )
         pv = add["partition_values"]
-        if sorted(pv) != sorted(layout.partition_by):
+        stored = layout.stored  # the names files and partition values use
+        if sorted(pv) != sorted(stored.partition_by):
             raise DeltaSchemaError(
                 f"{where}: staged file {rel} is partitioned by {sorted(pv)} but the table by "
-                f"{list(layout.partition_by)}; nothing was committed"
+                f"{list(stored.partition_by)}; nothing was committed"
             )
         meta = self.storage.parquet_metadata(rel)
         if json.loads(add["stats"]).get("numRecords") != meta.num_rows:
@@ -282,7 +283,7 @@ class DeltaCommitter:
                 f"{where}: staged file {rel} of transaction {txn} holds {meta.num_rows} rows, "
                 "not the number its prepare recorded: it was changed, so it is not committed"
             )
-        check_file_schema(meta, layout, f"{where}: staged file {rel}")
+        check_file_schema(meta, stored, f"{where}: staged file {rel}")
         return AddAction(
             path=rel,
             size=info[0],

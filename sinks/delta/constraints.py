@@ -13,6 +13,9 @@ rules in each micro-batch's Spark plan, before anything is staged
   false *or null* fails its batch (delta-spark refuses such a row too, unlike
   the SQL standard), with the constraint's name, its expression and the row.
   A keyed sink's delete row (``delete_when``) writes no row and is not checked.
+  Every other row of a keyed batch is, also one a later row of its key
+  replaces within the batch (stricter than the rows that land: such a batch
+  fails where delta-spark's MERGE of its winners would pass).
 
 A violation fails the batch before it is recorded: nothing of it is
 committed, the job stops with the constraint named, as delta-spark's write

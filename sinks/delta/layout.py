@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from sinks.delta.column_mapping import ColumnMapping
 from sinks.errors import ConfigError
 
 NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
@@ -280,6 +281,17 @@ class Layout:
     """the digest of the table's row rules the writers' rows are checked
     against (:attr:`sinks.delta.constraints.RowRules.digest`; "" for none),
     recorded in each committable so that the commit can tell they still hold"""
+    mapping: ColumnMapping | None = None
+    """the table's column mapping (:mod:`sinks.delta.column_mapping`), if any"""
+
+    @property
+    def stored(self) -> Layout:
+        """The layout as data files, stats and partition values name it: with
+        column mapping, physical names and field ids; else this layout."""
+        m = self.mapping
+        if m is None:
+            return self
+        return Layout(m.schema, tuple(m.name(c) for c in self.partition_by), self.checked)
 
     def stamp(self) -> dict[str, str]:
         """What a committable records of the rules its rows were checked against."""

@@ -24,9 +24,9 @@ writes and deletes. The commit applies them to the table copy-on-write:
    deleted and the whole merge is planned again on the new snapshot (the
    caller retries), never committed twice. A retried commit whose version the
    table already holds is recognised by the app transaction and only cleans up.
-   So does a rewrite that fails while the table moved on: another writer
-   compacted the candidates and a VACUUM deleted them, or deleted the staged
-   files, before the commit (delta-spark logs VACUUM as versions).
+   So does a rewrite that fails because another writer removed a candidate
+   from the table (compacted, then maybe vacuumed away) or a VACUUM deleted a
+   staged file before the commit; any other failure is raised as it is.
 
 The change files are deleted once the version exists (a crash before that
 leaves them to the sweep, as committed transactions' leftovers).
@@ -53,7 +53,7 @@ from deltalake.transaction import AddAction, RemoveAction
 
 from sinks import _faults
 from sinks.base import Committable, JobScope
-from sinks.delta import progress
+from sinks.delta import progress, table
 from sinks.delta.changes import DELETE_COLUMN, change_schema, range_value
 from sinks.delta.layout import Layout, partition_value, quoted
 from sinks.delta.spark_stage import SparkStage
@@ -340,7 +340,7 @@ def commit(
         )
         adds = [checked_add(staged, a) for a in staged["adds"]] if staged else []
     except Exception as e:
-        if not _moved_on(dt):
+        if not _plan_went_stale(dt, candidates, storage, staged, e):
             raise
         _delete_staged(storage, staged)
         raise CommitFailedError(
@@ -405,16 +405,29 @@ def _delete_staged(storage: TableStorage, staged: Committable | None) -> None:
         storage.delete(marker_path(a["path"]))
 
 
-def _moved_on(dt: DeltaTable) -> bool:
-    """Whether the table has a version after ``dt``'s: then a planned file that
-    cannot be read was compacted and vacuumed away by another writer (delta-spark
-    logs VACUUM as versions of its own), and the plan, not the table, is wrong."""
-    seen = dt.version()
+def _plan_went_stale(
+    dt: DeltaTable,
+    candidates: Sequence[Candidate],
+    storage: TableStorage,
+    staged: Committable | None,
+    e: Exception,
+) -> bool:
+    """Whether a rewrite failed because another writer changed what it planned
+    on: a planned file is no longer in the table's latest snapshot (compacted,
+    then maybe vacuumed away), or a staged file of it is gone (a VACUUM). Any
+    other failure is the rewrite's own and is raised as it is."""
+    if (
+        isinstance(e, TransactionLostError)
+        and staged is not None
+        and any(storage.info(a["path"]) is None for a in staged["adds"])
+    ):
+        return True
     try:
         dt.update_incremental()
+        live = table.committed_paths(dt)
     except Exception:
         return False
-    return dt.version() > seen
+    return any(c.path not in live for c in candidates)
 
 
 def _did_not_land(e: BaseException, dt: DeltaTable, app: str, version: int, where: str) -> bool:

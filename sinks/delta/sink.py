@@ -345,6 +345,16 @@ class DeltaSink(Sink):
         )
         if self.replace_where is not None:
             replace.check_predicate(self.replace_where, layout, where)
+        if layout.mapping is not None and (self._new_columns or self.write_with == "spark"):
+            raise DeltaSchemaError(
+                f"{where} uses column mapping ({layout.mapping.mode} mode): "
+                + (
+                    "schema_mode='merge' would add columns, which need new physical names "
+                    "and ids; add them with delta-spark (ALTER TABLE ... ADD COLUMNS) first"
+                    if self._new_columns
+                    else "write_with='spark' writes logical names; use 'auto' or 'arrow'"
+                )
+            )
         return layout
 
     # -- executor side --------------------------------------------------------------
@@ -390,6 +400,7 @@ class DeltaSink(Sink):
                 self._storage.root is not None
                 and self._layout is not None
                 and not nested_not_null(self._layout)
+                and self._layout.mapping is None  # physical names: the Arrow writer's
             )
         return self.write_with == "spark"
 
@@ -405,7 +416,9 @@ class DeltaSink(Sink):
         if d is not None:
             from pyspark.sql import functions as F
 
-            is_delete = F.coalesce(F.col(quoted(d.column)) == F.lit(d.value), F.lit(False))
+            # the value cast to the column's type, as the change writer compares (Arrow)
+            value = F.lit(d.value).cast(df.schema[d.column].dataType)
+            is_delete = F.coalesce(F.col(quoted(d.column)) == value, F.lit(False))
         return self._row_rules.frame(df, layout, self.describe(), is_delete)
 
     def precommit_frame(

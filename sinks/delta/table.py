@@ -2,8 +2,9 @@
 
 delta-rs validates nothing when files are committed with
 ``create_write_transaction``, so everything this sink relies on about a table is
-checked here: that the sink can write it faithfully (no column mapping,
-identity columns or writer features it does not know; the features only
+checked here: that the sink can write it faithfully (no identity columns or
+writer features it does not know; column mapping for appends only,
+:mod:`sinks.delta.column_mapping`; the features only
 delta-spark's commit honours need a session with delta-spark,
 :mod:`sinks.delta.spark_txn`; CHECK constraints, invariants and generated
 columns are enforced on the rows, :mod:`sinks.delta.constraints`), and what its
@@ -12,6 +13,7 @@ columns and partition columns are.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from urllib.parse import unquote
 
@@ -20,6 +22,7 @@ from deltalake import CommitProperties, DeltaTable, Schema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from sinks.delta import spark_txn
+from sinks.delta.column_mapping import MODE_KEY, ColumnMapping
 from sinks.delta.constraints import RowRules
 from sinks.delta.layout import DeltaSchemaError, Layout
 
@@ -55,9 +58,12 @@ def load(table_uri: str, storage_options: dict[str, str] | None) -> DeltaTable |
 
 
 def layout_of(dt: DeltaTable) -> Layout:
-    """Columns and partition columns of the table."""
+    """Columns and partition columns of the table, and its column mapping."""
     schema = pa.schema(dt.schema().to_arrow())
-    return Layout.of(schema, dt.metadata().partition_columns)
+    layout = Layout.of(schema, dt.metadata().partition_columns)
+    mode = (dt.metadata().configuration or {}).get(MODE_KEY)
+    mapping = ColumnMapping.of(dt.schema().to_json(), layout.schema, mode)
+    return dataclasses.replace(layout, mapping=mapping) if mapping is not None else layout
 
 
 def check_writable(
@@ -95,13 +101,6 @@ def check_writable(
             "shared-filesystem table and a job whose Spark session has delta-spark: "
             + spark_txn.missing_advice()
         )
-    config = dt.metadata().configuration or {}
-    mode = config.get("delta.columnMapping.mode", "none")
-    if mode not in (None, "none"):
-        raise DeltaSchemaError(
-            f"{where} uses column mapping (delta.columnMapping.mode={mode}); DeltaSink writes "
-            "files with logical column names and cannot write such a table"
-        )
     RowRules.of(dt, where)  # refuses identity columns and nested rules
 
 
@@ -137,6 +136,14 @@ def check_rewritable(dt: DeltaTable, where: str) -> None:
             "unless TRUNCATE HISTORY is given, and DeltaSink writes no table with that)"
         )
     config = dt.metadata().configuration or {}
+    mode = config.get(MODE_KEY)
+    if mode not in (None, "none"):
+        raise DeltaSchemaError(
+            f"{where} uses column mapping ({MODE_KEY}={mode}): a keyed DeltaSink (key=) or a "
+            "replace (replace_where=) reads the files it rewrites, which DeltaSink does not "
+            "do by physical column names yet. Append (no key=, no replace_where=): appends "
+            "are honoured, files written with the physical names and field ids"
+        )
     if str(config.get(CHANGE_DATA_FEED, "false")).lower() == "true":
         raise DeltaSchemaError(
             f"{where} has the change data feed on ({CHANGE_DATA_FEED}=true): a keyed "

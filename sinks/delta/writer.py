@@ -135,6 +135,7 @@ class DeltaWriter(SinkWriter):
         self._storage = storage
         self._layout = layout
         self._file_schema = layout.file_schema
+        self._stored = layout.stored  # names and ids in the files (column mapping)
         self._txn = str(ctx.txn_name())
         self._open: dict[PartitionKey, _StagedFile] = {}
         self._closed: list[tuple[PartitionKey, _StagedFile]] = []
@@ -151,13 +152,17 @@ class DeltaWriter(SinkWriter):
         batch = self._conform(batch)
         self._rows += batch.num_rows
         if not self._layout.partition_by:
-            self._file(()).append(batch)
+            self._file(()).append(self._as_stored(batch))
             return
         for key, part in self._split(batch):
-            self._file(key).append(part.select(self._file_schema.names))
+            self._file(key).append(self._as_stored(part.select(self._file_schema.names)))
         if sum(f.buffered for f in self._open.values()) > MAX_BUFFERED_BYTES:
             for f in self._open.values():
                 f.flush()
+
+    def _as_stored(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        mapping = self._layout.mapping
+        return batch if mapping is None else mapping.to_stored(batch)
 
     def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """Columns in table order, cast to the table's types; NOT NULL enforced."""
@@ -222,7 +227,7 @@ class DeltaWriter(SinkWriter):
             # The marker first: a file that exists is always findable by a sweep.
             self._storage.put(marker_path(rel), rel.encode())
             self._staged.append(rel)
-            f = self._open[key] = _StagedFile(self._storage, rel, self._file_schema)
+            f = self._open[key] = _StagedFile(self._storage, rel, self._stored.file_schema)
         return f
 
     # -- two-phase -------------------------------------------------------------------
@@ -246,7 +251,7 @@ class DeltaWriter(SinkWriter):
                 {
                     "path": f.rel,
                     "size": size,
-                    "partition_values": dict(zip(self._layout.partition_by, key, strict=True)),
+                    "partition_values": dict(zip(self._stored.partition_by, key, strict=True)),
                     "modification_time": mtime,
                     "stats": f.stats.to_json(),
                 }
