@@ -57,6 +57,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from lifecycle.state.files import atomic_write, fsync_dir
 from lifecycle.state.store import scheme_of
 from sinks.errors import ConfigError
 
@@ -158,7 +159,7 @@ def adopt_checkpoint(
     if target.exists():
         target.rmdir()  # empty (checked above)
     os.replace(staging, target)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     return Adopted(target, last, recorded=record, replays=not committed and not record)
 
 
@@ -180,20 +181,9 @@ def _check_recordable(old: Path, batch: int) -> None:
 def _fsync_tree(root: Path) -> None:
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(dirpath))
 
 
 def _batches(directory: Path) -> set[int]:
@@ -214,11 +204,9 @@ def _txn_version(table: str, app: str, storage_options: dict[str, str] | None) -
 
 
 def _record_commit(commits: Path, batch: int) -> None:
-    """Write ``commits/<batch>`` as Spark writes it, atomically: the entry of
-    the batch before (same watermark), or an empty one."""
+    """Write ``commits/<batch>`` as Spark writes it: the entry of the batch
+    before (same watermark), or an empty one."""
     before = sorted(b for b in _batches(commits) if b < batch)
     content = (commits / str(before[-1])).read_text() if before else _EMPTY_COMMIT
     commits.mkdir(parents=True, exist_ok=True)
-    tmp = commits / f".{batch}.adopting"
-    tmp.write_text(content)
-    os.replace(tmp, commits / str(batch))
+    atomic_write(commits / str(batch), content.encode())
