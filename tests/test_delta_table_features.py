@@ -345,6 +345,8 @@ def test_a_column_mapped_table_takes_appends_by_physical_names(interpreted, tmp_
         spark, uri, tmp_path / "stream", starting_version=first
     )
     assert sorted(r[0] for r in seen) == [r["id"] for r in rows]
+    with pytest.raises(AssertionError, match=r"uses column mapping.*check it with delta-spark"):
+        verify.assert_exactly_once_delta(uri, [1, 2, *(r["id"] for r in rows)])  # would see nulls
     with pytest.raises(PreflightError, match="uses column mapping"):
         DeltaSink(uri, key=["id"]).preflight(DeltaTable(str(uri)).schema().to_arrow())  # type: ignore[arg-type]
 
