@@ -91,9 +91,7 @@ def precommit(
     """Write ``df`` through ``sink`` on the executors; return the committables."""
     framed = sink.frame_for_write(df)
     if framed is not df:
-        df = framed
-        tz = df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
-        schema = to_arrow_schema(df.schema, timezone=tz)
+        df, schema = framed, arrow_schema(framed)
     own = sink.precommit_frame(df, scope, run, batch_id)
     if own is not None:
         return own
@@ -107,6 +105,13 @@ def precommit(
     task = PrecommitTask(sink, scope, run, batch_id, schema, sink.lease(scope, batch_id))
     rows = df.mapInArrow(task, "committable string").collect()
     return [json.loads(r[0]) for r in rows]
+
+
+def arrow_schema(df: DataFrame) -> pa.Schema:
+    """The Arrow schema of ``df``'s rows as ``mapInArrow`` hands them over
+    (timestamps in the session's time zone)."""
+    tz = df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
+    return to_arrow_schema(df.schema, timezone=tz)
 
 
 def _plain_names(df: DataFrame) -> DataFrame:

@@ -39,12 +39,11 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import TimestampNTZType, TimestampType
 
 from lifecycle._columns import column
-from lifecycle.binding import BatchHandler
+from lifecycle.binding import BatchHandler, arrow_schema
 from lifecycle.end_of_input import END_OF_TIME, marker_stream
 from lifecycle.state.store import StateStore
 from sinks import _faults
@@ -95,9 +94,7 @@ class Pipeline:
                     f"pipeline {self.name!r}: event_time {self.event_time!r} must be a timestamp "
                     "column of the source DataFrame"
                 )
-        out = self._output(self.source)
-        tz = out.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
-        self.schema = to_arrow_schema(out.schema, timezone=tz)
+        self.schema = arrow_schema(self._output(self.source))
 
     # -- locations ----------------------------------------------------------------
 

@@ -97,6 +97,17 @@ class _Op:
     ) -> None:
         self.name, self.sql, self.apply = name, sql, apply
 
+    def at(self, point: str, spark: Any, uri: Path, ran: list[tuple[_Op, int]]) -> None:
+        """Run the statements the next time ``point`` is hit, then record in
+        ``ran`` the table version they ended on."""
+
+        def run() -> None:
+            for s in self.sql:
+                s(spark, uri) if callable(s) else _sql(spark, uri, s)
+            ran.append((self, DeltaTable(str(uri)).version()))
+
+        _faults.register(point, run)
+
 
 def _add(model: Model, ids: list[int], v: int = 0, w: int = 0) -> None:
     for i in ids:
@@ -212,13 +223,7 @@ def test_delta_spark_commits_between_a_keyed_merge_s_plan_and_its_commit(dspark,
     ran: list[tuple[_Op, int]] = []
     sink = DeltaSink(uri, key=["id"])
     for op, rows in zip(ops, batches, strict=True):  # one batch, one checkpoint a run
-
-        def run(op: _Op = op) -> None:
-            for s in op.sql:
-                s(dspark, uri) if callable(s) else _sql(dspark, uri, s)
-            ran.append((op, DeltaTable(str(uri)).version()))
-
-        _faults.register("driver.merge_staged", run)
+        op.at("driver.merge_staged", dspark, uri, ran)
         try:
             _run_with(dspark, tmp_path, sink, rows)
         finally:
@@ -246,12 +251,7 @@ def test_files_a_merge_planned_to_read_are_compacted_and_vacuumed_away(dspark, t
     ran: list[tuple[_Op, int]] = []
     op = _Op("optimize-vacuum", ["OPTIMIZE {t}", "VACUUM {t} RETAIN 0 HOURS"], lambda m: None)
 
-    def run() -> None:
-        for s in op.sql:
-            _sql(dspark, uri, s)
-        ran.append((op, DeltaTable(str(uri)).version()))
-
-    _faults.register("driver.merge_planned", run)
+    op.at("driver.merge_planned", dspark, uri, ran)
     try:
         _run_with(dspark, tmp_path, DeltaSink(uri, key=["id"]), rows)
     finally:
@@ -292,12 +292,7 @@ def test_delta_spark_commits_while_appends_wait_for_their_checkpoint(dspark, tmp
     rows = [{"id": 1000 + k, "v": 1, "w": 0} for k in range(5)]
     ran: list[tuple[_Op, int]] = []
 
-    def run() -> None:
-        for s in op.sql:
-            _sql(dspark, uri, s)
-        ran.append((op, DeltaTable(str(uri)).version()))
-
-    _faults.register("driver.before_commit", run)
+    op.at("driver.before_commit", dspark, uri, ran)
     try:
         _run_with(dspark, tmp_path, DeltaSink(uri), rows)
     finally:

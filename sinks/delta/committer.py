@@ -191,13 +191,13 @@ class DeltaCommitter:
                         self.storage.delete(a["path"])
                     self.storage.delete(marker_path(a["path"]))
             return
-        table.check_writable(
+        row_rules = table.check_writable(
             dt,
             where,
             removes=self.rules.keyed or self.replace_where is not None,
             delta_spark=txn is not None,
         )
-        RowRules.of(dt, where).check_staged(cs, where)
+        row_rules.check_staged(cs, where)
         layout = table.layout_of(dt)
         if self.rules.keyed:
             merge.commit(

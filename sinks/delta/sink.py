@@ -314,13 +314,12 @@ class DeltaSink(Sink):
             dt = self._load()
             if dt is None:
                 raise DeltaSchemaError(f"{where} vanished right after it was created")
-        table.check_writable(
+        self._row_rules = table.check_writable(
             dt,
             where,
             removes=self.rules.keyed or self.replace_where is not None,
             delta_spark=spark_txn.available(self._storage.root),
         )
-        self._row_rules = RowRules.of(dt, where)
         retention = dt.metadata().configuration.get(progress.RETENTION_PROPERTY)
         if retention is not None:
             raise DeltaSchemaError(

@@ -68,7 +68,7 @@ def layout_of(dt: DeltaTable) -> Layout:
 
 def check_writable(
     dt: DeltaTable, where: str, *, removes: bool = False, delta_spark: bool = False
-) -> None:
+) -> RowRules:
     """Refuse a table whose protocol or metadata asks writers for more than this
     sink does (it appends plain Parquet files whose columns carry logical names).
 
@@ -76,7 +76,9 @@ def check_writable(
     partition replace), which reads the files it replaces and asks more of the
     table (:func:`check_rewritable`). ``delta_spark``: the driver can commit
     through delta-spark (:mod:`sinks.delta.spark_txn`), which honours the
-    features delta-rs cannot write (:data:`~sinks.delta.spark_txn.DELTA_SPARK_FEATURES`)."""
+    features delta-rs cannot write (:data:`~sinks.delta.spark_txn.DELTA_SPARK_FEATURES`).
+    Returns the table's row rules (:class:`~sinks.delta.constraints.RowRules`),
+    which the rows must satisfy."""
     proto = dt.protocol()
     if removes:
         check_rewritable(dt, where)
@@ -101,7 +103,7 @@ def check_writable(
             "shared-filesystem table and a job whose Spark session has delta-spark: "
             + spark_txn.missing_advice()
         )
-    RowRules.of(dt, where)  # refuses identity columns and nested rules
+    return RowRules.of(dt, where)  # refuses identity columns and nested rules
 
 
 DELETION_VECTORS = "deletionVectors"
