@@ -352,3 +352,42 @@ def assert_streaming_read_sees_each_row_once(
     if not skip_change_commits and starting_version == 0:
         assert seen == delta_spark_rows(spark, uri), "the stream and the snapshot differ"
     return seen
+
+
+def assert_change_feed_replays_to_the_table(
+    spark: Any, uri: str | Path, *, key: str = "id", since: int = 0
+) -> list[tuple[Any, ...]]:
+    """delta-spark's change feed, replayed version by version from ``since``
+    (the table's state at ``since - 1`` given by ``versionAsOf``, empty at 0),
+    ends at the table delta-spark reads: no change missed or seen twice. In
+    each version a ``delete`` or ``update_preimage`` must find the row as it
+    was, an ``insert`` must find its key absent and an ``update_postimage``
+    its preimage taken. Returns the final rows (sorted)."""
+    path = str(Path(uri).resolve())
+    latest = spark.read.format("delta").load(path)
+    columns = [c for c in latest.columns]
+    state: dict[Any, tuple[Any, ...]] = {}
+    if since > 0:
+        before = spark.read.format("delta").option("versionAsOf", since - 1).load(path)
+        state = {r[key]: tuple(r[c] for c in columns) for r in before.collect()}
+    feed = spark.sql(f"SELECT * FROM table_changes_by_path('{path}', {since})").collect()
+    by_version: dict[int, list[Any]] = {}
+    for r in feed:
+        by_version.setdefault(int(r["_commit_version"]), []).append(r)
+    for v in sorted(by_version):
+        rows = by_version[v]
+        gone = [r for r in rows if r["_change_type"] in ("delete", "update_preimage")]
+        came = [r for r in rows if r["_change_type"] in ("insert", "update_postimage")]
+        for r in gone:
+            row = tuple(r[c] for c in columns)
+            assert state.get(r[key]) == row, (
+                f"version {v}: {r['_change_type']} of {row}, table had {state.get(r[key])}"
+            )
+            del state[r[key]]
+        for r in came:
+            assert r[key] not in state, f"version {v}: {r['_change_type']} of key {r[key]} present"
+            state[r[key]] = tuple(r[c] for c in columns)
+    want = sorted(tuple(r[c] for c in columns) for r in latest.collect())
+    got = sorted(state.values())
+    assert got == want, f"{uri}: the change feed replays to {got}, the table holds {want}"
+    return got

@@ -30,6 +30,7 @@ from deltalake import DeltaTable
 from lifecycle import Job
 from lifecycle.testing import jars, verify
 from sinks import DeltaSink, _faults
+from sinks.delta import progress
 from tests import deltacheck
 from tests.tiers import SLOW, params
 
@@ -69,11 +70,32 @@ def _table_rows(uri: Path) -> Model:
     return got
 
 
-def _made_by_delta_spark(spark, uri: Path, n: int, files: int) -> Model:  # type: ignore[no-untyped-def]
+def _made_by_delta_spark(spark, uri: Path, n: int, files: int, props: str = "") -> Model:  # type: ignore[no-untyped-def]
     model = {i: {"v": 0, "w": 0} for i in range(n)}
     rows = [(i, 0, 0) for i in range(n)]
-    spark.createDataFrame(rows, SCHEMA).repartition(files).write.format("delta").save(str(uri))
+    if props:
+        spark.sql(
+            f"CREATE TABLE delta.`{uri}` (id BIGINT, v BIGINT, w BIGINT) USING delta "
+            f"TBLPROPERTIES ({props})"
+        )
+    df = spark.createDataFrame(rows, SCHEMA).repartition(files)
+    df.write.format("delta").mode("append").save(str(uri))
     return model
+
+
+def _spark_rows(spark, uri: Path) -> Model:  # type: ignore[no-untyped-def]
+    rows = spark.read.format("delta").load(str(uri)).collect()
+    got = {r["id"]: {"v": r["v"], "w": r["w"]} for r in rows}
+    assert len(got) == len(rows), "a key is in the table more than once"
+    return got
+
+
+FEATURES = (
+    "delta.enableDeletionVectors = true, delta.enableChangeDataFeed = true, "
+    "delta.enableRowTracking = true"
+)
+"""the table of the matrix's second run: its merges read, remove and write
+through delta-spark (sinks/delta/spark_rewrite.py)"""
 
 
 def _run_with(spark, tmp_path: Path, sink: DeltaSink, rows: list[dict[str, int]]) -> None:  # type: ignore[no-untyped-def]
@@ -155,6 +177,16 @@ def _ops() -> list[_Op]:
             ["INSERT INTO {t} VALUES (902, 2, 2), (903, 2, 2)"],
             lambda m: _add(m, [902, 903], 2, 2),
         ),
+        _Op(
+            "insert-merge",
+            # adds keys the sink's batch upserts too, removing no file the sink's merge
+            # read: only the whole table read makes that a conflict (the sink's row wins)
+            [
+                "MERGE INTO {t} t USING (SELECT id, 7L AS v, 7L AS w FROM range(500, 510)) s "
+                "ON t.id = s.id WHEN NOT MATCHED THEN INSERT *"
+            ],
+            lambda m: _add(m, [i for i in range(500, 510) if i not in m], 7, 7),
+        ),
         _Op("optimize", ["OPTIMIZE {t}"], lambda m: None),
         _Op("zorder", ["OPTIMIZE {t} ZORDER BY (w)"], lambda m: None),
         _Op(
@@ -193,7 +225,9 @@ def _model_by_history(
     batch (one job each) at its merge's version."""
     history = DeltaTable(str(uri)).history()
     events: list[tuple[int, Callable[[Model], None]]] = [(v, op.apply) for op, v in ran]
-    merges = sorted(h["version"] for h in history if h.get("twophaseApp"))
+    merges = sorted(
+        h["version"] for h in history if progress.parse_user_metadata(h.get("userMetadata"))
+    )
     assert len(merges) == len(batches), f"{len(merges)} merge versions for {len(batches)} batches"
     for v, rows in zip(merges, batches, strict=True):
         events.append((v, lambda m, rows=rows: _apply_batch(m, rows)))
@@ -207,7 +241,12 @@ _CORE = ("merge", "delete", "zorder", "update-then-vacuum")
 are in the slow tier"""
 
 
-@pytest.mark.parametrize("subset", params(["core", "rest"], keep=["core"]))
+_FEATURED = ("merge", "insert-merge", "delete", "zorder", "update")
+"""the operations of the run on a table with deletion vectors, the change feed
+and row tracking (no VACUUM: the change feed is checked from the start)"""
+
+
+@pytest.mark.parametrize("subset", params(["core", "rest", "features"], keep=["core", "features"]))
 def test_delta_spark_commits_between_a_keyed_merge_s_plan_and_its_commit(dspark, tmp_path, subset):  # type: ignore[no-untyped-def]
     """At each checkpoint's merge, after it staged its rewrite on version N, a
     delta-spark MERGE, DELETE, OPTIMIZE ZORDER BY and UPDATE + VACUUM RETAIN 0
@@ -215,10 +254,19 @@ def test_delta_spark_commits_between_a_keyed_merge_s_plan_and_its_commit(dspark,
     deletes every file no longer in the snapshot, the merge's staged rewrite
     among them).
     Committed on its stale plan, the merge would undo the update, bring the
-    deleted rows back or add compacted rows twice; it plans again instead."""
+    deleted rows back or add compacted rows twice; it plans again instead.
+    ``features``: the same on a table with deletion vectors, the change feed
+    and row tracking, where the merge commits through delta-spark's
+    transaction (delta-spark's DML leaves deletion vectors): delta-spark's
+    conflict makes it plan again, and the change feed replayed from the
+    table's start gives the table (no change missed or seen twice)."""
     uri = tmp_path / "t"
-    model = _made_by_delta_spark(dspark, uri, 24, files=4)
-    ops = [op for op in _ops() if (op.name in _CORE) == (subset == "core")]
+    featured = subset == "features"
+    model = _made_by_delta_spark(dspark, uri, 24, files=4, props=FEATURES if featured else "")
+    if featured:
+        ops = [op for op in _ops() if op.name in _FEATURED]
+    else:
+        ops = [op for op in _ops() if (op.name in _CORE) == (subset == "core")]
     batches = _sink_batches(len(ops))
     ran: list[tuple[_Op, int]] = []
     sink = DeltaSink(uri, key=["id"])
@@ -230,13 +278,14 @@ def test_delta_spark_commits_between_a_keyed_merge_s_plan_and_its_commit(dspark,
             _faults.clear()
     assert [op.name for op, _ in ran] == [op.name for op in ops]
     model = _model_by_history(uri, model, ran, batches)
-    assert _table_rows(uri) == model
-    got = {
-        r["id"]: {"v": r["v"], "w": r["w"]}
-        for r in dspark.read.format("delta").load(str(uri)).collect()
-    }
-    assert got == model
-    deltacheck.assert_delta_spark_reads_every_version(dspark, uri, since=_last_vacuum(uri))
+    assert _spark_rows(dspark, uri) == model
+    if featured:  # deltalake reads no deletion vectors
+        deltacheck.assert_change_feed_replays_to_the_table(dspark, uri)
+        ids = dspark.read.format("delta").load(str(uri)).select("_metadata.row_id").collect()
+        assert len({r[0] for r in ids}) == len(ids)
+    else:
+        assert _table_rows(uri) == model
+        deltacheck.assert_delta_spark_reads_every_version(dspark, uri, since=_last_vacuum(uri))
     verify.assert_nothing_left_delta(uri)
 
 

@@ -10,6 +10,7 @@ only, and stay allowed there.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,11 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 
 from lifecycle import CheckpointCommitError, Job, TaskFailedError
+from lifecycle.cli import main as twophase
 from lifecycle.testing import jars, verify
 from sinks import DeltaSink, PreflightError, _faults
+from sinks.delta import table
+from sinks.delta.layout import DeltaSchemaError
 from tests import deltacheck
 
 
@@ -52,20 +56,9 @@ def _job(spark, tmp_path: Path, sink: DeltaSink, rows: list[dict[str, Any]], nam
     return job
 
 
-@pytest.mark.parametrize(
-    "prop, refusal",
-    [
-        ("delta.appendOnly", r"append-only \(delta.appendOnly=true\)"),
-        ("delta.enableChangeDataFeed", r"change data feed on.*deleted and inserted again"),
-    ],
-)
-def test_append_only_and_change_feed_tables_refuse_keyed_and_replace_sinks(  # type: ignore[no-untyped-def]
-    spark, tmp_path, prop, refusal
-):
-    """Delta forbids removing files from an append-only table; on a table with
-    the change data feed, a rewrite without change-data files would read to a
-    change-feed reader as every row of each rewritten file deleted and inserted
-    again. Both are refused before anything is written."""
+def test_append_only_tables_refuse_keyed_and_replace_sinks(spark, tmp_path):  # type: ignore[no-untyped-def]
+    """Delta forbids removing files from an append-only table: a keyed sink and a
+    replace are refused before anything is written."""
     import pyarrow as pa
 
     uri = tmp_path / "t"
@@ -73,15 +66,34 @@ def test_append_only_and_change_feed_tables_refuse_keyed_and_replace_sinks(  # t
         str(uri),
         pa.table({"id": [1, 2], "part": [1, 0], "v": [0, 0]}),
         partition_by=["part"],
-        configuration={prop: "true"},
+        configuration={"delta.appendOnly": "true"},
     )
     for name, sink in (
         ("k", DeltaSink(uri, key=["id"])),
         ("r", DeltaSink(uri, replace_where="part = 1")),
     ):
-        with pytest.raises(PreflightError, match=refusal):
+        with pytest.raises(PreflightError, match=r"append-only \(delta.appendOnly=true\)"):
             _job(spark, tmp_path, sink, [{"id": 1, "part": 1, "v": 1}], name).run()
     assert DeltaTable(str(uri)).version() == 0
+
+
+def test_rewrites_of_feature_tables_need_delta_spark(tmp_path):  # type: ignore[no-untyped-def]
+    """Without delta-spark in the driver's session (or on an object store), a
+    keyed merge or a replace on a table with the change data feed or deletion
+    vectors is refused, naming the feature and what to do; appends are not."""
+    import pyarrow as pa
+
+    uri = tmp_path / "t"
+    write_deltalake(
+        str(uri),
+        pa.table({"id": [1, 2], "v": [0, 0]}),
+        configuration={"delta.enableChangeDataFeed": "true"},
+    )
+    dt = DeltaTable(str(uri))
+    with pytest.raises(DeltaSchemaError, match=r"\['changeDataFeed'\].*delta-spark.*Or append"):
+        table.check_writable(dt, "t", removes=True, delta_spark=False)
+    table.check_writable(dt, "t", removes=False, delta_spark=False)
+    table.check_writable(dt, "t", removes=True, delta_spark=True)
 
 
 def test_a_table_made_append_only_after_preflight_fails_the_commit_at_once(spark, tmp_path):  # type: ignore[no-untyped-def]
@@ -181,16 +193,6 @@ def test_a_table_with_the_features_delta_spark_users_turn_on_takes_appends(inter
     assert [r[:3] for r in before] == [(0, 0, 0), (1, 1, 11), (3, 1, 33)] + [
         (i, i % 2, i) for i in range(4, 8)
     ]
-    # A keyed merge or a replace would read a file's raw Parquet (row 2 back) and
-    # remove it by path alone (the file live twice): refused before anything runs.
-    version = DeltaTable(str(uri)).version()
-    for name, sink in (
-        ("k", DeltaSink(uri, key=["id"])),
-        ("r", DeltaSink(uri, replace_where="part = 1")),
-    ):
-        with pytest.raises(PreflightError, match=r"deletionVectors.*appends are honoured"):
-            _job(spark, tmp_path, sink, [{"id": 5, "part": 1, "v": 1}], name).run()
-    assert DeltaTable(str(uri)).version() == version
     row_ids = dict(_delta_spark_rows(spark, uri, "id, _metadata.row_id"))
     schema = "id long, part long, v long, at timestamp_ntz"
     src = tmp_path / "in"
@@ -283,7 +285,7 @@ def test_a_column_mapped_table_takes_appends_by_physical_names(interpreted, tmp_
     updated. The sink's files carry the physical names and field ids at every
     level, its stats and partition values the physical names: delta-spark
     reads the old rows and the appended ones, filters by the renamed column,
-    and streams each row once. A keyed sink is refused, naming the mapping."""
+    and streams each row once."""
     spark = _delta_spark(interpreted)
     uri = tmp_path / "t"
     spark.sql(
@@ -347,8 +349,6 @@ def test_a_column_mapped_table_takes_appends_by_physical_names(interpreted, tmp_
     assert sorted(r[0] for r in seen) == [r["id"] for r in rows]
     with pytest.raises(AssertionError, match=r"uses column mapping.*check it with delta-spark"):
         verify.assert_exactly_once_delta(uri, [1, 2, *(r["id"] for r in rows)])  # would see nulls
-    with pytest.raises(PreflightError, match="uses column mapping"):
-        DeltaSink(uri, key=["id"]).preflight(DeltaTable(str(uri)).schema().to_arrow())  # type: ignore[arg-type]
 
 
 def test_a_partitioned_table_committed_through_delta_spark(spark, tmp_path):  # type: ignore[no-untyped-def]
@@ -356,18 +356,13 @@ def test_a_partitioned_table_committed_through_delta_spark(spark, tmp_path):  # 
     with a space, a colon and a slash, and null, go through delta-spark's
     commit and read back alike; a commit that landed before the job failed is
     recognised at the restart, not made twice; schema_mode="merge" adds a column
-    through delta-spark; a keyed sink is refused there (rewrites do not commit
-    through delta-spark yet)."""
+    through delta-spark."""
     spark = _delta_spark(spark)
     uri = tmp_path / "t"
     spark.sql(
         f"CREATE TABLE delta.`{uri}` (id BIGINT, part STRING, v BIGINT) USING delta "
         "PARTITIONED BY (part) TBLPROPERTIES (delta.enableRowTracking = true)"
     )
-    with pytest.raises(PreflightError, match=r"rowTracking.*does not commit that way yet"):
-        DeltaSink(uri, key=["id"]).preflight(
-            DeltaTable(str(uri)).schema().to_arrow()  # type: ignore[arg-type]
-        )
     parts = ["a b", "x:/y", None, "plain"]
     src = tmp_path / "in"
     src.mkdir()
@@ -451,6 +446,198 @@ def test_keyed_and_replace_sinks_rewrite_the_files_delta_spark_wrote(interpreted
     deltacheck.assert_streaming_read_sees_each_row_once(
         spark, uri, tmp_path / "stream", skip_change_commits=True
     )
+    verify.assert_nothing_left_delta(uri)
+
+
+# -- rewrites (keyed merges, replaces) of tables with the features ---------------------
+
+
+def _run_rows(
+    spark,
+    tmp_path: Path,
+    name: str,
+    batches: list[list[dict[str, Any]]],
+    schema: str,
+    sink: DeltaSink,
+) -> None:  # type: ignore[no-untyped-def]
+    """One job: a micro-batch (and, every checkpoint_interval=0, a commit) per list."""
+    src = tmp_path / f"in-{name}"
+    src.mkdir()
+    for n, rows in enumerate(batches):
+        f = src / f"p{n}.json"
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.utime(f, (1_700_000_000 + n, 1_700_000_000 + n))  # the file source's order
+    job = Job(spark, name, tmp_path / f"state-{name}", checkpoint_interval=0)
+    df = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(str(src))
+    job.add_pipeline("p", df, [sink], bounded=True)
+    assert job.run().committed
+
+
+def _changes(
+    spark, uri: Path, since: int, columns: str = "id, _change_type, _commit_version, w"
+) -> list[tuple[Any, ...]]:  # type: ignore[no-untyped-def]
+    return sorted(
+        tuple(r)
+        for r in spark.sql(
+            f"SELECT {columns} FROM table_changes_by_path('{uri}', {since})"
+        ).collect()
+    )
+
+
+def _dv_removes(uri: Path, versions: list[int]) -> tuple[set[str], set[str]]:
+    """(paths of files that had a deletion vector before ``versions``, paths of
+    the removes in ``versions`` that name one)."""
+    had = {
+        a["add"]["path"]
+        for v in range(min(versions))
+        for a in _log_actions(uri, v)
+        if "add" in a and a["add"].get("deletionVector")
+    }
+    named = {
+        a["remove"]["path"]
+        for v in versions
+        for a in _log_actions(uri, v)
+        if "remove" in a and a["remove"].get("deletionVector")
+    }
+    return had, named
+
+
+def test_keyed_merges_honour_every_feature_of_a_delta_spark_table(interpreted, tmp_path, capsys):  # type: ignore[no-untyped-def]
+    """A table delta-spark made with every feature its users turn on, column
+    mapping too (a column renamed), whose MERGE left deletion vectors: a keyed
+    sink merges two checkpoints into it through delta-spark's transaction.
+    Deleted rows stay deleted, files with deletion vectors are removed with
+    them, the change feed shows each change once (an update as its pre- and
+    post-image, a delete of an absent key as nothing), unchanged rows keep their
+    row ids and versions, updated ones their ids, new ones get fresh ids, and
+    the in-commit timestamps, the clustering and the widened type hold."""
+    spark = _delta_spark(interpreted)
+    uri = tmp_path / "t"
+    t = f"delta.`{uri}`"
+    before = _made_by_delta_spark(spark, uri, EVERY_FEATURE + ", delta.columnMapping.mode = 'name'")
+    spark.sql(f"ALTER TABLE {t} RENAME COLUMN v TO w")
+    ids_before = {
+        r[0]: (r[1], r[2])
+        for r in _delta_spark_rows(spark, uri, "id, _metadata.row_id, _metadata.row_commit_version")
+    }
+    first = DeltaTable(str(uri)).version() + 2  # after the claim
+    batches = [
+        [
+            {"id": 1, "part": 1, "w": 100, "op": "U"},
+            {"id": 3, "op": "D"},
+            {"id": 9, "part": 1, "w": 9, "op": "U"},
+            {"id": 2, "op": "D"},  # deleted by delta-spark already: no change
+            {"id": 4, "part": 0, "w": 40, "op": "U"},
+        ],
+        [
+            {"id": 4, "part": 0, "w": 2**31 + 4, "op": "U"},
+            {"id": 10, "part": 0, "w": 10, "op": "U"},
+            {"id": 9, "op": "D"},
+        ],
+    ]
+    schema = "id long, part long, w long, at timestamp_ntz, op string"
+    sink = DeltaSink(uri, key=["id"], delete_when=("op", "D"))
+    _run_rows(spark, tmp_path, "keyed", batches, schema, sink)
+    m1, m2 = first, first + 1
+    assert DeltaTable(str(uri)).version() == m2
+    model = {r[0]: r[:4] for r in before}
+    for batch in batches:
+        for r in batch:
+            if r["op"] == "D":
+                model.pop(r["id"], None)
+            else:
+                model[r["id"]] = (r["id"], r["part"], r["w"], None)
+    assert _delta_spark_rows(spark, uri, "id, part, w, at") == sorted(model.values())
+    # the change feed of the two merges: each change once
+    assert _changes(spark, uri, m1) == sorted(
+        [
+            (1, "update_preimage", m1, 11),
+            (1, "update_postimage", m1, 100),
+            (3, "delete", m1, 33),
+            (9, "insert", m1, 9),
+            (4, "update_preimage", m1, 4),
+            (4, "update_postimage", m1, 40),
+            (4, "update_preimage", m2, 40),
+            (4, "update_postimage", m2, 2**31 + 4),
+            (10, "insert", m2, 10),
+            (9, "delete", m2, 9),
+        ]
+    )
+    # row tracking
+    after = {
+        r[0]: (r[1], r[2])
+        for r in _delta_spark_rows(spark, uri, "id, _metadata.row_id, _metadata.row_commit_version")
+    }
+    assert len({rid for rid, _ in after.values()}) == len(after)
+    for i in (0, 5, 6, 7):  # copied unchanged
+        assert after[i] == ids_before[i], i
+    assert after[1] == (ids_before[1][0], m1) and after[4] == (ids_before[4][0], m2)
+    assert after[10][0] not in {rid for rid, _ in ids_before.values()} and after[10][1] == m2
+    # files with deletion vectors removed with them
+    had, named = _dv_removes(uri, [m1, m2])
+    assert had and had & named, (had, named)
+    for v in (m1, m2):
+        info = _commit_info(uri, v)
+        assert info["operation"] == "STREAMING UPDATE"
+        assert info["operationParameters"]["queryId"].startswith("tp2.")
+        assert int(info["operationMetrics"]["numRemovedFiles"]) >= 1
+    stamps = [_commit_info(uri, v).get("inCommitTimestamp") for v in range(m2 + 1)]
+    assert None not in stamps and stamps == sorted(stamps)
+    assert list(spark.sql(f"DESCRIBE DETAIL {t}").first()["clusteringColumns"]) == ["id"]
+    spark._jvm.org.apache.spark.sql.delta.DeltaLog.clearCache()  # v2 checkpoints, read afresh
+    assert _delta_spark_rows(spark, uri, "id, part, w, at") == sorted(model.values())
+    verify.assert_nothing_left_delta(uri)
+    # the merges record their change rows (commitInfo.tags) for twophase audit
+    assert twophase(["audit", str(tmp_path / "state-keyed")]) == 0
+    assert "mismatch" not in capsys.readouterr().out.lower()
+
+
+def test_a_replace_and_a_merge_honour_a_partitioned_delta_spark_table(interpreted, tmp_path):  # type: ignore[no-untyped-def]
+    """A partitioned table with deletion vectors, the change data feed, row
+    tracking and column mapping by id, a row deleted by delta-spark: a replace
+    of one partition removes its files with their deletion vectors, and the
+    change feed shows the partition's live rows deleted (not the row deleted
+    before) and the new rows inserted; a keyed merge then rewrites another
+    partition by physical names. Row ids stay unique and old rows keep theirs."""
+    spark = _delta_spark(interpreted)
+    uri = tmp_path / "t"
+    t = f"delta.`{uri}`"
+    spark.sql(
+        f"CREATE TABLE {t} (id BIGINT, part STRING, w BIGINT) USING delta PARTITIONED BY (part) "
+        "TBLPROPERTIES (delta.enableDeletionVectors = true, delta.enableChangeDataFeed = true, "
+        "delta.enableRowTracking = true, delta.columnMapping.mode = 'id')"
+    )
+    spark.sql(
+        f"INSERT INTO {t} SELECT id, element_at(array('a', 'b', 'c'), CAST(id % 3 + 1 AS INT)), "
+        "id FROM range(12)"
+    )
+    spark.sql(f"DELETE FROM {t} WHERE id = 4")
+    ids_before = dict(_delta_spark_rows(spark, uri, "id, _metadata.row_id"))
+    start = DeltaTable(str(uri)).version()
+    schema = "id long, part string, w long"
+    refill = [{"id": 20, "part": "b", "w": 20}, {"id": 21, "part": "b", "w": 21}]
+    _run_rows(
+        spark, tmp_path, "replace", [refill], schema, DeltaSink(uri, replace_where="part = 'b'")
+    )
+    replaced = DeltaTable(str(uri)).version()
+    assert _changes(spark, uri, replaced, "id, _change_type, w") == sorted(
+        [(i, "delete", i) for i in (1, 7, 10)] + [(20, "insert", 20), (21, "insert", 21)]
+    )
+    had, named = _dv_removes(uri, [replaced])
+    assert had and had <= named, (had, named)
+    upserts = [{"id": 0, "part": "a", "w": 100}, {"id": 30, "part": "a", "w": 30}]
+    _run_rows(spark, tmp_path, "keyed", [upserts], schema, DeltaSink(uri, key=["id"]))
+    merged = DeltaTable(str(uri)).version()
+    assert _changes(spark, uri, merged, "id, _change_type, w") == sorted(
+        [(0, "update_preimage", 0), (0, "update_postimage", 100), (30, "insert", 30)]
+    )
+    model = {i: (i, "abc"[i % 3], i) for i in range(12) if i != 4 and i % 3 != 1}
+    model |= {20: (20, "b", 20), 21: (21, "b", 21), 0: (0, "a", 100), 30: (30, "a", 30)}
+    assert _delta_spark_rows(spark, uri, "id, part, w") == sorted(model.values())
+    after = dict(_delta_spark_rows(spark, uri, "id, _metadata.row_id"))
+    assert len(set(after.values())) == len(after)
+    assert all(after[i] == ids_before[i] for i in after if i < 12)
+    assert start < replaced < merged
     verify.assert_nothing_left_delta(uri)
 
 

@@ -284,10 +284,12 @@ def data_files_delta(table_uri: str | Path) -> set[str]:
 
 
 _DELTA_SPARK_FILE = re.compile(
-    r"^\.?(part-\d+-[0-9a-f-]{36}[^/]*\.parquet|deletion_vector_[0-9a-f-]{36}\.bin)(\.crc)?$"
+    r"^\.?((part|cdc)-\d+-[0-9a-f-]{36}[^/]*\.parquet|deletion_vector_[0-9a-f-]{36}\.bin)"
+    r"(\.crc)?$"
 )
-"""delta-spark's data files (``part-00000-<uuid>-c000.snappy.parquet``) and
-deletion vectors, with Hadoop's checksums (``.<name>.crc``)"""
+"""delta-spark's data files (``part-00000-<uuid>-c000.snappy.parquet``), change-data
+files (``cdc-00000-<uuid>...``) and deletion vectors, with Hadoop's checksums
+(``.<name>.crc``)"""
 
 
 def _engine_file(rel: str, added: set[str]) -> bool:

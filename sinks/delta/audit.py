@@ -105,15 +105,19 @@ def audit(
 
 def _merged(storage: TableStorage, version: int) -> dict[str, int] | None:
     """The change rows per transaction a merge version records in its
-    ``commitInfo`` (``twophaseMerge``); None when the commit file is gone or
+    ``commitInfo`` (``twophaseMerge``, or ``tags.twophaseMerge`` through
+    delta-spark); None when the commit file is gone or
     records no merge."""
     data = storage.read(f"_delta_log/{version:020d}.json")
     if data is None:
         return None
     for line in data.decode().splitlines():
         info = json.loads(line).get("commitInfo") if line.strip() else None
-        if info and info.get("twophaseMerge"):
-            summary = info["twophaseMerge"]
+        # delta-rs's commits carry it at the top, delta-spark's among the tags
+        summary = info and (
+            info.get("twophaseMerge") or (info.get("tags") or {}).get("twophaseMerge")
+        )
+        if summary:
             summary = json.loads(summary) if isinstance(summary, str) else summary
             return {str(k): int(v) for k, v in summary.get("changes", {}).items()}
     return {}

@@ -13,10 +13,11 @@ physical names too.
 DeltaSink writes both, whichever the mode: :meth:`ColumnMapping.stored`
 is the table's layout in physical names with field ids (what files, stats and
 partition values say), :meth:`ColumnMapping.to_stored` renames a batch of
-table rows (logical names, table order) to it. Appends are honoured this way;
-a keyed merge or a replace, which read the table's files back, and
-``schema_mode="merge"``, which adds columns (new physical names and ids), are
-refused on such tables (:func:`sinks.delta.table.check_rewritable`).
+table rows (logical names, table order) to it. Appends are honoured this way.
+A keyed merge reads and writes such a table through delta-spark
+(:mod:`sinks.delta.spark_rewrite`), a replace stages appends this way and
+removes through delta-spark; ``schema_mode="merge"``, which adds columns (new
+physical names and ids), is refused on such tables.
 """
 
 from __future__ import annotations

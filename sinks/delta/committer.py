@@ -167,7 +167,8 @@ class DeltaCommitter:
                 "transaction(s) cannot be committed"
             )
         owner = self.claims.owner(scope.job, scope.pipeline, scope.sink_id, scope.incarnation)
-        txn = spark_txn.open_if_needed(dt, self.storage.root, where)
+        rewrites = self.rules.keyed or self.replace_where is not None
+        txn = spark_txn.open_if_needed(dt, self.storage.root, where, rewrites=rewrites)
         snapshot = txn if txn is not None else dt  # what the checks read is what commits
         found = progress.read(snapshot, scope)
         if found.owner is not None and owner is not None and found.owner != owner:
@@ -194,7 +195,7 @@ class DeltaCommitter:
         row_rules = table.check_writable(
             dt,
             where,
-            removes=self.rules.keyed or self.replace_where is not None,
+            removes=rewrites,
             delta_spark=txn is not None,
         )
         row_rules.check_staged(cs, where)
@@ -202,6 +203,7 @@ class DeltaCommitter:
         if self.rules.keyed:
             merge.commit(
                 dt=dt,
+                txn=txn,
                 layout=layout,
                 storage=self.storage,
                 rules=self.rules,
@@ -221,8 +223,8 @@ class DeltaCommitter:
         )
         record = Transaction(app, version, int(time.time() * 1000))
         if txn is not None:
-            assert not gone, "check_writable refuses replaces on delta-spark-committed tables"
-            txn.commit(adds, [record], epoch=(app, version))
+            removed = txn.live_files([r.path for r in gone]) if rewrites else []
+            txn.commit(adds, [record], epoch=(app, version), removed=removed)
         else:
             dt.create_write_transaction(
                 [*adds, *gone],

@@ -53,10 +53,11 @@ from deltalake.transaction import AddAction, RemoveAction
 
 from sinks import _faults
 from sinks.base import Committable, JobScope
-from sinks.delta import progress, table
+from sinks.delta import progress, spark_rewrite, table
 from sinks.delta.changes import DELETE_COLUMN, change_schema, range_value
 from sinks.delta.layout import Layout, partition_value, quoted
 from sinks.delta.spark_stage import SparkStage
+from sinks.delta.spark_txn import SparkTxn
 from sinks.delta.storage import TableStorage, marker_path
 from sinks.errors import REWRITE_ADVICE, TransactionLostError
 from sinks.keys import KeyedWrite
@@ -297,6 +298,7 @@ def _attempt() -> int:
 def commit(
     *,
     dt: DeltaTable,
+    txn: SparkTxn | None,
     layout: Layout,
     storage: TableStorage,
     rules: KeyedWrite,
@@ -308,7 +310,9 @@ def commit(
     checked_add: Callable[[Committable, dict[str, Any]], AddAction],
 ) -> None:
     """Plan, rewrite and commit the merge of ``committables`` on ``dt`` (the
-    caller checked ownership and that ``version`` is not committed yet)."""
+    caller checked ownership and that ``version`` is not committed yet);
+    through delta-spark's transaction ``txn`` when the table needs it
+    (:mod:`sinks.delta.spark_rewrite`)."""
     from pyspark.sql import SparkSession
 
     changes = changes_of(committables)
@@ -322,6 +326,22 @@ def commit(
             )
     candidates = plan(dt, layout, rules, changes)
     _faults.hit("driver.merge_planned", batch=version, sink="delta")
+    if txn is not None:
+        _commit_through_delta_spark(
+            txn,
+            dt,
+            layout,
+            storage,
+            rules,
+            candidates,
+            changes,
+            _changed(committables),
+            app,
+            version,
+            where,
+        )
+        discard_changes(storage, committables)
+        return
     run = max(TxnName.require(c["txn"]).run for c in committables)
     spark = SparkSession.builder.getOrCreate()
     staged: Committable | None = None
@@ -349,7 +369,7 @@ def commit(
         ) from e
     rewritten = sum(c.size for c in candidates)
     summary = {
-        "changes": {c["txn"]: int(c.get("rows", 0)) for c in committables},
+        "changes": _changed(committables),
         "filesRemoved": len(candidates),
         "bytesRewritten": rewritten,
         "filesAdded": len(adds),
@@ -397,6 +417,80 @@ def commit(
     for a in staged["adds"] if staged else ():
         storage.delete(marker_path(a["path"]))
     discard_changes(storage, committables)
+
+
+def _commit_through_delta_spark(
+    txn: SparkTxn,
+    dt: DeltaTable,
+    layout: Layout,
+    storage: TableStorage,
+    rules: KeyedWrite,
+    candidates: Sequence[Candidate],
+    changes: Sequence[Change],
+    changed: dict[str, int],
+    app: str,
+    version: int,
+    where: str,
+) -> None:
+    """The merge read, written and committed by delta-spark's transaction
+    (:mod:`sinks.delta.spark_rewrite`): the same plan and the same winners, and
+    the same recovery (a stale plan or another writer first: plan again)."""
+    spark = txn.spark
+    written: list[Any] = []
+    try:
+        files = txn.live_files([c.path for c in candidates])
+        winners = _winners(spark, storage, layout, rules, changes)
+        config = dict(dt.metadata().configuration or {})
+        rows = spark_rewrite.merged(txn, layout, rules.key, files, winners, config)
+        written = txn.write(rows)
+    except Exception as e:
+        if isinstance(e, CommitFailedError) or not _plan_went_stale(
+            dt, candidates, storage, None, e
+        ):
+            raise
+        raise CommitFailedError(
+            f"{where}: another writer committed while the merge read the files it planned "
+            f"on version {dt.version()} (some are gone: {str(e)[:300]}); planning again"
+        ) from e
+    summary = {
+        "changes": dict(changed),
+        "filesRemoved": len(files),
+        "bytesRewritten": sum(c.size for c in candidates),
+        "filesAdded": sum(1 for w in written if str(w.getClass().getSimpleName()) == "AddFile"),
+    }
+    try:
+        _faults.hit("driver.merge_staged", batch=version, sink="delta")
+        txn.commit(
+            [],
+            [Transaction(app, version, int(time.time() * 1000))],
+            epoch=(app, version),
+            removed=files,
+            written=written,
+            tags={"twophaseMerge": json.dumps(summary, sort_keys=True)},
+        )
+        _faults.hit("driver.merge_landed", batch=version, sink="delta")
+    except BaseException as e:
+        if _did_not_land(e, dt, app, version, where):
+            spark_rewrite.delete_written(storage, written)
+        raise
+    log.info(
+        "%s: merged %d change(s) of %d batch(es) as %s v%d through delta-spark: %d file(s) "
+        "rewritten, %d file action(s) written",
+        where,
+        sum(ch.rows for ch in changes),
+        len({ch.batch for ch in changes}),
+        app,
+        version,
+        len(candidates),
+        len(written),
+    )
+    _faults.hit("driver.mid_commit", batch=version, sink="delta")
+
+
+def _changed(committables: Sequence[Committable]) -> dict[str, int]:
+    """The change rows per transaction, as the merge's ``commitInfo`` records
+    them for ``twophase audit``."""
+    return {c["txn"]: int(c.get("rows", 0)) for c in committables}
 
 
 def _delete_staged(storage: TableStorage, staged: Committable | None) -> None:

@@ -15,7 +15,11 @@ itself would make:
 * **liquid clustering**, **domain metadata**: kept as they are (added files are
   unclustered until delta-spark's OPTIMIZE clusters them, as with any append);
 * **v2 checkpoints**, checksums and log cleanup: delta-spark's post-commit hooks;
-* **type widening**: files are written with the table's current (widened) types.
+* **type widening**: files are written with the table's current (widened) types;
+* **rewrites** (a keyed merge, a replace) of tables with deletion vectors, the
+  change data feed or column mapping (:data:`REWRITE_FEATURES`): the files are
+  read, removed and written through the transaction
+  (:mod:`sinks.delta.spark_rewrite`).
 
 The rules the sink's protocol needs from it:
 
@@ -57,11 +61,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import pyarrow as pa
 from deltalake import DeltaTable, Transaction
@@ -72,7 +76,7 @@ from sinks.delta import progress
 from sinks.errors import CommitRefusedError
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 DELTA_SPARK_FEATURES = frozenset(
     {
@@ -101,10 +105,28 @@ class DeltaSparkMissingError(CommitRefusedError):
     """The table needs delta-spark's commit and the driver's session lacks it."""
 
 
-def needed(dt: DeltaTable) -> list[str]:
-    """The table's writer features for which commits go through delta-spark."""
+REWRITE_FEATURES = ("deletionVectors", "changeDataFeed", "columnMapping")
+"""features of a table whose rewrites (a keyed merge, a replace) go through
+delta-spark, which reads and removes files by them and writes what they need
+(:mod:`sinks.delta.spark_rewrite`); delta-rs commits appends to such tables"""
+
+
+def needed(dt: DeltaTable, *, rewrites: bool = False) -> list[str]:
+    """The table's features for which commits go through delta-spark: the
+    writer features delta-rs cannot write, and with ``rewrites`` (the commits
+    remove files) those of :data:`REWRITE_FEATURES` the table uses."""
     proto = dt.protocol()
-    return sorted(set(proto.writer_features or ()) & DELTA_SPARK_FEATURES)
+    features = set(proto.writer_features or ()) | set(proto.reader_features or ())
+    found = features & DELTA_SPARK_FEATURES
+    if rewrites:
+        config = dt.metadata().configuration or {}
+        if "deletionVectors" in features:
+            found.add("deletionVectors")
+        if str(config.get("delta.enableChangeDataFeed", "false")).lower() == "true":
+            found.add("changeDataFeed")
+        if config.get("delta.columnMapping.mode") not in (None, "none"):
+            found.add("columnMapping")
+    return sorted(found)
 
 
 def session() -> SparkSession | None:
@@ -135,13 +157,16 @@ def missing_advice() -> str:
     )
 
 
-def open_if_needed(dt: DeltaTable, root: str | None, where: str) -> SparkTxn | None:
-    """A delta-spark transaction when the table ``dt`` needs one (:func:`needed`),
-    else ``None`` (delta-rs commits). ``dt`` is moved to the transaction's
+def open_if_needed(
+    dt: DeltaTable, root: str | None, where: str, *, rewrites: bool = False
+) -> SparkTxn | None:
+    """A delta-spark transaction when the table ``dt`` needs one (:func:`needed`,
+    ``rewrites``: the commit removes files), else ``None`` (delta-rs commits).
+    ``dt`` is moved to the transaction's
     snapshot, so that every check made on it (features, schema, the files
     committed) is of the version the commit builds on: a change after it is
     delta-spark's conflict, never unchecked (rule 1)."""
-    features = needed(dt)
+    features = needed(dt, rewrites=rewrites)
     if not features:
         return None
     if root is None:
@@ -192,36 +217,110 @@ class SparkTxn:
         v = int(_guarded(self._spark, lambda: self._txn.txnVersion(app)))
         return None if v < 0 else v
 
+    @property
+    def spark(self) -> SparkSession:
+        return self._spark  # type: ignore[no-any-return]
+
+    @property
+    def jvm_txn(self) -> Any:
+        """delta-spark's ``OptimisticTransaction`` (a py4j object)."""
+        return self._txn
+
+    def live_files(self, paths: Collection[str]) -> list[Any]:
+        """The snapshot's ``AddFile`` actions (JVM) of the table-relative paths
+        ``paths`` (as stored, not URI-encoded), marking the whole table as read
+        by this transaction: any commit since that removes a file, or adds one
+        other than by a blind append, is a conflict (rule 1). Raises
+        :class:`DeltaSparkConflict` when a path is not in the snapshot."""
+        from pyspark.sql import DataFrame
+        from pyspark.sql import functions as F
+
+        self._txn.readWholeTable()
+        wanted = set(paths)
+        if not wanted:
+            return []
+        files = self._txn.snapshot().allFiles()
+        stored = DataFrame(files.toDF(), self._spark).select("path").collect()
+        raw = [r[0] for r in stored if unquote(r[0]) in wanted]
+        if len(raw) != len(wanted):
+            raise DeltaSparkConflict(
+                f"{len(wanted) - len(raw)} planned file(s) are not in version "
+                f"{self.read_version}: plan again"
+            )
+        found = files.where(F.col("path").isin(raw)._jc).collectAsList()
+        return [found.get(i) for i in range(found.size())]
+
+    def read(self, files: Sequence[Any]) -> DataFrame:
+        """The rows of ``files`` (``AddFile`` actions of this snapshot) as delta-spark
+        reads them: logical column names, the rows their deletion vectors delete
+        left out, and with row tracking the columns that keep each row's id and
+        commit version when it is written again (delta-spark's MERGE does the same)."""
+        from pyspark.sql import DataFrame
+
+        jvm = self._spark._jvm
+        snapshot = self._txn.snapshot()
+        seq = _seq(jvm, files)
+        jdf = self._txn.deltaLog().createDataFrame(snapshot, seq, False, jvm.scala.Option.empty())
+        row_tracking = jvm.org.apache.spark.sql.delta.RowTracking
+        return DataFrame(row_tracking.preserveRowTrackingColumns(jdf, snapshot), self._spark)
+
+    def write(self, df: DataFrame) -> list[Any]:
+        """Write ``df`` through delta-spark's transactional writer: physical names
+        and field ids, statistics, constraints, the materialized row-tracking
+        columns, and rows with a ``_change_type`` into change-data files. Returns
+        the file actions (JVM ``AddFile`` and ``AddCDCFile``) to commit."""
+        written = self._txn.writeFiles(df._jdf).iterator()
+        actions = []
+        while written.hasNext():
+            actions.append(written.next())
+        return actions
+
     def commit(
         self,
         adds: Sequence[AddAction],
         txns: Sequence[Transaction],
         *,
         epoch: tuple[str, int] | None = None,
+        removed: Sequence[Any] = (),
+        written: Sequence[Any] = (),
+        tags: dict[str, str] | None = None,
     ) -> int:
-        """Commit ``adds`` and ``txns`` as one version; returns it.
+        """Commit ``adds``, ``txns``, the removes of ``removed`` (``AddFile``
+        actions of this snapshot, removed with their deletion vectors and row
+        ids) and the file actions ``written`` (:meth:`write`) as one version;
+        returns it.
 
         ``epoch``: ``(query id, batch)`` of a data commit, recorded as a
-        ``STREAMING UPDATE``; ``None``: a commit without data (a claim)."""
+        ``STREAMING UPDATE`` (output mode ``Update`` when it removes files);
+        ``None``: a commit without data (a claim). ``tags``: written into the
+        version's ``commitInfo.tags``."""
         jvm = self._spark._jvm
         actions = [_add_json(a) for a in adds] + [_txn_json(t) for t in txns]
+        now = int(time.time() * 1000)
 
         def commit() -> int:
             parsed = jvm.java.util.ArrayList()
             for a in actions:
                 parsed.add(jvm.org.apache.spark.sql.delta.actions.Action.fromJson(json.dumps(a)))
+            for w in written:
+                parsed.add(w)
+            for f in removed:
+                parsed.add(f.removeWithTimestamp(now, True))
             seq = jvm.scala.jdk.javaapi.CollectionConverters.asScala(parsed).toSeq()
             ops = jvm.org.apache.spark.sql.delta
             if epoch is None:
                 op = getattr(getattr(ops, "DeltaOperations$ManualUpdate$"), "MODULE$")
             else:
+                modes = jvm.org.apache.spark.sql.streaming.OutputMode
                 op = getattr(ops, "DeltaOperations$StreamingUpdate")(
-                    jvm.org.apache.spark.sql.streaming.OutputMode.Append(),
+                    modes.Update() if removed else modes.Append(),
                     epoch[0],
                     epoch[1],
                     jvm.scala.Option.apply(progress.user_metadata(*epoch)),
                 )
-                self._register_metrics(adds)
+                self._register_metrics(adds, written, removed)
+            if tags:
+                return int(self._txn.commit(seq, op, _scala_map(jvm, tags)))
             return int(self._txn.commit(seq, op))
 
         try:
@@ -244,26 +343,30 @@ class SparkTxn:
         except Exception:
             return False
 
-    def _register_metrics(self, adds: Sequence[AddAction]) -> None:
-        """What ``DESCRIBE HISTORY`` shows for a streaming update."""
+    def _register_metrics(
+        self, adds: Sequence[AddAction], written: Sequence[Any], removed: Sequence[Any]
+    ) -> None:
+        """What ``DESCRIBE HISTORY`` shows for a streaming update (data files
+        only: change-data files are neither rows nor files of the table)."""
         jvm = self._spark._jvm
         rows, size = progress.added_totals(adds)
+        data = [w for w in written if str(w.getClass().getSimpleName()) == "AddFile"]
+        for w in data:
+            rows += int(json.loads(w.stats() or "{}").get("numRecords", 0))
+            size += int(w.size())
         values = {
-            "numAddedFiles": len(adds),
-            "numRemovedFiles": 0,
+            "numAddedFiles": len(adds) + len(data),
+            "numRemovedFiles": len(removed),
             "numOutputRows": rows,
             "numOutputBytes": size,
         }
-        metrics = jvm.java.util.HashMap()
+        metrics = {}
         sc = self._spark.sparkContext._jsc.sc()
         for name, value in values.items():
             m = jvm.org.apache.spark.sql.execution.metric.SQLMetrics.createMetric(sc, name)
             m.set(int(value))
-            metrics.put(name, m)
-        scala_map = getattr(getattr(jvm.scala.collection.immutable, "Map$"), "MODULE$")
-        as_scala = jvm.scala.jdk.javaapi.CollectionConverters.asScala(metrics)
-        immutable = getattr(scala_map, "from")(as_scala)
-        self._txn.registerSQLMetrics(self._spark._jsparkSession, immutable)
+            metrics[name] = m
+        self._txn.registerSQLMetrics(self._spark._jsparkSession, _scala_map(jvm, metrics))
 
 
 def add_columns(root: str, fields: Sequence[pa.Field], where: str) -> None:
@@ -280,6 +383,23 @@ def add_columns(root: str, fields: Sequence[pa.Field], where: str) -> None:
     )
     path = Path(root).resolve().as_uri().replace("`", "``")
     _guarded(spark, lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})"))
+
+
+def _scala_map(jvm: Any, items: dict[str, Any]) -> Any:
+    """A Scala immutable ``Map`` of ``items``."""
+    listed = jvm.java.util.HashMap()
+    for k, v in items.items():
+        listed.put(k, v)
+    scala_map = getattr(getattr(jvm.scala.collection.immutable, "Map$"), "MODULE$")
+    return getattr(scala_map, "from")(jvm.scala.jdk.javaapi.CollectionConverters.asScala(listed))
+
+
+def _seq(jvm: Any, items: Sequence[Any]) -> Any:
+    """A Scala ``Seq`` of the JVM objects ``items``."""
+    listed = jvm.java.util.ArrayList()
+    for item in items:
+        listed.add(item)
+    return jvm.scala.jdk.javaapi.CollectionConverters.asScala(listed).toSeq()
 
 
 def _guarded(spark: Any, call: Callable[[], Any]) -> Any:

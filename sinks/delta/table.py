@@ -3,12 +3,13 @@
 delta-rs validates nothing when files are committed with
 ``create_write_transaction``, so everything this sink relies on about a table is
 checked here: that the sink can write it faithfully (no identity columns or
-writer features it does not know; column mapping for appends only,
-:mod:`sinks.delta.column_mapping`; the features only
-delta-spark's commit honours need a session with delta-spark,
-:mod:`sinks.delta.spark_txn`; CHECK constraints, invariants and generated
-columns are enforced on the rows, :mod:`sinks.delta.constraints`), and what its
-columns and partition columns are.
+writer features it does not know; appends to a column-mapped table by physical
+names, :mod:`sinks.delta.column_mapping`; the features only delta-spark's
+commit honours, and rewrites of tables with deletion vectors, the change data
+feed or column mapping, need a session with delta-spark,
+:mod:`sinks.delta.spark_txn` and :mod:`sinks.delta.spark_rewrite`; CHECK
+constraints, invariants and generated columns are enforced on the rows,
+:mod:`sinks.delta.constraints`), and what its columns and partition columns are.
 """
 
 from __future__ import annotations
@@ -81,20 +82,13 @@ def check_writable(
     which the rows must satisfy."""
     proto = dt.protocol()
     if removes:
-        check_rewritable(dt, where)
+        check_rewritable(dt, where, delta_spark=delta_spark)
     through_spark = spark_txn.needed(dt)
     unknown = sorted(set(proto.writer_features or ()) - _WRITER_FEATURES - set(through_spark))
     if proto.min_writer_version > 7 or unknown:
         raise DeltaSchemaError(
             f"{where} needs writer protocol {proto.min_writer_version} with features "
             f"{unknown}, which DeltaSink does not implement; write to a table without them"
-        )
-    if through_spark and removes:
-        raise DeltaSchemaError(
-            f"{where} has the table feature(s) {through_spark}, whose commits DeltaSink makes "
-            "through delta-spark; a keyed DeltaSink (key=) or a replace (replace_where=) does "
-            "not commit that way yet. Append (no key=, no replace_where=), or write to a "
-            "table without them"
         )
     if through_spark and not delta_spark:
         raise DeltaSchemaError(
@@ -106,59 +100,37 @@ def check_writable(
     return RowRules.of(dt, where)  # refuses identity columns and nested rules
 
 
-DELETION_VECTORS = "deletionVectors"
-CHANGE_DATA_FEED = "delta.enableChangeDataFeed"
-
-
-def check_rewritable(dt: DeltaTable, where: str) -> None:
+def check_rewritable(dt: DeltaTable, where: str, *, delta_spark: bool) -> None:
     """Refuse a table whose files a keyed merge or a replace cannot remove.
 
-    * **Deletion vectors**: the merge and the replace read a candidate file's
-      Parquet, which still holds the rows its deletion vector deletes (they
-      would come back), and a remove action must name the deletion vector of
-      the file it removes (else log replay keeps the file live: every row
-      twice). Any table whose protocol lists the feature can carry them.
-    * **The change data feed**: a rewrite without change-data files reads, to a
-      change-feed reader, as every row of each rewritten file deleted and
-      inserted again.
     * **``delta.appendOnly``**: Delta forbids removing files (delta-rs refuses
       the commit), so the rewrite could never commit.
+    * **Deletion vectors, the change data feed, column mapping** without
+      ``delta_spark`` (a driver whose session has delta-spark, and a local or
+      shared-filesystem table): the rewrite reads the files it replaces, removes
+      them and writes change data through delta-spark's transaction
+      (:mod:`sinks.delta.spark_rewrite`); delta-rs would read a file's deleted
+      rows back, keep a file with a deletion vector live, write no change data
+      and read physical names as missing columns.
 
-    Appends touch neither: an add never names a deletion vector."""
-    proto = dt.protocol()
-    features = set(proto.reader_features or ()) | set(proto.writer_features or ())
-    if DELETION_VECTORS in features:
-        raise DeltaSchemaError(
-            f"{where} has the table feature deletionVectors: a keyed DeltaSink (key=) or a "
-            "replace (replace_where=) rewrites and removes files, and DeltaSink does not "
-            "honour deletion vectors yet (deleted rows would come back, replaced files would "
-            "stay live). Write to a table without it, or append (no key=, no replace_where=): "
-            "appends are honoured. (Dropping the feature with delta-spark's ALTER TABLE ... "
-            "DROP FEATURE deletionVectors leaves the writer feature checkpointProtection "
-            "unless TRUNCATE HISTORY is given, and DeltaSink writes no table with that)"
-        )
+    Appends need none of this: an add names no deletion vector."""
     config = dt.metadata().configuration or {}
-    mode = config.get(MODE_KEY)
-    if mode not in (None, "none"):
-        raise DeltaSchemaError(
-            f"{where} uses column mapping ({MODE_KEY}={mode}): a keyed DeltaSink (key=) or a "
-            "replace (replace_where=) reads the files it rewrites, which DeltaSink does not "
-            "do by physical column names yet. Append (no key=, no replace_where=): appends "
-            "are honoured, files written with the physical names and field ids"
-        )
-    if str(config.get(CHANGE_DATA_FEED, "false")).lower() == "true":
-        raise DeltaSchemaError(
-            f"{where} has the change data feed on ({CHANGE_DATA_FEED}=true): a keyed "
-            "DeltaSink (key=) or a replace (replace_where=) rewrites whole files, and without "
-            "change-data files (which DeltaSink does not write yet) a change-feed reader would "
-            "see every row of a rewritten file deleted and inserted again. Append (no key=, no "
-            "replace_where=): appends are honoured, each row an insert of its version"
-        )
     if str(config.get("delta.appendOnly", "false")).lower() == "true":
         raise DeltaSchemaError(
             f"{where} is append-only (delta.appendOnly=true): a keyed DeltaSink (key=) or a "
             "replace (replace_where=) removes files, which Delta forbids there. Append (no "
             "key=, no replace_where=), or unset the property"
+        )
+    needs = sorted(set(spark_txn.needed(dt, rewrites=True)) - set(spark_txn.needed(dt)))
+    if needs and not delta_spark:
+        raise DeltaSchemaError(
+            f"{where} has the table feature(s) {needs}: a keyed DeltaSink (key=) or a replace "
+            "(replace_where=) reads, removes and writes such a table's files through "
+            "delta-spark (deleted rows stay deleted, files are removed with their deletion "
+            "vectors, change data is written, columns are read by physical name), which "
+            "needs a local or shared-filesystem table and a job whose Spark session has "
+            "delta-spark: " + spark_txn.missing_advice() + ". Or append (no key=, no "
+            "replace_where=): appends are honoured without it"
         )
 
 

@@ -1,0 +1,176 @@
+"""A keyed merge's rewrite through delta-spark, for tables whose files only
+delta-spark reads and writes faithfully.
+
+A keyed sink's merge (:mod:`sinks.delta.merge`) reads the files it plans to
+replace and writes them again with the changes applied. On a table with
+deletion vectors, the change data feed, column mapping, or a feature only
+delta-spark's commit honours (:func:`sinks.delta.spark_txn.needed` with
+``rewrites``), that read and that write go through the commit's own delta-spark
+transaction (:class:`~sinks.delta.spark_txn.SparkTxn`), as delta-spark's MERGE
+makes them. The rules:
+
+1. **Read as delta-spark reads.** The planned files are read from the
+   transaction's snapshot by logical column names, without the rows their
+   deletion vectors delete (they stay deleted), and the whole table counts as
+   read: a commit since that removes any file, or adds one other than by a
+   blind append, fails this one as a conflict and the merge is planned again.
+2. **Remove what was read, as it was.** Each planned file is removed with its
+   deletion vector and row ids (:meth:`SparkTxn.commit`), so no file stays live
+   beside its rewrite.
+3. **Rows keep their identity.** With row tracking, a row copied unchanged
+   keeps its row id and commit version; a row updated by key keeps its row id
+   and takes the new commit version; an inserted row gets a fresh id.
+4. **The change feed sees each change once.** With the change data feed on,
+   the rewrite writes change-data files: ``update_preimage`` and
+   ``update_postimage`` for a key that was there and is written, ``delete`` for
+   a key that was there and is deleted, ``insert`` for a new key. Copied rows
+   are no change. A delete of a key the table lacks is no change either.
+5. **The writer is delta-spark's.** Files are written by the transaction's own
+   writer (physical names, field ids, statistics, the table's constraints), in
+   the table's data directories under delta-spark's names. A crash between the
+   write and the commit leaves them unreferenced for VACUUM, as delta-spark's
+   own MERGE does; a commit that did not land deletes them.
+
+Replaces commit through the same transaction
+(:mod:`sinks.delta.committer`): the staged appends, and the removes of the
+slice's files with their deletion vectors. A change-feed reader infers a
+replace's changes from them: every row of the slice deleted, every staged row
+inserted.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+from sinks.delta.changes import DELETE_COLUMN
+from sinks.delta.layout import Layout, quoted
+from sinks.delta.spark_txn import SparkTxn
+from sinks.delta.storage import TableStorage
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame
+
+CHANGE_TYPE = "_change_type"
+"""delta-spark's column of a change-data row's kind"""
+ROW_ID_KEY = "delta.rowTracking.materializedRowIdColumnName"
+ROW_VERSION_KEY = "delta.rowTracking.materializedRowCommitVersionColumnName"
+_WAS = "_twophase_was"
+_OLD_ID = "_twophase_old_id"
+
+
+def merged(
+    txn: SparkTxn,
+    layout: Layout,
+    key: Sequence[str],
+    files: Sequence[Any],
+    winners: DataFrame,
+    config: dict[str, str],
+) -> DataFrame:
+    """The rows to write for ``winners`` (the changes, one row per key, with
+    :data:`~sinks.delta.changes.DELETE_COLUMN`) merged into ``files``
+    (``AddFile`` actions of ``txn``'s snapshot), and with the change data feed
+    on (``config``: the table's properties) the change-data rows (rules 3, 4)."""
+    from pyspark.sql import functions as F
+
+    names = list(layout.schema.names)
+    cdf = str(config.get("delta.enableChangeDataFeed", "false")).lower() == "true"
+    targets = txn.read(files) if files else None
+    row_id, row_version = _row_tracking(config, targets)
+    columns = names + ([row_id, row_version] if row_id and row_version else [])
+
+    def project(df: DataFrame, change: Column | None) -> DataFrame:
+        picked = [F.col(quoted(c)) for c in columns]
+        if cdf:
+            picked.append((change if change is not None else _null("string")).alias(CHANGE_TYPE))
+        return df.select(*picked)
+
+    upserts = winners.where(~F.col(DELETE_COLUMN)).drop(DELETE_COLUMN)
+    if targets is None:
+        if row_id and row_version:
+            upserts = upserts.withColumn(row_id, _null("long")).withColumn(
+                row_version, _null("long")
+            )
+        parts = [project(upserts, None)]
+        if cdf:
+            parts.append(project(upserts, F.lit("insert")))
+        return _union(parts)
+    keys = winners.select(
+        *[F.col(quoted(k)).alias(f"_k{i}") for i, k in enumerate(key)],
+        F.col(DELETE_COLUMN).alias(_WAS),
+    )
+    on_keys = _matching(targets, keys, key)
+    kept = targets.join(keys, on_keys, "left_anti")
+    old = targets.select(
+        *[F.col(quoted(k)).alias(f"_k{i}") for i, k in enumerate(key)],
+        F.lit(True).alias(_WAS),
+        *([F.col(quoted(row_id)).alias(_OLD_ID)] if row_id else []),
+    )
+    written = upserts.join(old, _matching(upserts, old, key), "left")
+    if row_id and row_version:
+        # an updated row keeps its id and takes the commit's version; a new one gets both
+        written = written.withColumn(row_id, F.col(_OLD_ID)).withColumn(row_version, _null("long"))
+    parts = [project(kept, None), project(written, None)]
+    if cdf:
+        before = targets.join(keys, on_keys, "inner")
+        parts += [
+            project(before.where(~F.col(_WAS)), F.lit("update_preimage")),
+            project(before.where(F.col(_WAS)), F.lit("delete")),
+            project(
+                written,
+                F.when(F.col(_WAS).isNull(), F.lit("insert")).otherwise(F.lit("update_postimage")),
+            ),
+        ]
+    out = _union(parts)
+    for c in (row_id, row_version):
+        if c:  # what marks the columns as materialized row tracking to the writer
+            out = out.withMetadata(c, targets.schema[c].metadata)
+    if layout.partition_by:
+        out = out.repartition(*[F.col(quoted(p)) for p in layout.partition_by])
+    return out
+
+
+def _row_tracking(
+    config: dict[str, str], targets: DataFrame | None
+) -> tuple[str, str] | tuple[None, None]:
+    """The materialized row id and row commit version columns when row tracking
+    is on (``targets`` read with them), else ``(None, None)``."""
+    row_id, row_version = config.get(ROW_ID_KEY), config.get(ROW_VERSION_KEY)
+    on = str(config.get("delta.enableRowTracking", "false")).lower() == "true"
+    if not on or row_id is None or row_version is None:
+        return None, None
+    if targets is not None and not {row_id, row_version} <= set(targets.columns):
+        return None, None  # delta-spark read none: row tracking is suspended
+    return row_id, row_version
+
+
+def _matching(left: DataFrame, right: DataFrame, key: Sequence[str]) -> Column:
+    """``left``'s key columns equal ``right``'s ``_k<i>`` null-safely (a partition
+    key column's "" is stored, and staged, as null)."""
+    return functools.reduce(
+        lambda a, b: a & b,
+        [left[quoted(k)].eqNullSafe(right[f"_k{i}"]) for i, k in enumerate(key)],
+    )
+
+
+def _null(type_name: str) -> Column:
+    from pyspark.sql import functions as F
+
+    return F.lit(None).cast(type_name)
+
+
+def _union(parts: Sequence[DataFrame]) -> DataFrame:
+    return functools.reduce(lambda a, b: a.unionByName(b), parts)
+
+
+def written_paths(written: Sequence[Any]) -> list[str]:
+    """The table-relative paths (as stored) of file actions ``written``."""
+    return [unquote(str(w.path())) for w in written]
+
+
+def delete_written(storage: TableStorage, written: Sequence[Any]) -> None:
+    """Delete the files of a rewrite whose commit did not land."""
+    for path in written_paths(written):
+        storage.delete(path)
