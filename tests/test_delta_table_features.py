@@ -641,6 +641,37 @@ def test_a_replace_and_a_merge_honour_a_partitioned_delta_spark_table(interprete
     verify.assert_nothing_left_delta(uri)
 
 
+def test_a_merge_with_nothing_to_read_on_a_row_tracking_table(interpreted, tmp_path):  # type: ignore[no-untyped-def]
+    """A keyed merge whose keys no file can hold (the planner reads nothing) on
+    a table with row tracking and the change feed: the new rows get fresh row
+    ids and show as inserts, the old rows keep theirs."""
+    spark = _delta_spark(interpreted)
+    uri = tmp_path / "t"
+    t = f"delta.`{uri}`"
+    spark.sql(
+        f"CREATE TABLE {t} (id BIGINT, w BIGINT) USING delta TBLPROPERTIES "
+        "(delta.enableRowTracking = true, delta.enableChangeDataFeed = true)"
+    )
+    spark.sql(f"INSERT INTO {t} SELECT id, id FROM range(4)")
+    ids_before = dict(_delta_spark_rows(spark, uri, "id, _metadata.row_id"))
+    rows = [{"id": 100, "w": 1}, {"id": 101, "w": 2}]
+    _run_rows(spark, tmp_path, "k", [rows], "id long, w long", DeltaSink(uri, key=["id"]))
+    merged = DeltaTable(str(uri)).version()
+    assert _delta_spark_rows(spark, uri, "id, w") == [(i, i) for i in range(4)] + [
+        (100, 1),
+        (101, 2),
+    ]
+    after = dict(_delta_spark_rows(spark, uri, "id, _metadata.row_id"))
+    assert len(set(after.values())) == len(after)
+    assert all(after[i] == ids_before[i] for i in range(4))
+    assert _changes(spark, uri, merged, "id, _change_type, w") == [
+        (100, "insert", 1),
+        (101, "insert", 2),
+    ]
+    removed = [a for a in _log_actions(uri, merged) if "remove" in a]
+    assert removed == []  # nothing was read, nothing rewritten
+
+
 _RULED = "id long, v long, ts timestamp"
 
 

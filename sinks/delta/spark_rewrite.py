@@ -78,7 +78,7 @@ def merged(
     names = list(layout.schema.names)
     cdf = str(config.get("delta.enableChangeDataFeed", "false")).lower() == "true"
     targets = txn.read(files) if files else None
-    row_id, row_version = _row_tracking(config, targets)
+    row_id, row_version = _row_tracking(config, targets) if targets is not None else (None, None)
     columns = names + ([row_id, row_version] if row_id and row_version else [])
 
     def project(df: DataFrame, change: Column | None) -> DataFrame:
@@ -88,11 +88,7 @@ def merged(
         return df.select(*picked)
 
     upserts = winners.where(~F.col(DELETE_COLUMN)).drop(DELETE_COLUMN)
-    if targets is None:
-        if row_id and row_version:
-            upserts = upserts.withColumn(row_id, _null("long")).withColumn(
-                row_version, _null("long")
-            )
+    if targets is None:  # only new rows: fresh row ids, the commit's version
         parts = [project(upserts, None)]
         if cdf:
             parts.append(project(upserts, F.lit("insert")))
@@ -133,15 +129,17 @@ def merged(
 
 
 def _row_tracking(
-    config: dict[str, str], targets: DataFrame | None
+    config: dict[str, str], targets: DataFrame
 ) -> tuple[str, str] | tuple[None, None]:
-    """The materialized row id and row commit version columns when row tracking
-    is on (``targets`` read with them), else ``(None, None)``."""
+    """The materialized row id and row commit version columns ``targets`` were
+    read with (row tracking on), else ``(None, None)``. Only columns delta-spark
+    added when it read the files carry the metadata its writer needs to take
+    them as row tracking, not as data."""
     row_id, row_version = config.get(ROW_ID_KEY), config.get(ROW_VERSION_KEY)
     on = str(config.get("delta.enableRowTracking", "false")).lower() == "true"
     if not on or row_id is None or row_version is None:
         return None, None
-    if targets is not None and not {row_id, row_version} <= set(targets.columns):
+    if not {row_id, row_version} <= set(targets.columns):
         return None, None  # delta-spark read none: row tracking is suspended
     return row_id, row_version
 
