@@ -528,6 +528,7 @@ def test_keyed_merges_honour_every_feature_of_a_delta_spark_table(interpreted, t
             {"id": 9, "part": 1, "w": 9, "op": "U"},
             {"id": 2, "op": "D"},  # deleted by delta-spark already: no change
             {"id": 4, "part": 0, "w": 40, "op": "U"},
+            {"id": 0, "part": 0, "w": 1000, "op": "U"},  # the file with a deletion vector
         ],
         [
             {"id": 4, "part": 0, "w": 2**31 + 4, "op": "U"},
@@ -557,6 +558,8 @@ def test_keyed_merges_honour_every_feature_of_a_delta_spark_table(interpreted, t
             (9, "insert", m1, 9),
             (4, "update_preimage", m1, 4),
             (4, "update_postimage", m1, 40),
+            (0, "update_preimage", m1, 0),
+            (0, "update_postimage", m1, 1000),
             (4, "update_preimage", m2, 40),
             (4, "update_postimage", m2, 2**31 + 4),
             (10, "insert", m2, 10),
@@ -569,9 +572,10 @@ def test_keyed_merges_honour_every_feature_of_a_delta_spark_table(interpreted, t
         for r in _delta_spark_rows(spark, uri, "id, _metadata.row_id, _metadata.row_commit_version")
     }
     assert len({rid for rid, _ in after.values()}) == len(after)
-    for i in (0, 5, 6, 7):  # copied unchanged
+    for i in (5, 6, 7):  # copied unchanged
         assert after[i] == ids_before[i], i
-    assert after[1] == (ids_before[1][0], m1) and after[4] == (ids_before[4][0], m2)
+    assert after[0] == (ids_before[0][0], m1) and after[1] == (ids_before[1][0], m1)
+    assert after[4] == (ids_before[4][0], m2)
     assert after[10][0] not in {rid for rid, _ in ids_before.values()} and after[10][1] == m2
     # files with deletion vectors removed with them
     had, named = _dv_removes(uri, [m1, m2])
@@ -641,10 +645,14 @@ def test_a_replace_and_a_merge_honour_a_partitioned_delta_spark_table(interprete
     verify.assert_nothing_left_delta(uri)
 
 
-def test_a_merge_with_nothing_to_read_on_a_row_tracking_table(interpreted, tmp_path):  # type: ignore[no-untyped-def]
-    """A keyed merge whose keys no file can hold (the planner reads nothing) on
-    a table with row tracking and the change feed: the new rows get fresh row
-    ids and show as inserts, the old rows keep theirs."""
+def test_merges_rewrite_only_the_files_that_hold_a_changed_key(interpreted, tmp_path):  # type: ignore[no-untyped-def]
+    """On a table with the change feed and row tracking (ids 1 and 5 in one
+    file, 3 in another), whose statistics make both files candidates for any
+    of these keys: a merge of only a delete of an absent key commits no file
+    and no change; an update of 3 rewrites only the file holding 3 (the other,
+    rewritten whole, would read to a change-feed reader as its rows deleted and
+    inserted again); new keys beyond every file read nothing and get fresh row
+    ids. Old rows keep theirs throughout."""
     spark = _delta_spark(interpreted)
     uri = tmp_path / "t"
     t = f"delta.`{uri}`"
@@ -652,24 +660,39 @@ def test_a_merge_with_nothing_to_read_on_a_row_tracking_table(interpreted, tmp_p
         f"CREATE TABLE {t} (id BIGINT, w BIGINT) USING delta TBLPROPERTIES "
         "(delta.enableRowTracking = true, delta.enableChangeDataFeed = true)"
     )
-    spark.sql(f"INSERT INTO {t} SELECT id, id FROM range(4)")
+    spark.sql(f"INSERT INTO {t} SELECT /*+ COALESCE(1) */ * FROM VALUES (1L, 1L), (5L, 5L)")
+    spark.sql(f"INSERT INTO {t} VALUES (3, 3)")
+    assert len(DeltaTable(str(uri)).file_uris()) == 2
     ids_before = dict(_delta_spark_rows(spark, uri, "id, _metadata.row_id"))
-    rows = [{"id": 100, "w": 1}, {"id": 101, "w": 2}]
-    _run_rows(spark, tmp_path, "k", [rows], "id long, w long", DeltaSink(uri, key=["id"]))
-    merged = DeltaTable(str(uri)).version()
-    assert _delta_spark_rows(spark, uri, "id, w") == [(i, i) for i in range(4)] + [
-        (100, 1),
-        (101, 2),
+    schema = "id long, w long, op string"
+
+    def merge(name: str, rows: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+        sink = DeltaSink(uri, key=["id"], delete_when=("op", "D"))
+        _run_rows(spark, tmp_path, name, [rows], schema, sink)
+        v = DeltaTable(str(uri)).version()
+        return v, _log_actions(uri, v)
+
+    v, actions = merge("absent", [{"id": 2, "op": "D"}])
+    assert not [a for a in actions if "add" in a or "remove" in a or "cdc" in a]
+    assert _changes(spark, uri, v, "id, _change_type, w") == []
+    v, actions = merge("update", [{"id": 3, "w": 30, "op": "U"}])
+    removed = [a["remove"] for a in actions if "remove" in a]
+    assert len(removed) == 1 and json.loads(removed[0]["stats"])["numRecords"] == 1
+    assert _changes(spark, uri, v, "id, _change_type, w") == [
+        (3, "update_postimage", 30),
+        (3, "update_preimage", 3),
     ]
-    after = dict(_delta_spark_rows(spark, uri, "id, _metadata.row_id"))
-    assert len(set(after.values())) == len(after)
-    assert all(after[i] == ids_before[i] for i in range(4))
-    assert _changes(spark, uri, merged, "id, _change_type, w") == [
+    v, actions = merge("new", [{"id": 100, "w": 1, "op": "I"}, {"id": 101, "w": 2, "op": "I"}])
+    assert not [a for a in actions if "remove" in a]  # nothing read, nothing rewritten
+    assert _changes(spark, uri, v, "id, _change_type, w") == [
         (100, "insert", 1),
         (101, "insert", 2),
     ]
-    removed = [a for a in _log_actions(uri, merged) if "remove" in a]
-    assert removed == []  # nothing was read, nothing rewritten
+    assert _delta_spark_rows(spark, uri, "id, w") == [(1, 1), (3, 30), (5, 5), (100, 1), (101, 2)]
+    after = dict(_delta_spark_rows(spark, uri, "id, _metadata.row_id"))
+    assert len(set(after.values())) == len(after)
+    assert all(after[i] == ids_before[i] for i in (1, 3, 5))
+    deltacheck.assert_change_feed_replays_to_the_table(spark, uri)
 
 
 _RULED = "id long, v long, ts timestamp"

@@ -149,6 +149,9 @@ def plan(
         and all(ch.key_range is not None for ch in changes)
     ):
         ranges = [ch.key_range for ch in changes if ch.key_range is not None]
+    # statistics are keyed by physical names on a column-mapped table (partition
+    # values by logical ones, as deltalake gives them)
+    stat = layout.mapping.name(first) if layout.mapping is not None else first
     found = []
     for a in actions:
         candidate = Candidate.of(a, parts)
@@ -156,7 +159,7 @@ def plan(
         if allowed is not None and tuple(pv[c] for c in parts) not in allowed:
             continue
         if ranges is not None:
-            low, high = range_value(a.get(f"min.{first}")), range_value(a.get(f"max.{first}"))
+            low, high = range_value(a.get(f"min.{stat}")), range_value(a.get(f"max.{stat}"))
             if (
                 low is not None
                 and high is not None
@@ -438,8 +441,9 @@ def _commit_through_delta_spark(
     spark = txn.spark
     written: list[Any] = []
     try:
-        files = txn.live_files([c.path for c in candidates])
         winners = _winners(spark, storage, layout, rules, changes)
+        planned = txn.live_files([c.path for c in candidates])
+        files = spark_rewrite.touched(txn, rules.key, planned, winners)
         config = dict(dt.metadata().configuration or {})
         rows = spark_rewrite.merged(txn, layout, rules.key, files, winners, config)
         written = txn.write(rows)
@@ -455,7 +459,7 @@ def _commit_through_delta_spark(
     summary = {
         "changes": dict(changed),
         "filesRemoved": len(files),
-        "bytesRewritten": sum(c.size for c in candidates),
+        "bytesRewritten": sum(int(f.size()) for f in files),
         "filesAdded": sum(1 for w in written if str(w.getClass().getSimpleName()) == "AddFile"),
     }
     try:
@@ -474,14 +478,15 @@ def _commit_through_delta_spark(
             spark_rewrite.delete_written(storage, written)
         raise
     log.info(
-        "%s: merged %d change(s) of %d batch(es) as %s v%d through delta-spark: %d file(s) "
-        "rewritten, %d file action(s) written",
+        "%s: merged %d change(s) of %d batch(es) as %s v%d through delta-spark: %d of %d "
+        "planned file(s) held a changed key and were rewritten, %d file action(s) written",
         where,
         sum(ch.rows for ch in changes),
         len({ch.batch for ch in changes}),
         app,
         version,
-        len(candidates),
+        len(files),
+        len(planned),
         len(written),
     )
     _faults.hit("driver.mid_commit", batch=version, sink="delta")

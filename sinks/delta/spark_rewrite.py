@@ -20,11 +20,14 @@ makes them. The rules:
 3. **Rows keep their identity.** With row tracking, a row copied unchanged
    keeps its row id and commit version; a row updated by key keeps its row id
    and takes the new commit version; an inserted row gets a fresh id.
-4. **The change feed sees each change once.** With the change data feed on,
-   the rewrite writes change-data files: ``update_preimage`` and
+4. **The change feed sees each change once.** Only the planned files that
+   hold a changed key are rewritten and removed (:func:`touched`), so every
+   removed file has a change of its own. With the change data feed on, the
+   rewrite writes change-data files: ``update_preimage`` and
    ``update_postimage`` for a key that was there and is written, ``delete`` for
    a key that was there and is deleted, ``insert`` for a new key. Copied rows
-   are no change. A delete of a key the table lacks is no change either.
+   are no change. A delete of a key the table lacks is no change either: a
+   merge of nothing but such deletes commits the app transaction alone.
 5. **The writer is delta-spark's.** Files are written by the transaction's own
    writer (physical names, field ids, statistics, the table's constraints), in
    the table's data directories under delta-spark's names. A crash between the
@@ -58,7 +61,41 @@ CHANGE_TYPE = "_change_type"
 ROW_ID_KEY = "delta.rowTracking.materializedRowIdColumnName"
 ROW_VERSION_KEY = "delta.rowTracking.materializedRowCommitVersionColumnName"
 _WAS = "_twophase_was"
+_FILE = "_twophase_file"
 _OLD_ID = "_twophase_old_id"
+
+
+def touched(
+    txn: SparkTxn, key: Sequence[str], files: Sequence[Any], winners: DataFrame
+) -> list[Any]:
+    """The files of ``files`` (``AddFile`` actions of ``txn``'s snapshot) that hold
+    a key of ``winners``: only those are rewritten and removed (rule 4: a file
+    rewritten whole without a change of its own would read, to a change-feed
+    reader of a version without change data, as every row deleted and
+    inserted again). One Spark job, as delta-spark's MERGE finds its files."""
+    from pyspark.sql import functions as F
+
+    if not files:
+        return []
+    jvm = txn.spark._jvm
+    ops = jvm.org.apache.spark.sql.delta.util.DeltaFileOperations
+    base = str(txn.jvm_txn.deltaLog().dataPath().toString())
+    by_path = {str(ops.absolutePath(base, str(f.path())).toString()): f for f in files}
+    keys = winners.select(*[F.col(quoted(k)).alias(f"_k{i}") for i, k in enumerate(key)])
+    targets = txn.read(files).withColumn(_FILE, F.input_file_name())
+    names = (
+        targets.join(keys, _matching(targets, keys, key), "left_semi")
+        .select(_FILE)
+        .distinct()
+        .collect()
+    )
+    found = []
+    for (name,) in names:
+        path = str(ops.absolutePath(base, name).toString())
+        if path not in by_path:
+            raise RuntimeError(f"delta-spark read a file the merge did not plan: {name}")
+        found.append(by_path[path])
+    return found
 
 
 def merged(

@@ -6,7 +6,8 @@ separate driver process by the model tests, which SIGKILL it at random.
 Sinks (``--sinks``, a comma-separated subset): ``pg`` (table ``--table`` of
 ``--dsn``, which must exist with a primary key on ``id``), ``kafka`` (a
 changelog topic ``--topic`` at ``--bootstrap``), ``delta`` (table ``--delta``,
-created on first use). ``--hostile``: the feed of ``write_hostile_feed``, keyed
+created on first use; ``--delta-spark``: the session has delta-spark, for a
+table with features only it writes). ``--hostile``: the feed of ``write_hostile_feed``, keyed
 by ``(region, id)`` (Kafka: by ``k``), Delta partitioned by ``region``. Exit
 status 0 only when the run committed.
 """
@@ -40,8 +41,11 @@ def main() -> int:
     ap.add_argument("--job", default="model")
     ap.add_argument("--interval", type=float, default=0.0)
     ap.add_argument("--hostile", action="store_true", help="the (region, id) feed")
+    ap.add_argument(
+        "--delta-spark", action="store_true", help="a session with delta-spark (feature tables)"
+    )
     args = ap.parse_args()
-    spark = start_driver(args.job)
+    spark = start_driver(args.job, jvm_packages=args.delta_spark)
     schema = HOSTILE_SCHEMA if args.hostile else SCHEMA
     df = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(args.input)
     key = ["region", "id"] if args.hostile else ["id"]
