@@ -35,18 +35,26 @@ def make_input(directory: Path, rows: int, files: int) -> None:
         pq.write_table(table, directory / f"part-{f:04d}.parquet")
 
 
-def bench_spark(app: str) -> SparkSession:
-    """A quiet ``local[2]`` session (the machine the numbers are measured on)."""
+def bench_spark(app: str, *, delta_spark: bool = False) -> SparkSession:
+    """A quiet ``local[2]`` session (the machine the numbers are measured on);
+    ``delta_spark``: with delta-spark's jars and SQL extension, as its users run
+    (``python -m lifecycle.testing.jars fetch delta`` caches them)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    spark = (
+    builder = (
         SparkSession.builder.master("local[2]")
         .appName(app)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "4")
-        .getOrCreate()
     )
+    if delta_spark:
+        from lifecycle.testing import jars
+
+        builder = builder.config("spark.jars", ",".join(str(p) for p in jars.jars("delta")))
+        for k, v in jars.DELTA_SQL_CONF.items():
+            builder = builder.config(k, v)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
