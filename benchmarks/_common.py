@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,10 +35,11 @@ def make_input(directory: Path, rows: int, files: int) -> None:
         pq.write_table(table, directory / f"part-{f:04d}.parquet")
 
 
-def bench_spark(app: str, *, delta_spark: bool = False) -> SparkSession:
-    """A quiet ``local[2]`` session (the machine the numbers are measured on);
-    ``delta_spark``: with delta-spark's jars and SQL extension, as its users run
-    (``python -m lifecycle.testing.jars fetch delta`` caches them)."""
+def bench_spark(app: str, *, jar_sets: Sequence[str] = ()) -> SparkSession:
+    """A quiet ``local[2]`` session (the machine the numbers are measured on),
+    with the cached jars of ``jar_sets`` (``python -m lifecycle.testing.jars
+    fetch`` caches them): ``delta`` also gets delta-spark's SQL extension, as
+    its users run it; ``jdbc`` is the PostgreSQL JDBC driver."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = (
@@ -48,12 +49,14 @@ def bench_spark(app: str, *, delta_spark: bool = False) -> SparkSession:
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "4")
     )
-    if delta_spark:
+    if jar_sets:
         from lifecycle.testing import jars
 
-        builder = builder.config("spark.jars", ",".join(str(p) for p in jars.jars("delta")))
-        for k, v in jars.DELTA_SQL_CONF.items():
-            builder = builder.config(k, v)
+        found = [str(p) for name in jar_sets for p in jars.jars(name)]
+        builder = builder.config("spark.jars", ",".join(found))
+        if "delta" in jar_sets:
+            for k, v in jars.DELTA_SQL_CONF.items():
+                builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark

@@ -121,7 +121,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="twophase-delta-bench-", dir=args.workdir))
     try:
         make_input(work / "in", args.rows, args.files)
-        spark = bench_spark("twophase-delta-bench", delta_spark=True)
+        spark = bench_spark("twophase-delta-bench", jar_sets=["delta"])
 
         def source() -> DataFrame:
             return parquet_stream(spark, work / "in", args.files_per_batch)
