@@ -15,6 +15,12 @@ the same records (key: ``id`` as text; value: the row as JSON, both from
   encoder and pipelined producer (:mod:`sinks.kafka.records`,
   :mod:`sinks.kafka.produce`), idempotent, outside any transaction:
   at-least-once, no ledger;
+* ``spark-kafka``: what a Spark user runs instead, the same job with
+  ``foreachBatch`` writing each micro-batch with Spark's own Kafka writer
+  (``df.write.format("kafka")``: key ``CAST(id AS STRING)``, value
+  ``to_json(struct(*))``, ``acks=all``), at-least-once, all in the JVM;
+* ``jvm-floor``: the same ``to_json(struct(*))`` records written to Spark's
+  ``noop`` writer: what the JVM route costs before any record is sent;
 * ``exactly-once``: a :class:`lifecycle.Job` with a :class:`sinks.KafkaSink`.
 
 Every producing run is checked afterwards from the raw log (control markers
@@ -24,8 +30,10 @@ round; medians are reported with ratios against librdkafka and the floor.
     python benchmarks/kafka_throughput.py [--rows N] [--files F] [--files-per-batch K]
         [--repeat R] [--partitions P] [--bootstrap HOST:PORT] [--variants a,b,...]
 
-Without ``--bootstrap`` a private tansu broker (memory storage) is started on
-loopback, as the tests do.
+Without ``--bootstrap`` a private broker is started on loopback, as the tests
+do: Apache Kafka (``--broker apache``, the default) or tansu (``--broker tansu``).
+Spark's Kafka writer needs the cached ``spark-kafka`` jars
+(``python -m lifecycle.testing.jars fetch spark-kafka``).
 """
 
 from __future__ import annotations
@@ -64,7 +72,8 @@ from sinks.kafka import encode, partitioner, records  # noqa: E402
 from sinks.kafka.produce import TxnProducer  # noqa: E402
 from sinks.kafka.wire import KafkaWire  # noqa: E402
 
-VARIANTS = ("librdkafka", "floor", "twin", "exactly-once")
+VARIANTS = ("librdkafka", "floor", "jvm-floor", "twin", "spark-kafka", "exactly-once")
+_NO_TOPIC = ("floor", "jvm-floor")
 
 
 # -- librdkafka -------------------------------------------------------------------------
@@ -183,6 +192,32 @@ def run_floor(src: DataFrame, ckpt: Path) -> float:
     return time_foreach_batch(src, each, ckpt)
 
 
+def _as_records(df: DataFrame) -> DataFrame:
+    """Spark's own route to Kafka records: the key as text, the row as JSON."""
+    return df.selectExpr("CAST(id AS STRING) AS key", "to_json(struct(*)) AS value")
+
+
+def run_jvm_floor(src: DataFrame, ckpt: Path) -> float:
+    def each(df: DataFrame, _batch: int) -> None:
+        _as_records(df).write.format("noop").mode("append").save()
+
+    return time_foreach_batch(src, each, ckpt)
+
+
+def run_spark_kafka(src: DataFrame, bootstrap: str, topic: str, ckpt: Path) -> float:
+    def each(df: DataFrame, _batch: int) -> None:
+        (
+            _as_records(df)
+            .write.format("kafka")
+            .option("kafka.bootstrap.servers", bootstrap)
+            .option("kafka.acks", "all")
+            .option("topic", topic)
+            .save()
+        )
+
+    return time_foreach_batch(src, each, ckpt)
+
+
 def run_twin(src: DataFrame, bootstrap: str, topic: str, ckpt: Path) -> float:
     task = _twin_task(bootstrap, topic)
 
@@ -232,7 +267,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--partitions", type=int, default=4, help="partitions of each topic")
     ap.add_argument("--interval", type=float, default=0.0, help="checkpoint_interval")
-    ap.add_argument("--bootstrap", help="Kafka bootstrap servers (default: start tansu)")
+    ap.add_argument("--bootstrap", help="Kafka bootstrap servers (default: start --broker)")
+    ap.add_argument("--broker", choices=("apache", "tansu"), default="apache")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -245,16 +281,23 @@ def main() -> int:
     broker = None
     bootstrap = args.bootstrap
     if bootstrap is None:
-        from lifecycle.testing.kafka_broker import KafkaBroker
+        if args.broker == "apache":
+            from lifecycle.testing.apache_kafka import ApacheKafka
 
-        broker = KafkaBroker()
+            broker = ApacheKafka()
+        else:
+            from lifecycle.testing.kafka_broker import KafkaBroker
+
+            broker = KafkaBroker()
         broker.start()
         bootstrap = broker.bootstrap
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     try:
         make_input(work / "in", args.rows, args.files)
         files = sorted(str(p) for p in (work / "in").glob("*.parquet"))
-        spark = bench_spark("twophase-kafka-bench")
+        spark = bench_spark(
+            "twophase-kafka-bench", jar_sets=["spark-kafka"] if "spark-kafka" in variants else []
+        )
         cores = spark.sparkContext.defaultParallelism
 
         def source() -> DataFrame:
@@ -265,19 +308,23 @@ def main() -> int:
             for variant in variants:
                 topic = f"bench-{variant}-{r + 1}-{uuid.uuid4().hex[:6]}"
                 where = work / f"{variant}-{r + 1}"
-                if variant != "floor":
+                if variant not in _NO_TOPIC:
                     admin.create_topics([NewTopic(topic, args.partitions, 1)])
                 if variant == "librdkafka":
                     secs = run_librdkafka(bootstrap, topic, files, cores)
                 elif variant == "floor":
                     secs = run_floor(source(), where)
+                elif variant == "jvm-floor":
+                    secs = run_jvm_floor(source(), where)
+                elif variant == "spark-kafka":
+                    secs = run_spark_kafka(source(), bootstrap, topic, where)
                 elif variant == "twin":
                     secs = run_twin(source(), bootstrap, topic, where)
                 else:
                     sink = KafkaSink(bootstrap, topic, key="id")
                     secs = time_job(spark, source(), sink, where, args.interval)
                     sink.close()
-                if variant != "floor":
+                if variant not in _NO_TOPIC:
                     committed, aborted, still_open = count_records(bootstrap, topic)
                     assert (committed, still_open) == (args.rows, 0), (
                         f"{variant}: {committed} committed, {aborted} aborted, {still_open} "
@@ -300,12 +347,20 @@ def main() -> int:
             f"{os.getloadavg()[0]:.2f}), checkpoint_interval={args.interval}, median of "
             f"{args.repeat} after a warm-up round"
         )
-        print("| variant | seconds | rows/s | vs librdkafka | vs Spark's floor |")
-        print("| --- | ---: | ---: | ---: | ---: |")
+        print(
+            "| variant | seconds | rows/s | vs librdkafka | vs Spark's floor | "
+            "vs Spark's Kafka writer |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+
+        def ratio(base: str, v: str) -> str:
+            return f"{med[base] / med[v]:.2f}" if base in med else "-"
+
         for v in variants:
-            rd = f"{med['librdkafka'] / med[v]:.2f}" if "librdkafka" in med else "-"
-            fl = f"{med['floor'] / med[v]:.2f}" if "floor" in med else "-"
-            print(f"| {v} | {med[v]:.2f} | {args.rows / med[v]:,.0f} | {rd} | {fl} |")
+            print(
+                f"| {v} | {med[v]:.2f} | {args.rows / med[v]:,.0f} | {ratio('librdkafka', v)} | "
+                f"{ratio('floor', v)} | {ratio('spark-kafka', v)} |"
+            )
         if "twin" in med and "exactly-once" in med:
             print(f"\nexactly-once / twin: {med['twin'] / med['exactly-once']:.2f}")
         return 0
