@@ -695,6 +695,30 @@ def test_merges_rewrite_only_the_files_that_hold_a_changed_key(interpreted, tmp_
     deltacheck.assert_change_feed_replays_to_the_table(spark, uri)
 
 
+def test_a_merge_prunes_by_the_key_s_physical_statistics(interpreted, tmp_path):  # type: ignore[no-untyped-def]
+    """Column mapping turned on for an existing table keeps its columns'
+    physical names: after ``id`` is renamed ``legacy_id`` and a new ``id`` is
+    added, the statistics keyed ``id`` are ``legacy_id``'s. A keyed merge on the
+    new ``id`` must prune by its own statistics: read by ``legacy_id``'s, the
+    file holding id 500 (legacy_id 1) looked out of range, and the upsert added
+    id 500 a second time."""
+    spark = _delta_spark(interpreted)
+    uri = tmp_path / "t"
+    t = f"delta.`{uri}`"
+    spark.sql(f"CREATE TABLE {t} (id BIGINT, v BIGINT) USING delta")
+    spark.sql(
+        f"ALTER TABLE {t} SET TBLPROPERTIES (delta.minReaderVersion = 2, "
+        "delta.minWriterVersion = 5, delta.columnMapping.mode = 'name')"
+    )
+    spark.sql(f"ALTER TABLE {t} RENAME COLUMN id TO legacy_id")
+    spark.sql(f"ALTER TABLE {t} ADD COLUMN id BIGINT")
+    spark.sql(f"INSERT INTO {t} (legacy_id, v, id) VALUES (1, 0, 500)")
+    rows = [{"legacy_id": 1, "v": 1, "id": 500}]
+    schema = "legacy_id long, v long, id long"
+    _run_rows(spark, tmp_path, "k", [rows], schema, DeltaSink(uri, key=["id"]))
+    assert _delta_spark_rows(spark, uri, "id, legacy_id, v") == [(500, 1, 1)]
+
+
 _RULED = "id long, v long, ts timestamp"
 
 
