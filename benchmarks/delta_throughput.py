@@ -115,6 +115,14 @@ def main() -> int:
     ap.add_argument(
         "--workdir", default=None, help="where input and tables go (default: a tmp dir)"
     )
+    ap.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Spark setting of the session (e.g. delta-spark's "
+        "spark.databricks.delta.snapshotPartitions=2, which its defaults leave at 50)",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     partition_by = [args.partition_by] if args.partition_by else None
@@ -122,6 +130,9 @@ def main() -> int:
     try:
         make_input(work / "in", args.rows, args.files)
         spark = bench_spark("twophase-delta-bench", jar_sets=["delta"])
+        for kv in args.conf:
+            key, _, value = kv.partition("=")
+            spark.conf.set(key, value)
 
         def source() -> DataFrame:
             return parquet_stream(spark, work / "in", args.files_per_batch)
@@ -167,7 +178,7 @@ def main() -> int:
         print(
             f"{args.rows:,} rows, {batches} micro-batches, checkpoint_interval={args.interval}, "
             f"partition_by={partition_by}, median of {args.repeat} (after a warm-up run); "
-            f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}"
+            f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; settings {args.conf}"
         )
         print(
             "| variant | seconds | rows/s | vs the faster plain baseline | "
