@@ -177,6 +177,13 @@ def main() -> int:
     ap.add_argument(
         "--distributions", default=",".join(DISTRIBUTIONS), help="a comma-separated subset"
     )
+    ap.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Spark setting of the session (e.g. spark.databricks.delta.snapshotPartitions=2)",
+    )
     args = ap.parse_args()
     distributions = [d for d in args.distributions.split(",") if d]
     logging.basicConfig(level=logging.WARNING)
@@ -186,6 +193,9 @@ def main() -> int:
         base_table(base, args.rows, args.files)
         base_bytes = sum(f.stat().st_size for f in base.glob("*.parquet"))
         spark = bench_spark("twophase-merge-bench", jar_sets=["delta"])
+        for kv in args.conf:
+            key, _, value = kv.partition("=")
+            spark.conf.set(key, value)
         if args.deletion_vectors:
             spark.sql(
                 f"ALTER TABLE delta.`{base}` SET TBLPROPERTIES (delta.enableDeletionVectors = true)"
