@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from lifecycle import Job, TaskFailedError
+from lifecycle import Job, JobResult, TaskFailedError
 from lifecycle.testing import verify
 from sinks import ConfigError, DeltaSink, _faults
 from tests import deltacheck
@@ -92,25 +92,27 @@ def test_several_batches_merge_as_one_version_the_last_batch_winning(spark, tmp_
     verify.assert_nothing_left_delta(uri)
 
 
-def _write_batches(
+def write_batches(
     spark,
     tmp_path: Path,
     sink: DeltaSink,
     batches: list[list[dict[str, Any]]],
     schema: str,
     name: str,
-) -> None:  # type: ignore[no-untyped-def]
+) -> JobResult:  # type: ignore[no-untyped-def]
+    """One job ``name``: a micro-batch per list of ``batches``, in order (each a
+    JSON file the file source takes by its modification time), and with
+    ``checkpoint_interval=0`` a commit after each."""
     src = tmp_path / f"in-{name}"
     src.mkdir()
     for i, rows in enumerate(batches):
         part = src / f"part-{i}.json"
         part.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
         os.utime(part, (1_700_000_000 + i, 1_700_000_000 + i))
     df = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(str(src))
     job = Job(spark, name, tmp_path / f"state-{name}", checkpoint_interval=0)
     job.add_pipeline("p", df, [sink], bounded=True)
-    job.run()
+    return job.run()
 
 
 def test_a_partition_in_the_key_prunes_the_rewrite(spark, tmp_path):  # type: ignore[no-untyped-def]
@@ -119,7 +121,7 @@ def test_a_partition_in_the_key_prunes_the_rewrite(spark, tmp_path):  # type: ig
     schema = "region string, id long, v long"
     first = [{"region": r, "id": i, "v": 0} for r in "abcd" for i in range(20)]
     second = [{"region": "b", "id": i, "v": 1} for i in range(5)]
-    _write_batches(spark, tmp_path, sink, [first, second], schema, "prune")
+    write_batches(spark, tmp_path, sink, [first, second], schema, "prune")
     merges = _merges(uri)
     files_of_b = sum(1 for u in DeltaTable(str(uri)).file_uris() if "region=b" in u)
     assert merges[-1]["filesRemoved"] >= 1
@@ -142,11 +144,11 @@ def test_an_empty_partition_key_is_null_and_matched_as_such(spark, tmp_path):  #
     schema = "region string, id long, v long, op string"
     append = DeltaSink(uri, partition_by=["region"])
     first = [{"region": "", "id": 1, "v": 0}]
-    _write_batches(spark, tmp_path, append, [first], "region string, id long, v long", "a")
+    write_batches(spark, tmp_path, append, [first], "region string, id long, v long", "a")
     sink = DeltaSink(uri, key=["region", "id"], delete_when=("op", "D"))
     mixed = [{"region": r, "id": i, "v": 1, "op": "I"} for r in ("", "a", "b") for i in range(8)]
     again = [{"region": "", "id": 1, "v": 2, "op": "I"}, {"region": "", "id": 2, "v": 0, "op": "D"}]
-    _write_batches(spark, tmp_path, sink, [mixed, again], schema, "k")
+    write_batches(spark, tmp_path, sink, [mixed, again], schema, "k")
     want = {(r or None, i): 1 for r in ("", "a", "b") for i in range(8)}
     want[(None, 1)] = 2
     del want[(None, 2)]
@@ -166,7 +168,7 @@ def test_an_update_moves_a_row_to_another_partition(spark, tmp_path):  # type: i
     schema = "id long, status string"
     first = [{"id": i, "status": "open"} for i in range(10)]
     second = [{"id": 3, "status": "closed"}, {"id": 4, "status": "closed"}]
-    _write_batches(spark, tmp_path, sink, [first, second], schema, "moves")
+    write_batches(spark, tmp_path, sink, [first, second], schema, "moves")
     rows = DeltaTable(str(uri)).to_pyarrow_table().to_pylist()
     assert sorted((r["id"], r["status"]) for r in rows) == sorted(
         [(i, "open") for i in range(10) if i not in (3, 4)] + [(3, "closed"), (4, "closed")]
@@ -184,7 +186,7 @@ def test_a_concurrent_writer_makes_the_merge_plan_again(spark, tmp_path, other):
     uri = tmp_path / "t"
     sink = DeltaSink(uri, key=["id"])
     schema = "id long, v long"
-    _write_batches(spark, tmp_path, sink, [[{"id": i, "v": 0} for i in range(10)]], schema, "a")
+    write_batches(spark, tmp_path, sink, [[{"id": i, "v": 0} for i in range(10)]], schema, "a")
     fired = []
 
     def other_writer() -> None:
@@ -194,7 +196,7 @@ def test_a_concurrent_writer_makes_the_merge_plan_again(spark, tmp_path, other):
         write_deltalake(str(uri), pa.table({"id": [1, 100], "v": [9, 7]}), mode="append")
 
     _faults.register("driver.merge_staged", other_writer)
-    _write_batches(spark, tmp_path, sink, [[{"id": 1, "v": 1}, {"id": 2, "v": 1}]], schema, "b")
+    write_batches(spark, tmp_path, sink, [[{"id": 1, "v": 1}, {"id": 2, "v": 1}]], schema, "b")
     assert fired
     got = {r["id"]: r["v"] for r in DeltaTable(str(uri)).to_pyarrow_table().to_pylist()}
     assert len(got) == DeltaTable(str(uri)).count()  # one row per key
@@ -207,7 +209,7 @@ def test_keyed_rules_fail_the_batch_in_delta(spark, tmp_path):  # type: ignore[n
     uri = tmp_path / "t"
     sink = DeltaSink(uri, key=["id"])
     with pytest.raises(TaskFailedError, match=r"different rows of the key \(id=1\)"):
-        _write_batches(
+        write_batches(
             spark,
             tmp_path,
             sink,

@@ -10,7 +10,6 @@ only, and stay allowed there.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from sinks import DeltaSink, PreflightError, _faults
 from sinks.delta import table
 from sinks.delta.layout import DeltaSchemaError
 from tests import deltacheck
+from tests.test_delta_merge import write_batches
 
 
 def _delta_spark(spark):  # type: ignore[no-untyped-def]
@@ -452,27 +452,6 @@ def test_keyed_and_replace_sinks_rewrite_the_files_delta_spark_wrote(interpreted
 # -- rewrites (keyed merges, replaces) of tables with the features ---------------------
 
 
-def _run_rows(
-    spark,
-    tmp_path: Path,
-    name: str,
-    batches: list[list[dict[str, Any]]],
-    schema: str,
-    sink: DeltaSink,
-) -> None:  # type: ignore[no-untyped-def]
-    """One job: a micro-batch (and, every checkpoint_interval=0, a commit) per list."""
-    src = tmp_path / f"in-{name}"
-    src.mkdir()
-    for n, rows in enumerate(batches):
-        f = src / f"p{n}.json"
-        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.utime(f, (1_700_000_000 + n, 1_700_000_000 + n))  # the file source's order
-    job = Job(spark, name, tmp_path / f"state-{name}", checkpoint_interval=0)
-    df = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(str(src))
-    job.add_pipeline("p", df, [sink], bounded=True)
-    assert job.run().committed
-
-
 def _changes(
     spark, uri: Path, since: int, columns: str = "id, _change_type, _commit_version, w"
 ) -> list[tuple[Any, ...]]:  # type: ignore[no-untyped-def]
@@ -538,7 +517,7 @@ def test_keyed_merges_honour_every_feature_of_a_delta_spark_table(interpreted, t
     ]
     schema = "id long, part long, w long, at timestamp_ntz, op string"
     sink = DeltaSink(uri, key=["id"], delete_when=("op", "D"))
-    _run_rows(spark, tmp_path, "keyed", batches, schema, sink)
+    assert write_batches(spark, tmp_path, sink, batches, schema, "keyed").committed
     m1, m2 = first, first + 1
     assert DeltaTable(str(uri)).version() == m2
     model = {r[0]: r[:4] for r in before}
@@ -620,9 +599,9 @@ def test_a_replace_and_a_merge_honour_a_partitioned_delta_spark_table(interprete
     start = DeltaTable(str(uri)).version()
     schema = "id long, part string, w long"
     refill = [{"id": 20, "part": "b", "w": 20}, {"id": 21, "part": "b", "w": 21}]
-    _run_rows(
-        spark, tmp_path, "replace", [refill], schema, DeltaSink(uri, replace_where="part = 'b'")
-    )
+    assert write_batches(
+        spark, tmp_path, DeltaSink(uri, replace_where="part = 'b'"), [refill], schema, "replace"
+    ).committed
     replaced = DeltaTable(str(uri)).version()
     assert _changes(spark, uri, replaced, "id, _change_type, w") == sorted(
         [(i, "delete", i) for i in (1, 7, 10)] + [(20, "insert", 20), (21, "insert", 21)]
@@ -630,7 +609,9 @@ def test_a_replace_and_a_merge_honour_a_partitioned_delta_spark_table(interprete
     had, named = _dv_removes(uri, [replaced])
     assert had and had <= named, (had, named)
     upserts = [{"id": 0, "part": "a", "w": 100}, {"id": 30, "part": "a", "w": 30}]
-    _run_rows(spark, tmp_path, "keyed", [upserts], schema, DeltaSink(uri, key=["id"]))
+    assert write_batches(
+        spark, tmp_path, DeltaSink(uri, key=["id"]), [upserts], schema, "keyed"
+    ).committed
     merged = DeltaTable(str(uri)).version()
     assert _changes(spark, uri, merged, "id, _change_type, w") == sorted(
         [(0, "update_preimage", 0), (0, "update_postimage", 100), (30, "insert", 30)]
@@ -668,7 +649,7 @@ def test_merges_rewrite_only_the_files_that_hold_a_changed_key(interpreted, tmp_
 
     def merge(name: str, rows: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
         sink = DeltaSink(uri, key=["id"], delete_when=("op", "D"))
-        _run_rows(spark, tmp_path, name, [rows], schema, sink)
+        assert write_batches(spark, tmp_path, sink, [rows], schema, name).committed
         v = DeltaTable(str(uri)).version()
         return v, _log_actions(uri, v)
 
@@ -715,7 +696,7 @@ def test_a_merge_prunes_by_the_key_s_physical_statistics(interpreted, tmp_path):
     spark.sql(f"INSERT INTO {t} (legacy_id, v, id) VALUES (1, 0, 500)")
     rows = [{"legacy_id": 1, "v": 1, "id": 500}]
     schema = "legacy_id long, v long, id long"
-    _run_rows(spark, tmp_path, "k", [rows], schema, DeltaSink(uri, key=["id"]))
+    assert write_batches(spark, tmp_path, DeltaSink(uri, key=["id"]), [rows], schema, "k").committed
     assert _delta_spark_rows(spark, uri, "id, legacy_id, v") == [(500, 1, 1)]
 
 

@@ -61,7 +61,7 @@ from sinks.delta import progress, spark_rewrite, table
 from sinks.delta.changes import DELETE_COLUMN, change_schema, range_value
 from sinks.delta.layout import Layout, partition_value, quoted
 from sinks.delta.spark_stage import SparkStage
-from sinks.delta.spark_txn import SparkTxn
+from sinks.delta.spark_txn import SparkTxn, data_files
 from sinks.delta.storage import TableStorage, marker_path
 from sinks.errors import REWRITE_ADVICE, TransactionLostError
 from sinks.keys import KeyedWrite
@@ -464,7 +464,7 @@ def _commit_through_delta_spark(
         "changes": dict(changed),
         "filesRemoved": len(files),
         "bytesRewritten": sum(int(f.size()) for f in files),
-        "filesAdded": sum(1 for w in written if str(w.getClass().getSimpleName()) == "AddFile"),
+        "filesAdded": len(data_files(written)),
     }
     try:
         _faults.hit("driver.merge_staged", batch=version, sink="delta")

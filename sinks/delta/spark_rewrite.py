@@ -50,7 +50,7 @@ from urllib.parse import unquote
 
 from sinks.delta.changes import DELETE_COLUMN
 from sinks.delta.layout import Layout, quoted
-from sinks.delta.spark_txn import SparkTxn
+from sinks.delta.spark_txn import CHANGE_DATA_FEED, ROW_TRACKING, SparkTxn, property_on
 from sinks.delta.storage import TableStorage
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def merged(
     from pyspark.sql import functions as F
 
     names = list(layout.schema.names)
-    cdf = str(config.get("delta.enableChangeDataFeed", "false")).lower() == "true"
+    cdf = property_on(config, CHANGE_DATA_FEED)
     targets = txn.read(files) if files else None
     row_id, row_version = _row_tracking(config, targets) if targets is not None else (None, None)
     columns = names + ([row_id, row_version] if row_id and row_version else [])
@@ -173,8 +173,7 @@ def _row_tracking(
     added when it read the files carry the metadata its writer needs to take
     them as row tracking, not as data."""
     row_id, row_version = config.get(ROW_ID_KEY), config.get(ROW_VERSION_KEY)
-    on = str(config.get("delta.enableRowTracking", "false")).lower() == "true"
-    if not on or row_id is None or row_version is None:
+    if not property_on(config, ROW_TRACKING) or row_id is None or row_version is None:
         return None, None
     if not {row_id, row_version} <= set(targets.columns):
         return None, None  # delta-spark read none: row tracking is suspended

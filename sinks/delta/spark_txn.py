@@ -73,6 +73,7 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction
 
 from sinks.delta import progress
+from sinks.delta.column_mapping import MODE_KEY
 from sinks.errors import CommitRefusedError
 
 if TYPE_CHECKING:
@@ -105,6 +106,22 @@ class DeltaSparkMissingError(CommitRefusedError):
     """The table needs delta-spark's commit and the driver's session lacks it."""
 
 
+CHANGE_DATA_FEED = "delta.enableChangeDataFeed"
+ROW_TRACKING = "delta.enableRowTracking"
+
+
+def property_on(config: dict[str, str], key: str) -> bool:
+    """Whether the boolean table property ``key`` is true in ``config`` (the
+    table's properties; Delta reads them case-insensitively, false when unset)."""
+    return str(config.get(key, "false")).lower() == "true"
+
+
+def data_files(written: Sequence[Any]) -> list[Any]:
+    """The data files (``AddFile``) among file actions ``written`` (:meth:`SparkTxn.write`),
+    without the change-data files (``AddCDCFile``)."""
+    return [w for w in written if str(w.getClass().getSimpleName()) == "AddFile"]
+
+
 REWRITE_FEATURES = ("deletionVectors", "changeDataFeed", "columnMapping")
 """features of a table whose rewrites (a keyed merge, a replace) go through
 delta-spark, which reads and removes files by them and writes what they need
@@ -122,9 +139,9 @@ def needed(dt: DeltaTable, *, rewrites: bool = False) -> list[str]:
         config = dt.metadata().configuration or {}
         if "deletionVectors" in features:
             found.add("deletionVectors")
-        if str(config.get("delta.enableChangeDataFeed", "false")).lower() == "true":
+        if property_on(config, CHANGE_DATA_FEED):
             found.add("changeDataFeed")
-        if config.get("delta.columnMapping.mode") not in (None, "none"):
+        if config.get(MODE_KEY) not in (None, "none"):
             found.add("columnMapping")
     return sorted(found)
 
@@ -350,7 +367,7 @@ class SparkTxn:
         only: change-data files are neither rows nor files of the table)."""
         jvm = self._spark._jvm
         rows, size = progress.added_totals(adds)
-        data = [w for w in written if str(w.getClass().getSimpleName()) == "AddFile"]
+        data = data_files(written)
         for w in data:
             rows += int(json.loads(w.stats() or "{}").get("numRecords", 0))
             size += int(w.size())

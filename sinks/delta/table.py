@@ -115,7 +115,7 @@ def check_rewritable(dt: DeltaTable, where: str, *, delta_spark: bool) -> None:
 
     Appends need none of this: an add names no deletion vector."""
     config = dt.metadata().configuration or {}
-    if str(config.get("delta.appendOnly", "false")).lower() == "true":
+    if spark_txn.property_on(config, "delta.appendOnly"):
         raise DeltaSchemaError(
             f"{where} is append-only (delta.appendOnly=true): a keyed DeltaSink (key=) or a "
             "replace (replace_where=) removes files, which Delta forbids there. Append (no "
