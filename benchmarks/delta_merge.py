@@ -2,7 +2,9 @@
 
 A base table of ``--rows`` rows (ids 0..rows-1, ``--files`` files written in id
 order, so each file holds one range of ids) takes one batch of ``--changes``
-changes (90% upserts, 10% deletes) in each of these key distributions:
+changes (90% upserts, 10% deletes) in each of these key distributions
+(``--batches N``: N micro-batches of them, the sink at ``--interval``, its
+default ``checkpoint_interval`` of 5 s, so one checkpoint may merge several):
 
 * ``recent``: ids from the last 5% of the table (the usual shape of a change
   feed: recent orders change); they fall in few files;
@@ -80,25 +82,28 @@ def base_table(uri: Path, rows: int, files: int) -> None:
         write_deltalake(str(uri), t, mode="append")
 
 
-def changes(directory: Path, rows: int, n: int, how: str, seed: int) -> None:
+def changes(directory: Path, rows: int, n: int, how: str, seed: int, batches: int = 1) -> None:
+    """``batches`` files of ``n`` changes each (one a micro-batch), keys unique
+    within a file; a key may change again in a later one."""
     rnd = random.Random(seed)
-    if how == "recent":
-        ids = rnd.sample(range(rows - rows // 20, rows), min(n, rows // 20))
-    elif how == "uniform":
-        ids = rnd.sample(range(rows), n)
-    else:
-        ids = list(range(rows, rows + n))
-    ops = ["D" if rnd.random() < 0.1 else "U" for _ in ids]
     directory.mkdir(parents=True)
-    t = pa.table(
-        {
-            "id": pa.array(ids, pa.int64()),
-            "name": pa.array([f"changed-{i}" for i in ids]),
-            "amount": pa.array([float(i) for i in ids], pa.float64()),
-            "op": pa.array(ops),
-        }
-    )
-    pq.write_table(t, directory / "part-0000.parquet")
+    for b in range(batches):
+        if how == "recent":
+            ids = rnd.sample(range(rows - rows // 20, rows), min(n, rows // 20))
+        elif how == "uniform":
+            ids = rnd.sample(range(rows), n)
+        else:
+            ids = list(range(rows + b * n, rows + (b + 1) * n))
+        ops = ["D" if rnd.random() < 0.1 else "U" for _ in ids]
+        t = pa.table(
+            {
+                "id": pa.array(ids, pa.int64()),
+                "name": pa.array([f"changed-{b}-{i}" for i in ids]),
+                "amount": pa.array([float(i + b) for i in ids], pa.float64()),
+                "op": pa.array(ops),
+            }
+        )
+        pq.write_table(t, directory / f"part-{b:04d}.parquet")
 
 
 def run_yardstick(src: DataFrame, uri: str, ckpt: Path) -> float:
@@ -145,18 +150,19 @@ def run_delta_spark(src: DataFrame, uri: str, ckpt: Path) -> float:
     return time_foreach_batch(src, each, ckpt)
 
 
-def amplification(uri: str) -> tuple[int, int, int]:
-    """(files removed, bytes removed, bytes added) by the table's last version."""
-    dt = DeltaTable(uri)
-    log = Path(uri) / "_delta_log" / f"{dt.version():020d}.json"
+def amplification(uri: str, since: int) -> tuple[int, int, int]:
+    """(files removed, bytes removed, bytes added) by the table's versions after ``since``."""
     removed = files = added = 0
-    for line in log.read_text().splitlines():
-        action = json.loads(line)
-        if "remove" in action:
-            files += 1
-            removed += int(action["remove"].get("size") or 0)
-        if "add" in action:
-            added += int(action["add"]["size"])
+    for log in sorted((Path(uri) / "_delta_log").glob("*.json")):
+        if int(log.stem) <= since:
+            continue
+        for line in log.read_text().splitlines():
+            action = json.loads(line)
+            if "remove" in action:
+                files += 1
+                removed += int(action["remove"].get("size") or 0)
+            if "add" in action:
+                added += int(action["add"]["size"])
     return files, removed, added
 
 
@@ -171,7 +177,10 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--files", type=int, default=20)
     ap.add_argument("--changes", type=int, default=20_000)
+    ap.add_argument("--batches", type=int, default=1, help="micro-batches of --changes each")
+    ap.add_argument("--interval", type=float, default=5.0, help="the sink's checkpoint_interval")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--deletion-vectors", action="store_true", help="the base table has them on")
     ap.add_argument(
@@ -186,6 +195,9 @@ def main() -> int:
     )
     args = ap.parse_args()
     distributions = [d for d in args.distributions.split(",") if d]
+    variants = [v for v in args.variants.split(",") if v]
+    if ALTERNATIVE not in variants or set(variants) - set(VARIANTS):
+        ap.error(f"--variants: a subset of {VARIANTS} with {ALTERNATIVE!r}")
     logging.basicConfig(level=logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="twophase-merge-bench-", dir=args.workdir))
     try:
@@ -200,33 +212,37 @@ def main() -> int:
             spark.sql(
                 f"ALTER TABLE delta.`{base}` SET TBLPROPERTIES (delta.enableDeletionVectors = true)"
             )
+        base_version = int(
+            spark.sql(f"DESCRIBE HISTORY delta.`{base}`").selectExpr("max(version)").first()[0]  # type: ignore[index]
+        )
+        total = args.changes * args.batches
         results: dict[tuple[str, str], list[float]] = {}
         amp: dict[tuple[str, str], tuple[int, int, int]] = {}
         for how in distributions:
             src_dir = work / f"changes-{how}"
-            changes(src_dir, args.rows, args.changes, how, seed=7)
+            changes(src_dir, args.rows, args.changes, how, seed=7, batches=args.batches)
             for r in range(-1, args.repeat):
                 tables: dict[str, str] = {}
-                for variant in VARIANTS:
+                for variant in variants:
                     where = work / f"{how}-{variant}-{r + 1}"
                     uri = str(where / "table")
                     shutil.copytree(base, uri)
                     src = parquet_stream(spark, src_dir, 1)
                     if variant == "DeltaSink":
                         sink = DeltaSink(uri, key=["id"], delete_when=("op", "D"))
-                        secs = time_job(spark, src, sink, where / "state", 0.0)
+                        secs = time_job(spark, src, sink, where / "state", args.interval)
                     elif variant == ALTERNATIVE:
                         secs = run_delta_spark(src, uri, where / "spark")
                     else:
                         secs = run_yardstick(src, uri, where / "spark")
                     tables[variant] = uri
-                    amp[(how, variant)] = amplification(uri)
+                    amp[(how, variant)] = amplification(uri, base_version)
                     if r >= 0:
                         results.setdefault((how, variant), []).append(secs)
                     label = "warm-up" if r < 0 else f"run {r}"
                     print(f"{label:<8} {how:<8} {variant:<17} {secs:6.2f} s", flush=True)
-                want = rows_of(spark, tables[VARIANTS[0]])
-                for v in VARIANTS[1:]:
+                want = rows_of(spark, tables[ALTERNATIVE])
+                for v in variants:
                     assert rows_of(spark, tables[v]) == want, f"{how}: {v}'s table differs"
                 for uri in tables.values():
                     shutil.rmtree(Path(uri).parent)
@@ -234,26 +250,27 @@ def main() -> int:
         print()
         print(
             f"base table {args.rows:,} rows in {args.files} files ({base_bytes / 1e6:.1f} MB), "
-            f"{args.changes:,} changes (10% deletes) in one batch, median of {args.repeat} after "
+            f"{args.changes:,} changes (10% deletes) in each of {args.batches} micro-batches, "
+            f"the sink's checkpoint_interval={args.interval}, median of {args.repeat} after "
             f"a warm-up; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, "
             f"{time.strftime('%Y-%m-%d')}; deletion vectors "
             f"{'on' if args.deletion_vectors else 'off'}"
         )
         print(
             "| keys | variant | seconds | changes/s | vs `DeltaTable.merge` | vs delta-spark MERGE "
-            "| files rewritten | bytes rewritten per changed row |"
+            "| files removed | bytes rewritten per changed row |"
         )
         print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for how in distributions:
-            yard = statistics.median(results[(how, VARIANTS[0])])
+            yard = results.get((how, VARIANTS[0]))
             alt = statistics.median(results[(how, ALTERNATIVE)])
-            for variant in VARIANTS:
+            for variant in variants:
                 med = statistics.median(results[(how, variant)])
                 files, removed, _added = amp[(how, variant)]
+                vs_yard = f"{statistics.median(yard) / med:.2f}" if yard else "-"
                 print(
-                    f"| {how} | {variant} | {med:.2f} | {args.changes / med:,.0f} | "
-                    f"{yard / med:.2f} | {alt / med:.2f} | {files} of {args.files} | "
-                    f"{removed / args.changes:,.0f} |"
+                    f"| {how} | {variant} | {med:.2f} | {total / med:,.0f} | "
+                    f"{vs_yard} | {alt / med:.2f} | {files} | {removed / total:,.0f} |"
                 )
         return 0
     finally:

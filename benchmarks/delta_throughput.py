@@ -80,15 +80,23 @@ def run_spark_parquet(
     return time_foreach_batch(src, each, ckpt)
 
 
+def delta_idempotent_write(
+    df: DataFrame, uri: str, app: str, batch: int, partition_by: list[str] | None = None
+) -> None:
+    """One micro-batch through delta-spark's idempotent write (Delta's own
+    exactly-once for one table: ``txnAppId``/``txnVersion``)."""
+    w = df.write.format("delta").mode("append")
+    w = w.option("txnAppId", app).option("txnVersion", batch)
+    if partition_by:
+        w = w.partitionBy(*partition_by)
+    w.save(uri)
+
+
 def run_delta_spark(src: DataFrame, uri: str, ckpt: Path, partition_by: list[str] | None) -> float:
     app = f"bench-{ckpt.parent.name}"
 
     def each(df: DataFrame, batch: int) -> None:
-        w = df.write.format("delta").mode("append")
-        w = w.option("txnAppId", app).option("txnVersion", batch)
-        if partition_by:
-            w = w.partitionBy(*partition_by)
-        w.save(uri)
+        delta_idempotent_write(df, uri, app, batch, partition_by)
 
     return time_foreach_batch(src, each, ckpt)
 

@@ -204,16 +204,21 @@ def run_jvm_floor(src: DataFrame, ckpt: Path) -> float:
     return time_foreach_batch(src, each, ckpt)
 
 
+def spark_kafka_write(df: DataFrame, bootstrap: str, topic: str) -> None:
+    """One micro-batch through Spark's own Kafka writer, as its users write it."""
+    (
+        _as_records(df)
+        .write.format("kafka")
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("kafka.acks", "all")
+        .option("topic", topic)
+        .save()
+    )
+
+
 def run_spark_kafka(src: DataFrame, bootstrap: str, topic: str, ckpt: Path) -> float:
     def each(df: DataFrame, _batch: int) -> None:
-        (
-            _as_records(df)
-            .write.format("kafka")
-            .option("kafka.bootstrap.servers", bootstrap)
-            .option("kafka.acks", "all")
-            .option("topic", topic)
-            .save()
-        )
+        spark_kafka_write(df, bootstrap, topic)
 
     return time_foreach_batch(src, each, ckpt)
 

@@ -13,17 +13,28 @@ input (Parquet files read as a bounded stream, available-now trigger):
 * exactly-once: a :class:`lifecycle.Job` with a :class:`sinks.PostgresSink`
   (COPY + PREPARE TRANSACTION on executors, ledger, COMMIT PREPARED).
 
+``--upsert`` writes by key instead, into a table with a primary key that
+already holds ``--existing`` of the input's ids (other values): half the rows
+update, half insert by default. The limit then stages each task's rows by
+autocommit COPY into a temporary table and runs ``INSERT ... ON CONFLICT (id)
+DO UPDATE``; JDBC writes each micro-batch into a staging table and the driver
+runs the same ``INSERT ... ON CONFLICT`` from it (the usual recipe); the sink
+is ``PostgresSink(key=["id"])``. Every variant's table is checked: all ids
+once, the input's values.
+
 Runs alternate (baseline, JDBC, exactly-once, baseline, ...) and the median of
 each is reported, with its throughput against the baseline (the physical
 limit) and against JDBC.
 
     python benchmarks/pg_throughput.py [--rows N] [--files F] [--repeat R] [--dsn DSN]
+                                       [--upsert [--existing FRACTION]]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -47,34 +58,47 @@ from benchmarks._common import (  # noqa: E402
 )
 from sinks import PostgresSink  # noqa: E402
 
+COLUMNS = "id, name, amount, qty"
 DDL = "CREATE TABLE {t} (id bigint, name text, amount float8, qty integer)"
+KEYED_DDL = "CREATE TABLE {t} (id bigint PRIMARY KEY, name text, amount float8, qty integer)"
+UPSERT = (
+    f"INSERT INTO {{t}} ({COLUMNS}) SELECT {COLUMNS} FROM {{stage}} ON CONFLICT (id) DO UPDATE "
+    "SET name = EXCLUDED.name, amount = EXCLUDED.amount, qty = EXCLUDED.qty"
+)
 
 
-def _copy_task(dsn: str, table: str):  # type: ignore[no-untyped-def]
+def _copy_task(dsn: str, table: str, upsert: bool = False):  # type: ignore[no-untyped-def]
+    """Each task COPYs its rows into ``table`` in autocommit; with ``upsert``
+    into a temporary table first, then ``INSERT ... ON CONFLICT`` from it."""
+
     def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         encoder = None
         n = 0
-        with (
-            psycopg.connect(dsn, autocommit=True) as conn,
-            conn.cursor().copy(
-                f"COPY {table} (id, name, amount, qty) FROM STDIN (FORMAT BINARY)"
-            ) as copy,
-        ):
-            for b in batches:
-                if encoder is None:
-                    encoder = pgpq.ArrowToPostgresBinaryEncoder(b.schema)
-                    copy.write(encoder.write_header())
-                copy.write(encoder.write_batch(b))
-                n += b.num_rows
-            if encoder is not None:
-                copy.write(encoder.finish())
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            target = table
+            if upsert:
+                target = "stage"
+                conn.execute(f"CREATE TEMP TABLE stage (LIKE {table})")
+            with conn.cursor().copy(
+                f"COPY {target} ({COLUMNS}) FROM STDIN (FORMAT BINARY)"
+            ) as copy:
+                for b in batches:
+                    if encoder is None:
+                        encoder = pgpq.ArrowToPostgresBinaryEncoder(b.schema)
+                        copy.write(encoder.write_header())
+                    copy.write(encoder.write_batch(b))
+                    n += b.num_rows
+                if encoder is not None:
+                    copy.write(encoder.finish())
+            if upsert:
+                conn.execute(UPSERT.format(t=table, stage="stage"))
         yield pa.RecordBatch.from_pydict({"n": [n]})
 
     return task
 
 
-def run_baseline(src: DataFrame, dsn: str, table: str, ckpt: Path) -> float:
-    task = _copy_task(dsn, table)
+def run_baseline(src: DataFrame, dsn: str, table: str, ckpt: Path, upsert: bool = False) -> float:
+    task = _copy_task(dsn, table, upsert)
 
     def each(df: DataFrame, _batch: int) -> None:
         df.mapInArrow(task, "n long").collect()
@@ -82,7 +106,9 @@ def run_baseline(src: DataFrame, dsn: str, table: str, ckpt: Path) -> float:
     return time_foreach_batch(src, each, ckpt)
 
 
-def run_jdbc(src: DataFrame, dsn: str, table: str, ckpt: Path) -> float:
+def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
+    """The JDBC URL and properties of ``dsn`` for ``df.write.jdbc``: ``batchsize``
+    10,000 and the driver's ``reWriteBatchedInserts``, as a tuned user sets them."""
     info = psycopg.conninfo.conninfo_to_dict(dsn)
     url = f"jdbc:postgresql://{info.get('host', 'localhost')}:{info.get('port', 5432)}/"
     url += str(info.get("dbname", "postgres"))
@@ -93,11 +119,55 @@ def run_jdbc(src: DataFrame, dsn: str, table: str, ckpt: Path) -> float:
         "batchsize": "10000",
         "reWriteBatchedInserts": "true",
     }
+    return url, props
+
+
+def run_jdbc(src: DataFrame, dsn: str, table: str, ckpt: Path, upsert: bool = False) -> float:
+    """Spark's JDBC writer per micro-batch; with ``upsert`` into a staging
+    table (``mode="overwrite"`` with ``truncate``, so it keeps its definition),
+    then ``INSERT ... ON CONFLICT`` from it in the driver."""
+    url, props = jdbc_target(dsn)
+    stage = f"{table}_stage"
 
     def each(df: DataFrame, _batch: int) -> None:
-        df.write.jdbc(url, table, mode="append", properties=props)
+        if not upsert:
+            df.write.jdbc(url, table, mode="append", properties=props)
+            return
+        df.write.option("truncate", "true").jdbc(url, stage, mode="overwrite", properties=props)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(UPSERT.format(t=table, stage=stage))
 
-    return time_foreach_batch(src, each, ckpt)
+    if upsert:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(DDL.format(t=stage))
+    try:
+        return time_foreach_batch(src, each, ckpt)
+    finally:
+        if upsert:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(f"DROP TABLE {stage}")
+
+
+def prefill(conn: psycopg.Connection, table: str, rows: int, existing: float) -> None:
+    """The first ``existing`` of the input's ids, with values the input changes."""
+    n = int(rows * existing)
+    conn.execute(
+        f"INSERT INTO {table} ({COLUMNS}) SELECT i, 'old', -1.0, -1 "
+        f"FROM generate_series(0, {n - 1}) AS i"
+    )
+    conn.execute(f"VACUUM ANALYZE {table}")
+
+
+def check(conn: psycopg.Connection, table: str, rows: int, variant: str) -> None:
+    """Every id once, each with the input's values (make_input's)."""
+    count, ids, wrong = conn.execute(
+        f"SELECT count(*), count(DISTINCT id), "
+        f"count(*) FILTER (WHERE name <> 'customer-' || (id % 1000) OR amount <> id * 0.25 "
+        f"OR qty <> id % 50) FROM {table}"
+    ).fetchone()
+    assert (count, ids, wrong) == (rows, rows, 0), (
+        f"{variant}: {count} rows, {ids} ids, {wrong} with other values; expected {rows} ids once"
+    )
 
 
 VARIANTS = ("baseline", "jdbc", "exactly-once")
@@ -107,10 +177,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--files", type=int, default=20)
-    ap.add_argument("--files-per-batch", type=int, default=4)
+    ap.add_argument("--files-per-batch", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--interval", type=float, default=0.0, help="checkpoint_interval")
+    ap.add_argument("--interval", type=float, default=5.0, help="checkpoint_interval (the default)")
     ap.add_argument("--dsn", help="PostgreSQL DSN (default: start a private server)")
+    ap.add_argument("--upsert", action="store_true", help="write by key (see above)")
+    ap.add_argument(
+        "--existing", type=float, default=0.5, help="with --upsert: the ids already there"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="twophase-bench-"))
@@ -134,18 +208,18 @@ def main() -> int:
             for r in range(-1, args.repeat):  # run -1 warms up the JVM, not counted
                 for variant in times:
                     table = f"bench_{variant.replace('-', '_')}_{r + 1}"
-                    c.execute(DDL.format(t=table))
+                    c.execute((KEYED_DDL if args.upsert else DDL).format(t=table))
+                    if args.upsert:
+                        prefill(c, table, args.rows, args.existing)
                     where = work / f"{variant}-{r + 1}"
                     if variant == "baseline":
-                        secs = run_baseline(source(), dsn, table, where)
+                        secs = run_baseline(source(), dsn, table, where, args.upsert)
                     elif variant == "jdbc":
-                        secs = run_jdbc(source(), dsn, table, where)
+                        secs = run_jdbc(source(), dsn, table, where, args.upsert)
                     else:
-                        secs = time_job(
-                            spark, source(), PostgresSink(dsn, table), where, args.interval
-                        )
-                    count = c.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-                    assert count == args.rows, f"{variant}: {count} rows, expected {args.rows}"
+                        sink = PostgresSink(dsn, table, key=["id"] if args.upsert else None)
+                        secs = time_job(spark, source(), sink, where, args.interval)
+                    check(c, table, args.rows, variant)
                     if r >= 0:
                         times[variant].append(secs)
                     label = "warm-up" if r < 0 else f"run {r}"
@@ -158,9 +232,15 @@ def main() -> int:
         med = {v: statistics.median(t) for v, t in times.items()}
         batches = -(-args.files // args.files_per_batch)
         print()
+        how = (
+            f"upserts by id ({args.existing:.0%} of the ids already there)"
+            if args.upsert
+            else "appends"
+        )
         print(
-            f"{args.rows:,} rows, {batches} micro-batches, checkpoint_interval={args.interval}, "
-            f"median of {args.repeat}"
+            f"{args.rows:,} rows, {batches} micro-batches, {how}, "
+            f"checkpoint_interval={args.interval}, median of {args.repeat}, "
+            f"load {os.getloadavg()[0]:.2f}"
         )
         print("| variant | seconds | rows/s | vs autocommit COPY | vs JDBC |")
         print("| --- | ---: | ---: | ---: | ---: |")
@@ -170,6 +250,13 @@ def main() -> int:
             "(at-least-once)",
             "exactly-once": "PostgresSink (exactly-once)",
         }
+        if args.upsert:
+            labels["baseline"] = (
+                "autocommit binary COPY into a temporary table, then `INSERT ... ON CONFLICT`"
+            )
+            labels["jdbc"] += ", into a staging table, then `INSERT ... ON CONFLICT`"
+            labels["exactly-once"] = 'PostgresSink(key=["id"]) (exactly-once)'
+
         for v in VARIANTS:
             print(
                 f"| {labels[v]} | {med[v]:.2f} | {args.rows / med[v]:,.0f} | "

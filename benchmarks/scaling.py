@@ -20,7 +20,8 @@ bounded stream (two files a micro-batch, available-now trigger) by one SparkSess
 * PostgreSQL: autocommit binary COPY in each task (``pg_throughput.run_baseline``)
   against :class:`sinks.PostgresSink`; a private server (``fsync=off`` as the tests'),
   with room for 300 prepared transactions (64 tasks a batch);
-* Kafka (a private tansu broker, in memory): confluent-kafka producer processes, as
+* Kafka (a private Apache Kafka broker on loopback; ``--broker tansu`` for tansu, in
+  memory, as the runs before 2026-11-27): confluent-kafka producer processes, as
   many as Spark's cores, non-transactional, the records encoded beforehand (its
   ``_rdkafka_worker``, timed from a barrier once every process has encoded its
   records, see :func:`kafka_throughput.run_librdkafka`) against :class:`sinks.KafkaSink`;
@@ -55,6 +56,10 @@ named ``scaling-quick.*``) is a smoke check of a few minutes.
     python benchmarks/scaling.py [--sinks pg,kafka,delta] [--axes partitions,rows,width]
                                  [--repeat 3] [--quick] [--out benchmarks/results]
                                  [--delta-baseline both|deltalake|parquet]
+                                 [--broker apache|tansu]
+
+A run of some of the sinks writes its own files (``--sinks kafka``:
+``scaling-kafka.md``, ...), beside the whole run's.
 """
 
 from __future__ import annotations
@@ -370,6 +375,8 @@ class PgBench(Bench):
 
 class KafkaBench(Bench):
     sink = "kafka"
+    broker = "apache"
+    """``apache`` (the broker users run) or ``tansu`` (``--broker``)"""
     bootstrap: str
     admin: Any  # kafka.KafkaAdminClient
 
@@ -377,10 +384,12 @@ class KafkaBench(Bench):
     def service(self) -> Iterator[None]:
         from kafka import KafkaAdminClient
 
+        from lifecycle.testing.apache_kafka import ApacheKafka
         from lifecycle.testing.kafka_broker import KafkaBroker
 
-        logging.getLogger("sinks.kafka").setLevel(logging.ERROR)  # tansu's missing config
-        broker = KafkaBroker()
+        if self.broker == "tansu":
+            logging.getLogger("sinks.kafka").setLevel(logging.ERROR)  # tansu's missing config
+        broker = ApacheKafka() if self.broker == "apache" else KafkaBroker()
         try:
             broker.start()
             self.bootstrap = broker.bootstrap
@@ -631,7 +640,11 @@ def main() -> int:
         help="Delta's baseline(s); with both, the faster is the reference",
     )
     ap.add_argument("--workdir", help="where input, tables and states go (default: a tmp dir)")
+    ap.add_argument(
+        "--broker", choices=("apache", "tansu"), default="apache", help="Kafka's broker"
+    )
     args = ap.parse_args()
+    KafkaBench.broker = args.broker
     sinks = [s for s in args.sinks.split(",") if s]
     axes = [a for a in args.axes.split(",") if a]
     if set(sinks) - set(SINKS) or set(axes) - set(AXES) or not sinks or not axes:
@@ -649,7 +662,9 @@ def main() -> int:
     todo = points(middle, axes, args.quick)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "scaling-quick" if args.quick else "scaling"
+    # a run of some sinks keeps to its own files (scaling-kafka.md), beside the whole run's
+    stem = "scaling" + ("" if set(sinks) == set(SINKS) else "-" + "-".join(sinks))
+    stem += "-quick" if args.quick else ""
     logging.basicConfig(level=logging.WARNING)
 
     command = shlex.join([Path(sys.executable).name, *sys.argv])
@@ -738,6 +753,7 @@ def main() -> int:
         "checked (all rows once, nothing open or staged)",
         "- partitions: Kafka's topic partitions; PostgreSQL's and Delta's Spark tasks a "
         "micro-batch (the stream repartitioned, baseline too)",
+        f"- Kafka's broker: {'Apache Kafka' if args.broker == 'apache' else 'tansu, in memory'}",
         "- commit latency: per checkpoint that committed rows, the ledger's `committed_at - "
         "decided_at` (decision to every sink's commit acknowledged); p50 and max over the "
         "rounds' checkpoints",
