@@ -73,12 +73,13 @@ CASES = [(p, r) for p in CRASH_POINTS for r in ROUTES.get(p, ("spark",))]
 
 
 DEFAULT_CASES = [
-    ("after prepare, before the ledger record", "spark"),
     ("while the staged files move", "spark"),
     ("in the middle of committing", "spark"),
     ("while executors write", "arrow"),
 ]
-"""the cases of the default run (the rest are in the slow tier, tests/tiers.py)"""
+"""the cases of the default run (the rest are in the slow tier, tests/tiers.py):
+the phases only Delta has, and one of the Arrow route; the default runs of
+test_kafka_crash and test_postgres_crash kill the others"""
 
 
 @pytest.mark.parametrize(

@@ -144,9 +144,9 @@ def _restart_later(broker: Restartable, delay: float = OUTAGE_S) -> threading.Th
     return t
 
 
-@pytest.fixture(params=["apache", "tansu"])
+@pytest.fixture(params=["apache", pytest.param("tansu", marks=tiers.SLOW)])
 def any_broker(request: pytest.FixtureRequest) -> Restartable:
-    """Each broker in turn."""
+    """Each broker in turn (tansu, the stand-in, in the slow tier)."""
     name = "apache_broker" if request.param == "apache" else "broker"
     return request.getfixturevalue(name)  # type: ignore[no-any-return]
 

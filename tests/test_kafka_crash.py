@@ -142,7 +142,10 @@ def test_crash_in_the_middle_of_committing(kafka_bootstrap, kafka_topic, tmp_pat
 
 @pytest.mark.parametrize(
     ("action", "evidence"),
-    [("raise", "injected fault at executor.prepared"), ("kill", "exited unexpectedly")],
+    [
+        pytest.param("raise", "injected fault at executor.prepared", marks=tiers.SLOW),
+        ("kill", "exited unexpectedly"),
+    ],
 )
 def test_task_fails_after_flush_and_is_retried(  # type: ignore[no-untyped-def]
     kafka_bootstrap, kafka_topic, tmp_path, action, evidence

@@ -98,10 +98,8 @@ CRASH_POINTS = {
     "point",
     tiers.params(
         CRASH_POINTS,
-        keep=[
-            "after the ledger record, before Spark's commit log",
-            "after Spark's commit log, before our commit",
-        ],
+        # the next phase is killed by test_crash_with_the_ledger_in_postgresql
+        keep=["after the ledger record, before Spark's commit log"],
     ),
 )
 def test_crash_at_each_phase(pg_dsn: str, tmp_path: Path, point: str) -> None:
@@ -141,7 +139,10 @@ def test_crash_with_grouped_checkpoints(pg_dsn: str, tmp_path: Path, fault: str)
 
 @pytest.mark.parametrize(
     ("action", "evidence"),
-    [("raise", "injected fault at executor.prepared"), ("kill", "exited unexpectedly")],
+    [
+        pytest.param("raise", "injected fault at executor.prepared", marks=tiers.SLOW),
+        ("kill", "exited unexpectedly"),
+    ],
 )
 def test_task_fails_after_prepare_and_is_retried(
     pg_dsn: str, tmp_path: Path, action: str, evidence: str

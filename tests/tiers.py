@@ -4,9 +4,12 @@ out (``-m slow`` runs them; ``.ci/run`` keeps to the default run's 45 minutes).
 The default run keeps at least one case of every crash test, chosen so that
 each commit phase is killed for some sink; the slow tier holds the rest of each
 matrix, the single-sink keyed models under kills (the three-sink one stays),
-the second case of two-case crash tests, and crash tests whose path a faster
-test of the default run covers (named at each: among them a broker killed
-while executors write, and staged Delta files a VACUUM removed).
+the second case of two-case crash tests (a task that raises after it prepared:
+the one whose worker is killed stays), the phases of a sink's crash matrix that
+another sink's default cases kill, the restart tests' cases on tansu (Apache
+Kafka's stay), and crash tests whose path a faster test of the default run
+covers (named at each: among them a broker killed while executors write, and
+staged Delta files a VACUUM removed).
 """
 
 from __future__ import annotations
