@@ -116,9 +116,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--files", type=int, default=20)
-    ap.add_argument("--files-per-batch", type=int, default=4)
+    ap.add_argument("--files-per-batch", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--interval", type=float, default=0.0, help="checkpoint_interval")
+    ap.add_argument("--interval", type=float, default=5.0, help="checkpoint_interval (the default)")
     ap.add_argument("--partition-by", default=None, help="partition both tables by this column")
     ap.add_argument(
         "--workdir", default=None, help="where input and tables go (default: a tmp dir)"

@@ -266,12 +266,12 @@ def count_records(bootstrap: str, topic: str) -> tuple[int, int, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=500_000)
+    ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--files", type=int, default=20)
-    ap.add_argument("--files-per-batch", type=int, default=4)
+    ap.add_argument("--files-per-batch", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--partitions", type=int, default=4, help="partitions of each topic")
-    ap.add_argument("--interval", type=float, default=0.0, help="checkpoint_interval")
+    ap.add_argument("--interval", type=float, default=5.0, help="checkpoint_interval (the default)")
     ap.add_argument("--bootstrap", help="Kafka bootstrap servers (default: start --broker)")
     ap.add_argument("--broker", choices=("apache", "tansu"), default="apache")
     ap.add_argument("--variants", default=",".join(VARIANTS))

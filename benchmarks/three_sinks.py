@@ -261,8 +261,8 @@ def main() -> int:
             exit_ = statistics.median(r.end_of_input_to_exit() for r in runs[variant])
             print(
                 f"| {variant} | {med:.2f} | {args.rows / med:,.0f} | {alt / med:.2f} | "
-                f"{pct(end, 0.5):.2f} / {pct(end, 0.99):.2f} s | "
-                f"{pct(start, 0.5):.2f} / {pct(start, 0.99):.2f} s | {exit_:.2f} s |"
+                f"{statistics.median(end):.2f} / {pct(end, 0.99):.2f} s | "
+                f"{statistics.median(start):.2f} / {pct(start, 0.99):.2f} s | {exit_:.2f} s |"
             )
         return 0
     finally:
