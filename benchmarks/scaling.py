@@ -78,7 +78,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -626,6 +626,28 @@ def plot(summaries: list[Summary], axes: list[str], middle: Point, path: Path, t
     plt.close(fig)
 
 
+def replot(path: Path) -> int:
+    """The plot of the run recorded in ``path`` (its ``.png`` beside it)."""
+    doc = json.loads(path.read_text())
+    known = {f.name for f in fields(Run)}
+    runs = [
+        Run(**{**{k: v for k, v in r.items() if k in known}, "point": Point(**r["point"])})
+        for r in doc["runs"]
+    ]
+    summaries = summarise(runs)
+    axes = list(AXES)  # a run of fewer axes has no points on the others: their columns stay empty
+    middle = Point(**doc["middle"])
+    started = datetime.datetime.fromisoformat(doc["date"])
+    load = doc["loadavg_before"][0], doc["loadavg_after"][0]
+    title = (
+        f"{doc['command']} - {started:%Y-%m-%d %H:%M} - {doc['cpu_count']} cores, load "
+        f"{load[0]:.2f} -> {load[1]:.2f}; medians of {doc['repeat']}"
+    )
+    plot(summaries, axes, middle, path.with_suffix(".png"), title)
+    log(f"wrote {path.with_suffix('.png')}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--sinks", default=",".join(SINKS))
@@ -643,7 +665,16 @@ def main() -> int:
     ap.add_argument(
         "--broker", choices=("apache", "tansu"), default="apache", help="Kafka's broker"
     )
+    ap.add_argument(
+        "--replot", metavar="JSON", help="draw the plot of a run's scaling*.json again, and stop"
+    )
     args = ap.parse_args()
+    try:
+        import matplotlib  # noqa: F401  (the plot comes last: refuse before a long run)
+    except ImportError:
+        ap.error("the plot needs matplotlib: pip install -e '.[bench]'")
+    if args.replot:
+        return replot(Path(args.replot))
     KafkaBench.broker = args.broker
     sinks = [s for s in args.sinks.split(",") if s]
     axes = [a for a in args.axes.split(",") if a]
