@@ -54,7 +54,12 @@ from kafka import KafkaAdminClient  # noqa: E402
 from kafka.admin import NewTopic  # noqa: E402
 from pyspark.sql import DataFrame, SparkSession  # noqa: E402
 
-from benchmarks._common import bench_spark, make_input, parquet_stream  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    bench_spark,
+    make_input,
+    parquet_stream,
+    time_foreach_batch,
+)
 from benchmarks.delta_throughput import delta_idempotent_write  # noqa: E402
 from benchmarks.kafka_throughput import count_records, spark_kafka_write  # noqa: E402
 from benchmarks.pg_throughput import DDL, jdbc_target  # noqa: E402
@@ -133,15 +138,8 @@ def run_alternatives(src: DataFrame, out: Outputs, where: Path) -> Run:
             df.unpersist()
 
     checkpoint = where / "spark"
-    t0 = time.perf_counter()
-    query = (
-        src.writeStream.foreachBatch(each)
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination()
-    run = Run(time.perf_counter() - t0, exited=time.time())
+    secs = time_foreach_batch(src, each, checkpoint)
+    run = Run(secs, exited=time.time())
     run.started, run.ended = _spark_times(checkpoint)
     run.readable = dict(run.ended)
     return run
