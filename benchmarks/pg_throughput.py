@@ -261,7 +261,7 @@ def main() -> int:
             labels["baseline"] = (
                 "autocommit binary COPY into a temporary table, then `INSERT ... ON CONFLICT`"
             )
-            labels["jdbc"] += ", into a staging table, then `INSERT ... ON CONFLICT`"
+            labels["jdbc"] += ", into a (logged) staging table, then `INSERT ... ON CONFLICT`"
             labels["exactly-once"] = 'PostgresSink(key=["id"]) (exactly-once)'
             labels["baseline by key"] = (
                 "the same limit with the input repartitioned by the key first (as every "
