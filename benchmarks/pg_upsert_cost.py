@@ -35,25 +35,20 @@ sys.path.insert(0, str(ROOT))
 
 import psycopg  # noqa: E402
 
+from benchmarks.pg_throughput import COLUMNS, KEYED_DDL, UPSERT, prefill  # noqa: E402
+
 STEPS = ("temp, autocommit", "unlogged, one transaction", "+ savepoint", "+ prepare")
-COLUMNS = "id, name, amount, qty"
 FILL = (
     "INSERT INTO {stage} ({cols}) SELECT i, 'customer-' || (i % 1000), i * 0.25, i % 50 "
     "FROM generate_series({first}, {last}) AS i"
 )
-UPSERT = (
-    f"INSERT INTO {{t}} ({COLUMNS}) SELECT {COLUMNS} FROM {{stage}} ON CONFLICT (id) DO UPDATE "
-    "SET name = EXCLUDED.name, amount = EXCLUDED.amount, qty = EXCLUDED.qty"
-)
 
 
 def _target(conn: psycopg.Connection, rows: int) -> str:
+    """A keyed table holding the first half of the ids, as ``pg_throughput --upsert``."""
     t = f"upsert_cost_{uuid.uuid4().hex[:8]}"
-    conn.execute(f"CREATE TABLE {t} (id bigint PRIMARY KEY, name text, amount float8, qty integer)")
-    conn.execute(
-        f"INSERT INTO {t} SELECT i, 'old', -1, -1 FROM generate_series(0, {rows // 2 - 1}) AS i"
-    )
-    conn.execute(f"VACUUM ANALYZE {t}")
+    conn.execute(KEYED_DDL.format(t=t))
+    prefill(conn, t, rows, 0.5)
     return t
 
 
