@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -35,11 +36,27 @@ def make_input(directory: Path, rows: int, files: int) -> None:
         pq.write_table(table, directory / f"part-{f:04d}.parquet")
 
 
-def bench_spark(app: str, *, jar_sets: Sequence[str] = ()) -> SparkSession:
+def add_conf_option(ap: argparse.ArgumentParser) -> None:
+    """``--conf KEY=VALUE`` (repeatable): a Spark setting of the session, for
+    :func:`bench_spark`'s ``conf``."""
+    ap.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Spark setting of the session (e.g. delta-spark's "
+        "spark.databricks.delta.snapshotPartitions=2, which its defaults leave at 50)",
+    )
+
+
+def bench_spark(
+    app: str, *, jar_sets: Sequence[str] = (), conf: Sequence[str] = ()
+) -> SparkSession:
     """A quiet ``local[2]`` session (the machine the numbers are measured on),
     with the cached jars of ``jar_sets`` (``python -m lifecycle.testing.jars
     fetch`` caches them): ``delta`` also gets delta-spark's SQL extension, as
-    its users run it; ``jdbc`` is the PostgreSQL JDBC driver."""
+    its users run it; ``jdbc`` is the PostgreSQL JDBC driver. ``conf``: more
+    settings, each ``KEY=VALUE`` (:func:`add_conf_option`)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = (
@@ -59,6 +76,9 @@ def bench_spark(app: str, *, jar_sets: Sequence[str] = ()) -> SparkSession:
                 builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    for kv in conf:
+        key, _, value = kv.partition("=")
+        spark.conf.set(key, value)
     return spark
 
 

@@ -60,7 +60,13 @@ import pyarrow.parquet as pq  # noqa: E402
 from deltalake import DeltaTable, write_deltalake  # noqa: E402
 from pyspark.sql import DataFrame  # noqa: E402
 
-from benchmarks._common import bench_spark, parquet_stream, time_foreach_batch, time_job  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    add_conf_option,
+    bench_spark,
+    parquet_stream,
+    time_foreach_batch,
+    time_job,
+)
 from sinks import DeltaSink  # noqa: E402
 
 DISTRIBUTIONS = ("recent", "uniform", "new")
@@ -186,13 +192,7 @@ def main() -> int:
     ap.add_argument(
         "--distributions", default=",".join(DISTRIBUTIONS), help="a comma-separated subset"
     )
-    ap.add_argument(
-        "--conf",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a Spark setting of the session (e.g. spark.databricks.delta.snapshotPartitions=2)",
-    )
+    add_conf_option(ap)
     args = ap.parse_args()
     distributions = [d for d in args.distributions.split(",") if d]
     variants = [v for v in args.variants.split(",") if v]
@@ -204,10 +204,7 @@ def main() -> int:
         base = work / "base"
         base_table(base, args.rows, args.files)
         base_bytes = sum(f.stat().st_size for f in base.glob("*.parquet"))
-        spark = bench_spark("twophase-merge-bench", jar_sets=["delta"])
-        for kv in args.conf:
-            key, _, value = kv.partition("=")
-            spark.conf.set(key, value)
+        spark = bench_spark("twophase-merge-bench", jar_sets=["delta"], conf=args.conf)
         if args.deletion_vectors:
             spark.sql(
                 f"ALTER TABLE delta.`{base}` SET TBLPROPERTIES (delta.enableDeletionVectors = true)"

@@ -50,6 +50,7 @@ from deltalake import DeltaTable, write_deltalake  # noqa: E402
 from pyspark.sql import DataFrame  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
+    add_conf_option,
     bench_spark,
     make_input,
     parquet_stream,
@@ -123,24 +124,14 @@ def main() -> int:
     ap.add_argument(
         "--workdir", default=None, help="where input and tables go (default: a tmp dir)"
     )
-    ap.add_argument(
-        "--conf",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a Spark setting of the session (e.g. delta-spark's "
-        "spark.databricks.delta.snapshotPartitions=2, which its defaults leave at 50)",
-    )
+    add_conf_option(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     partition_by = [args.partition_by] if args.partition_by else None
     work = Path(tempfile.mkdtemp(prefix="twophase-delta-bench-", dir=args.workdir))
     try:
         make_input(work / "in", args.rows, args.files)
-        spark = bench_spark("twophase-delta-bench", jar_sets=["delta"])
-        for kv in args.conf:
-            key, _, value = kv.partition("=")
-            spark.conf.set(key, value)
+        spark = bench_spark("twophase-delta-bench", jar_sets=["delta"], conf=args.conf)
 
         def source() -> DataFrame:
             return parquet_stream(spark, work / "in", args.files_per_batch)

@@ -56,6 +56,7 @@ from kafka.admin import NewTopic  # noqa: E402
 from pyspark.sql import DataFrame, SparkSession  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
+    add_conf_option,
     bench_spark,
     make_input,
     parquet_stream,
@@ -193,7 +194,7 @@ def main() -> int:
     ap.add_argument("--partitions", type=int, default=4, help="partitions of each topic")
     ap.add_argument("--interval", type=float, default=5.0, help="checkpoint_interval (default)")
     ap.add_argument("--broker", choices=("apache", "tansu"), default="apache")
-    ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE")
+    add_conf_option(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from lifecycle.testing.apache_kafka import ApacheKafka
@@ -208,10 +209,9 @@ def main() -> int:
         broker.start()
         admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
         make_input(work / "in", args.rows, args.files)
-        spark = bench_spark("twophase-three-bench", jar_sets=["spark-kafka", "delta", "jdbc"])
-        for kv in args.conf:
-            key, _, value = kv.partition("=")
-            spark.conf.set(key, value)
+        spark = bench_spark(
+            "twophase-three-bench", jar_sets=["spark-kafka", "delta", "jdbc"], conf=args.conf
+        )
         runs: dict[str, list[Run]] = {v: [] for v in VARIANTS}
         for r in range(-1, args.repeat):  # run -1 warms up the JVM, not counted
             for variant in VARIANTS:
