@@ -626,6 +626,21 @@ def plot(summaries: list[Summary], axes: list[str], middle: Point, path: Path, t
     plt.close(fig)
 
 
+def _title(
+    command: str,
+    started: datetime.datetime,
+    cores: int | None,
+    load_before: float,
+    load_after: float,
+    repeat: int,
+) -> str:
+    """The plot's title: what ran, when, on what, how many rounds."""
+    return (
+        f"{command} - {started:%Y-%m-%d %H:%M} - {cores} cores, load "
+        f"{load_before:.2f} -> {load_after:.2f}; medians of {repeat}"
+    )
+
+
 def replot(path: Path) -> int:
     """The plot of the run recorded in ``path`` (its ``.png`` beside it)."""
     doc = json.loads(path.read_text())
@@ -635,13 +650,16 @@ def replot(path: Path) -> int:
         for r in doc["runs"]
     ]
     summaries = summarise(runs)
-    axes = list(AXES)  # a run of fewer axes has no points on the others: their columns stay empty
+    axes = list(AXES)  # the JSON does not name the axes run: an axis not run shows the middle point
     middle = Point(**doc["middle"])
     started = datetime.datetime.fromisoformat(doc["date"])
-    load = doc["loadavg_before"][0], doc["loadavg_after"][0]
-    title = (
-        f"{doc['command']} - {started:%Y-%m-%d %H:%M} - {doc['cpu_count']} cores, load "
-        f"{load[0]:.2f} -> {load[1]:.2f}; medians of {doc['repeat']}"
+    title = _title(
+        doc["command"],
+        started,
+        doc["cpu_count"],
+        doc["loadavg_before"][0],
+        doc["loadavg_after"][0],
+        doc["repeat"],
     )
     plot(summaries, axes, middle, path.with_suffix(".png"), title)
     log(f"wrote {path.with_suffix('.png')}")
@@ -828,10 +846,7 @@ def main() -> int:
         ],
     }
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    title = (
-        f"{command} - {started:%Y-%m-%d %H:%M} - {os.cpu_count()} cores, load "
-        f"{load_before[0]:.2f} -> {load_after[0]:.2f}; medians of {repeat}"
-    )
+    title = _title(command, started, os.cpu_count(), load_before[0], load_after[0], repeat)
     plot(summaries, axes, middle, out / f"{stem}.png", title)
     log(f"wrote {out / stem}.md, .json, .png in {took / 60:.1f} min")
     return 0
