@@ -37,6 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import pct  # noqa: E402
 from benchmarks._driver import (  # noqa: E402
     PIPELINE,
     Driver,
@@ -46,12 +47,6 @@ from benchmarks._driver import (  # noqa: E402
     timed,
     unique,
 )
-
-
-def pct(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) of ``values``, nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
 def main() -> int:

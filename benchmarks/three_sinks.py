@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import statistics
 import sys
@@ -60,6 +59,7 @@ from benchmarks._common import (  # noqa: E402
     bench_spark,
     make_input,
     parquet_stream,
+    pct,
     time_foreach_batch,
 )
 from benchmarks.delta_throughput import delta_idempotent_write  # noqa: E402
@@ -176,12 +176,6 @@ def run_sinks(
     missing = sorted(set(run.ended) - set(run.readable))
     assert not missing, f"batches {missing} have no committed checkpoint in the ledger's history"
     return run
-
-
-def pct(values: list[float], q: float) -> float:
-    """The ``q`` quantile (nearest rank) of ``values`` (of 30 values, p99 is the greatest)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def main() -> int:
