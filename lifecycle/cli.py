@@ -1,4 +1,4 @@
-"""The ``twophase`` console command.
+"""The ``twophase`` console command::
 
     twophase status STATE_DIR [--json] [--watch [S]] [--stuck-after S]
                                                      whether the job runs, and what

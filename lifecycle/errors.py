@@ -15,7 +15,7 @@ Four kinds of failure reach the caller of ``Job.run()``:
 Every :class:`JobFailedError` message is one line naming where it failed and
 the cause (translated by :mod:`sinks.explain`), ending with a pointer to the
 log: the full trace is logged once, at ERROR, by the ``lifecycle.job`` logger,
-and kept in :attr:`JobFailedError.trace`. What Spark completed is committed
+and kept in the error's ``trace``. What Spark completed is committed
 where possible, every decision stays in the ledger, and running the job again
 with the same ``state_dir`` recovers.
 """
@@ -30,7 +30,7 @@ POINTER = "(full trace in the log)"
 class JobFailedError(TwoPhaseError):
     """A pipeline, a commit or the recovery of a job failed.
 
-    ``str(error)`` is one line (plus the pointer to the log); :attr:`trace`
+    ``str(error)`` is one line (plus the pointer to the log); ``trace``
     holds the full trace (Python, executor and Spark text) that was logged."""
 
     def __init__(self, message: str, *, trace: str = "") -> None:

@@ -1,6 +1,6 @@
 """One pipeline of a job: its Spark query, its state, and how it ends its input.
 
-States (see the README's diagram)::
+States (drawn in :doc:`/concepts/lifecycle`)::
 
     RUNNING --input consumed--> ENDING_INPUT --end-of-input flushed--> FINISHED_LOGIC
     FINISHED_LOGIC --its data committed by a checkpoint--> FINISHED

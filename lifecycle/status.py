@@ -1,27 +1,27 @@
 """``twophase status``: what a job is doing now, from its ledger and its heartbeat.
 
 :func:`job_status` builds a document (the ``--json`` output, schema
-:data:`SCHEMA`); :func:`format_text` renders it for people. The document:
+:data:`SCHEMA`); :func:`format_text` renders it for people. The document::
 
-``schema``            ``"twophase.status/1"``; a new major number marks a breaking change
-``job``, ``incarnation``, ``run``   the ledger's identity
-``state``             ``running`` (also ``recovering``, ``draining``, ``stopping``
-                      while alive), ``finished``, ``stopped``, ``failed``, ``lost``
-                      (the heartbeat lapsed: killed, or its host is down) or
-                      ``unknown`` (no heartbeat: never run by this version)
-``alive``, ``why``    whether the job runs now, and what says so
-``heartbeat``         the heartbeat (pid, host, started_at, renewed_at, ended_at, error) or null
-``health``, ``exit_code``   the verdict (below)
-``pipelines``         per pipeline: ``finished``, ``last_committed_batch``,
-                      ``rows_committed`` (sink -> rows), ``pending_batches``,
-                      ``pending_committables``, ``pending_rows``,
-                      ``oldest_pending_age_s`` (null when nothing is pending),
-                      ``owed`` (batch -> sink -> rows: work lost in a target before
-                      it committed, written again from the source at the next start;
-                      see :mod:`lifecycle.replay`)
-``decided``           a checkpoint decided but not yet committed: id, kind, age_s; or null
-``last_checkpoint``   id, kind, committed_at, age_s of the newest committed one; or null
-``stuck_after_s``     the threshold the verdict used
+    ``schema``            ``"twophase.status/1"``; a new major number marks a breaking change
+    ``job``, ``incarnation``, ``run``   the ledger's identity
+    ``state``             ``running`` (also ``recovering``, ``draining``, ``stopping``
+                          while alive), ``finished``, ``stopped``, ``failed``, ``lost``
+                          (the heartbeat lapsed: killed, or its host is down) or
+                          ``unknown`` (no heartbeat: never run by this version)
+    ``alive``, ``why``    whether the job runs now, and what says so
+    ``heartbeat``         the heartbeat (pid, host, started_at, renewed_at, ended_at, error) or null
+    ``health``, ``exit_code``   the verdict (below)
+    ``pipelines``         per pipeline: ``finished``, ``last_committed_batch``,
+                          ``rows_committed`` (sink -> rows), ``pending_batches``,
+                          ``pending_committables``, ``pending_rows``,
+                          ``oldest_pending_age_s`` (null when nothing is pending),
+                          ``owed`` (batch -> sink -> rows: work lost in a target before
+                          it committed, written again from the source at the next start;
+                          see :mod:`lifecycle.replay`)
+    ``decided``           a checkpoint decided but not yet committed: id, kind, age_s; or null
+    ``last_checkpoint``   id, kind, committed_at, age_s of the newest committed one; or null
+    ``stuck_after_s``     the threshold the verdict used
 
 Verdicts and exit codes: 0 ``healthy`` (running, or ended with nothing
 pending), 1 ``stuck`` (running, but pending work or a decided checkpoint is

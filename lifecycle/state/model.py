@@ -9,31 +9,31 @@ batches a checkpoint commits), never to the whole state, and so do the
 queries: the pending batches of a pipeline are kept with their ids sorted, and
 an index of transaction names owned by pending entries is kept up to date.
 
-Operations:
+Operations::
 
-``run``                     a new run started
-``batch p b c d``           committables ``c`` (sink -> list) of pending batch ``b``
-                            of pipeline ``p``, with the offsets digest ``d`` (or null);
-                            replaces an earlier registration of the batch
-``drop p bs``               pending batches ``bs`` of ``p`` leave without a commit
-``decide cp``               checkpoint ``cp`` is decided
-``complete id at rows ev``  the decided checkpoint ``id`` committed at ``at``, with
-                            the audit evidence ``ev`` (sink -> list) kept in the history
-``spark p b``               Spark reported batch ``b`` of ``p`` complete
-``abandon checkpoint txns note at``  an abandonment, kept for the record
-``sinks s``                 the settings of every sink of the job (label -> the
-                            sink's non-secret ``settings()``), replacing the last ones
-``limits history digests``  how many checkpoints and digests are kept
-``owe p s``                 batches of ``p`` are owed to sinks, ``s``: batch -> sink id
-                            -> rows: the sinks' work of them was lost in the target
-                            before it committed (or follows lost work), so each batch
-                            is written to them again from its source
-                            (:mod:`lifecycle.replay`)
-``repaying p b s``          the work (sink id -> committables) that writes owed batch
-                            ``b`` of ``p`` again, recorded before it commits (owned:
-                            no sweep aborts it)
-``repaid p b s``            sinks ``s`` (sink id -> rows) of batch ``b`` of ``p`` hold it
-                            again: it leaves ``owed``, its rows count in the totals
+    ``run``                     a new run started
+    ``batch p b c d``           committables ``c`` (sink -> list) of pending batch ``b``
+                                of pipeline ``p``, with the offsets digest ``d`` (or null);
+                                replaces an earlier registration of the batch
+    ``drop p bs``               pending batches ``bs`` of ``p`` leave without a commit
+    ``decide cp``               checkpoint ``cp`` is decided
+    ``complete id at rows ev``  the decided checkpoint ``id`` committed at ``at``, with
+                                the audit evidence ``ev`` (sink -> list) kept in the history
+    ``spark p b``               Spark reported batch ``b`` of ``p`` complete
+    ``abandon checkpoint txns note at``  an abandonment, kept for the record
+    ``sinks s``                 the settings of every sink of the job (label -> the
+                                sink's non-secret ``settings()``), replacing the last ones
+    ``limits history digests``  how many checkpoints and digests are kept
+    ``owe p s``                 batches of ``p`` are owed to sinks, ``s``: batch -> sink id
+                                -> rows: the sinks' work of them was lost in the target
+                                before it committed (or follows lost work), so each batch
+                                is written to them again from its source
+                                (:mod:`lifecycle.replay`)
+    ``repaying p b s``          the work (sink id -> committables) that writes owed batch
+                                ``b`` of ``p`` again, recorded before it commits (owned:
+                                no sweep aborts it)
+    ``repaid p b s``            sinks ``s`` (sink id -> rows) of batch ``b`` of ``p`` hold it
+                                again: it leaves ``owed``, its rows count in the totals
 
 Format 3 added ``owe``, ``repaying`` and ``repaid`` (the ``owed`` field of the
 document: pipeline -> batch -> sink id -> ``{"rows", "work"}``); a

@@ -2,26 +2,26 @@
 
 All tables live in one schema (``twophase_ledger`` unless the URI names
 another) and are created when missing. Every row carries its ``job``: the
-ledgers of several jobs share the tables, one ledger per job name.
+ledgers of several jobs share the tables, one ledger per job name::
 
-``ledgers``            one row per job: incarnation, run, next checkpoint id,
-                       fencing token, kept history and digest window
-``pending``            one row per pending batch: (pipeline, batch_id),
-                       its committables (JSONB, sink -> list) and offsets digest
-``checkpoints``        one row per checkpoint: the decided one (``committed_at``
-                       NULL, at most one per job) and the committed history
-``pipelines``          per pipeline: highest batch Spark completed, highest
-                       batch committed (the committed cut)
-``finished``           finished pipelines
-``totals``             rows committed per sink over the job's life
-``committed_digests``  offsets digests of the last committed batches per
-                       pipeline, ``seq`` giving the order they were committed in
-``abandoned``          every abandonment recorded
-``sinks``              one row per sink of the job (``pipeline/sink_id``): its
-                       recorded non-secret settings (JSONB), as the
-                       ``twophase`` commands rebuild it
-``owed``               one row per batch owed to sinks whose work of it was lost
-                       (format 3): sink id -> ``{"rows", "work"}`` (JSONB)
+    ``ledgers``            one row per job: incarnation, run, next checkpoint id,
+                           fencing token, kept history and digest window
+    ``pending``            one row per pending batch: (pipeline, batch_id),
+                           its committables (JSONB, sink -> list) and offsets digest
+    ``checkpoints``        one row per checkpoint: the decided one (``committed_at``
+                           NULL, at most one per job) and the committed history
+    ``pipelines``          per pipeline: highest batch Spark completed, highest
+                           batch committed (the committed cut)
+    ``finished``           finished pipelines
+    ``totals``             rows committed per sink over the job's life
+    ``committed_digests``  offsets digests of the last committed batches per
+                           pipeline, ``seq`` giving the order they were committed in
+    ``abandoned``          every abandonment recorded
+    ``sinks``              one row per sink of the job (``pipeline/sink_id``): its
+                           recorded non-secret settings (JSONB), as the
+                           ``twophase`` commands rebuild it
+    ``owed``               one row per batch owed to sinks whose work of it was lost
+                           (format 3): sink id -> ``{"rows", "work"}`` (JSONB)
 
 Deleting a job's ``ledgers`` row deletes its whole ledger (foreign keys cascade).
 """

@@ -10,7 +10,7 @@ its ``delta.columnMapping.physicalName`` and carry its
 as nulls. The add action's ``partitionValues`` and ``stats`` are keyed by
 physical names too.
 
-DeltaSink writes both, whichever the mode: :meth:`ColumnMapping.stored`
+DeltaSink writes both, whichever the mode: :attr:`ColumnMapping.schema`
 is the table's layout in physical names with field ids (what files, stats and
 partition values say), :meth:`ColumnMapping.to_stored` renames a batch of
 table rows (logical names, table order) to it. Appends are honoured this way.

@@ -31,7 +31,7 @@ writes and deletes. The commit applies them to the table copy-on-write:
 The change files are deleted once the version exists (a crash before that
 leaves them to the sweep, as committed transactions' leftovers).
 Write amplification: every candidate file is rewritten whole; how many are
-candidates depends on how keys are laid out (README, "Performance"). Tables
+candidates depends on how keys are laid out (:doc:`/performance`). Tables
 whose rewrites need delta-spark (deletion vectors, the change data feed,
 column mapping, delta-spark-only features) are merged through its transaction
 (:mod:`sinks.delta.spark_rewrite`), which rewrites only the candidates that

@@ -13,6 +13,7 @@ each bound exact or, for cut strings, on the safe side; never wrong.
 * ``nullCount`` for every top-level column that is not nested.
 * min and max of every top-level column that is not nested, binary or null
   only (readers index none of those):
+
   - integers, booleans, decimals (as exact JSON numbers), finite floats, dates:
     exact;
   - timestamps, with and without time zone: rounded outwards to milliseconds
@@ -22,6 +23,7 @@ each bound exact or, for cut strings, on the safe side; never wrong.
     greater than the string); a max longer than that becomes its first 32
     characters with the last one that can be raised raised by one code point,
     which is greater than every string of the file (UTF-8 orders as code points).
+
 * No ``minValues`` / ``maxValues`` at all when one column has no faithful
   bound: a float column holding a NaN or an infinity (JSON cannot hold them,
   and Spark orders NaN above every number), a date or timestamp outside years

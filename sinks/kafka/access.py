@@ -155,6 +155,6 @@ def denied(where: str, missing: Sequence[Acl], config: Mapping[str, Any]) -> Pre
     who = principal(config)
     lines = [f"  - {a}: {a.why}\n      {a.command(who)}" for a in missing]
     return PreflightError(
-        f"{where}: {who} lacks {len(missing)} ACL(s) the sink needs (README, "
+        f"{where}: {who} lacks {len(missing)} ACL(s) the sink needs (docs/sinks/kafka.md, "
         "'Secured clusters'):\n" + "\n".join(lines)
     )

@@ -1,12 +1,14 @@
 """Kafka exactly-once sink: one transaction per task attempt, committed by the driver.
 
 Executor side (:mod:`sinks.kafka.writer`): each Spark task writes its partition
-in its own Kafka transaction whose ``transactional.id`` is the task's
+in its own Kafka transaction, flushes it and returns the committable ``{txn,
+transactional_id, producer_id, epoch, rows, topic, partitions: {partition:
+[first offset, last offset]}}`` without committing or aborting. The ``transactional.id`` (after
+``transactional_id_prefix``) comes from a bounded pool on brokers that answer
+DescribeTransactions (:mod:`sinks.kafka.pool`: ``tp3.<job>.<pipeline>.<sink>
+.i<incarnation>.l<lane>.p<part>.a<attempt>``); elsewhere it is the task's
 transaction name (:mod:`sinks.naming`: ``tp2.<job>.<pipeline>.<sink>.i<incarnation>
-.r<run>.b<batch>.p<part>.a<attempt>``, after ``transactional_id_prefix``),
-flushes it and returns the committable ``{txn, transactional_id, producer_id,
-epoch, rows, topic, partitions: {partition: [first offset, last offset]}}``
-without committing or aborting.
+.r<run>.b<batch>.p<part>.a<attempt>``).
 
 Commit and abort (driver, :mod:`sinks.kafka.txn`): the transaction is resumed
 by EndTxn (never ``init_transactions()``, which aborts), idempotently, the
@@ -30,7 +32,8 @@ shows them aborted. Limits: ``registry_topic=None`` disables the sweep (Apache
 Kafka then aborts orphans only after ``transaction.timeout.ms``; until then
 they hold back read_committed consumers) and the memory of progress below;
 every transactional id leaves coordinator state for
-``transactional.id.expiration.ms`` (7 days by default), one per task and batch.
+``transactional.id.expiration.ms`` (7 days by default): with the pool, lanes
+x partitions x attempts of them; without it, one per task and batch.
 A future option on Apache Kafka >= 3.0: ListTransactions (state Ongoing) as a
 second source of candidates.
 
@@ -180,8 +183,7 @@ class KafkaSink(Sink):
             requests (and an abort's InitProducerId requests) over at once, at
             most (one per 4 transactions): a broker handles one request of a
             connection at a time. On tansu, the test broker, more than one is
-            faster while tasks write and slower when it is idle (README,
-            "Performance").
+            faster while tasks write and slower when it is idle (:doc:`/performance`).
         commit_timeout: seconds a commit, abort or sweep keeps retrying
             transient errors before the job fails (the decision stays in the ledger).
         registry_topic: compacted topic where writers announce their

@@ -84,7 +84,7 @@ class PostgresSink(Sink):
             missing key is no error; the column itself is not written (the
             table needs no such column). A delete waits for this sink's earlier
             batches still awaiting their checkpoint, so that it sees a row one
-            of them inserted (see the README, "Keyed writes").
+            of them inserted (see :doc:`/sinks/keyed-writes`).
         schema: schema of ``table`` when ``table`` has no dot (default ``public``).
         create_table: create the table from the DataFrame schema when missing
             (with a primary key on ``key``).
