@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The project's test command: sets up .venv (once), lints, runs the test suite.
+# The project's test command: sets up .venv (once), lints, builds the docs, runs the test suite.
 # Tests start their own services on loopback (a private PostgreSQL cluster);
 # see README.md. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/_venv.sh
-.venv/bin/ruff check sinks lifecycle tests integration benchmarks examples
+.venv/bin/ruff check sinks lifecycle tests integration benchmarks examples docs
+# The documentation site, strictly: a warning (a broken link or reference, a
+# docstring that does not render) fails the run. -E: every page read anew.
+echo "building the documentation site (docs/) ..."
+.venv/bin/python -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
 # pytest exits 5 when it collected no tests: that is a failure of the suite here.
