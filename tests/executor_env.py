@@ -1,5 +1,5 @@
 """The executors' Python environment for the cluster tests, built the way the
-README's "Deploying to a cluster" section tells users to build theirs.
+docs/deploying.md tells users to build theirs.
 
 A new virtual environment (``python -m venv --copies``: Spark refuses to
 unpack an archive whose symlinks point outside it) gets the project from a

@@ -97,7 +97,7 @@ class JobProcess:
 def _command(script: Path, args: list[str], env: dict[str, str]) -> list[str]:
     """``python SCRIPT ARGS``; on a cluster (``TWOPHASE_TEST_MASTER`` set) the
     way users launch a job there: ``spark-submit`` in client mode with the
-    executors' environment as an archive (README, "Deploying to a cluster")."""
+    executors' environment as an archive (docs/deploying.md)."""
     master = env.get(MASTER_ENV)
     if not master:
         return [sys.executable, str(script), *args]

@@ -6,7 +6,7 @@ standalone cluster (``tests/sparkcluster.py``) through the environment:
 * ``TWOPHASE_TEST_MASTER``: the master URL (``spark://127.0.0.1:PORT``);
 * ``TWOPHASE_TEST_EXECUTOR_ENV``: the executors' packed Python environment
   (``tests/executor_env.py``), shipped with ``spark.archives`` and run as
-  ``./environment/bin/python``, as the README's deployment section says.
+  ``./environment/bin/python``, as docs/deploying.md says.
 
 With those set, ``tests/procs.py`` starts the job with ``spark-submit``, which
 passes master and archive itself; here only the executors' settings are added.

@@ -4,7 +4,7 @@ executors in their own JVMs with Python workers of their own.
 
 What these tests hold the project to, beyond the local-mode suite:
 
-* **The deployment path of the README.** Executors run the Python of a packed
+* **The deployment path of docs/deploying.md.** Executors run the Python of a packed
   virtual environment shipped with ``spark.archives`` (``tests/executor_env.py``:
   the project installed from a built wheel, not from this checkout), and a task
   proves it: ``sinks.__file__`` on the executor lies inside the unpacked archive.
@@ -285,7 +285,7 @@ def test_three_pipelines_share_one_final_checkpoint_on_the_cluster(  # type: ign
     proc = run_job("lifecycle_job.py", args, shared / "job.log", env=on_cluster.env)
     assert proc.proc.returncode == 0, proc.tail(5000)
     assert proc.result()["committed"] is True
-    _assert_deployed(proc)  # the README's deployment path, for all three sinks
+    _assert_deployed(proc)  # docs/deploying.md's deployment path, for all three sinks
     assert_exactly_once(pg_dsn, "small", n["small"])
     kafka_exactly_once(kafka_bootstrap, topic, n["medium"])
     assert_nothing_open(kafka_bootstrap, topic, "three")
@@ -337,7 +337,7 @@ def test_windowed_pipeline_flushes_every_window_on_the_cluster(on_cluster, pg_ds
     marker reaches the query without a file on the driver's disk, and every
     window is committed. A stateful query's Spark checkpoint holds its state
     store, which executors write: here ``state_dir`` is on the shared side, as
-    the README says it must be for stateful pipelines."""
+    docs/deploying.md says it must be for stateful pipelines."""
     from tests.test_lifecycle import create_tables, expected_windows, window_rows, write_events
 
     shared = on_cluster.shared

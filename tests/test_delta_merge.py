@@ -71,7 +71,7 @@ def test_a_change_feed_merges_into_delta_equal_to_the_model(spark, tmp_path):  #
     assert "op" not in DeltaTable(str(uri)).schema().to_arrow().names
     # delta-spark reads every version alike; a streaming read of the keyed table
     # runs through the merges with skipChangeCommits, which leaves out every version
-    # that removes files (README, "Reading the sink's tables with delta-spark")
+    # that removes files (docs/sinks/delta.md, "Reading the sink's tables with delta-spark")
     deltacheck.assert_delta_spark_reads_every_version(spark, uri)
     seen = deltacheck.assert_streaming_read_sees_each_row_once(
         spark, uri, tmp_path / "read", skip_change_commits=True

@@ -2,7 +2,7 @@
 
 The broker (``lifecycle/testing/kafka_security.py``) lets the sink's user do
 only what the ACLs of :func:`sinks.kafka.access.required` allow, the list the
-README gives. Two tests derive that list from both sides:
+docs/sinks/kafka.md gives. Two tests derive that list from both sides:
 
 * it is enough: a job killed after its tasks' transactions were flushed, then
   restarted (fences, recovery commits, registry reads and writes), ends with

@@ -47,7 +47,7 @@ def _pytest(
 def test_the_sample_user_project_passes_with_the_kit(
     pg_admin_dsn: str, kafka_bootstrap: str
 ) -> None:
-    """The README's example: a user's job tested exactly-once with kills and restarts."""
+    """The example of docs/testing.md: a user's job tested exactly-once with kills and restarts."""
     done = _pytest(
         USER_PROJECT,
         "-s",
