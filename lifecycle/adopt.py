@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lifecycle.state.files import atomic_write, fsync_dir
-from lifecycle.state.store import scheme_of
+from lifecycle.state.store_interface import scheme_of
 from sinks.errors import ConfigError
 
 _EMPTY_COMMIT = 'v1\n{"nextBatchWatermarkMs":0}'

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from lifecycle.state.store import StateStore
+from lifecycle.state.store_interface import StateStore
 
 log = logging.getLogger("lifecycle.control")
 

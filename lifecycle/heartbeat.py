@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lifecycle.state.store import StateStore
+from lifecycle.state.store_interface import StateStore
 
 log = logging.getLogger("lifecycle.heartbeat")
 

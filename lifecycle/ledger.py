@@ -63,7 +63,8 @@ from lifecycle.state.pg_ledger import PostgresLedger, pg_is_locked, read_pg_ledg
 from lifecycle.state.pg_location import PgLocation, is_pg_location
 from lifecycle.state.protocol import Ledger, LedgerLockedError, LedgerLostError
 from lifecycle.state.snapshot import generations, journal_generations
-from lifecycle.state.store import LocalStore, StateStore, open_store
+from lifecycle.state.store import LocalStore, open_store
+from lifecycle.state.store_interface import StateStore
 from lifecycle.state.upgrade import LEGACY
 from sinks.errors import ConfigError
 

@@ -38,10 +38,11 @@ from lifecycle.coordinator import Coordinator, Observer, PipelineSinks, sink_lab
 from lifecycle.ledger import Checkpoint, Ledger, State, locate, open_ledger, read_ledger
 from lifecycle.spark_log import SparkCommitLog
 from lifecycle.state.pg_location import PgLocation
-from lifecycle.state.store import StateStore, open_store
+from lifecycle.state.store import open_store
+from lifecycle.state.store_interface import StateStore
 from sinks.base import LOST, Committable, LingeringTxn, Sink
 from sinks.errors import ConfigError, TwoPhaseError
-from sinks.settings import from_settings
+from sinks.rebuild import from_settings
 
 
 class NoLedgerError(ConfigError):

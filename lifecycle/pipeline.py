@@ -45,7 +45,7 @@ from pyspark.sql.types import TimestampNTZType, TimestampType
 from lifecycle._columns import column
 from lifecycle.binding import BatchHandler, arrow_schema
 from lifecycle.end_of_input import END_OF_TIME, marker_stream
-from lifecycle.state.store import StateStore
+from lifecycle.state.store_interface import StateStore
 from sinks import _faults
 from sinks.base import Sink
 from sinks.errors import ConfigError

@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 import os
 
-from lifecycle.state.store import LocalStore, StateStore
+from lifecycle.state.store import LocalStore
+from lifecycle.state.store_interface import StateStore
 
 
 class SparkCommitLog:

@@ -13,7 +13,7 @@ from lifecycle.metrics import JOB_STATES, JobMetrics
 from lifecycle.pipeline import Pipeline, PipelineState
 from lifecycle.progress import ProgressView, Tracked, check_mode
 from lifecycle.state.protocol import Ledger
-from lifecycle.state.store import StateStore
+from lifecycle.state.store_interface import StateStore
 from sinks.errors import ConfigError
 
 log = logging.getLogger("lifecycle.watch")

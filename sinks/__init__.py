@@ -1,7 +1,8 @@
 """Exactly-once sinks for PySpark: the two-phase protocol and its adapters.
 
 See :mod:`sinks.base` for the protocol every sink implements, and
-:mod:`sinks.settings` for a sink's recorded settings and :func:`from_settings`.
+:mod:`sinks.settings` for a sink's recorded settings and :func:`from_settings`
+(:mod:`sinks.rebuild`) for the sink built again from them.
 """
 
 from sinks.base import Committable, JobScope, LingeringTxn, Sink, SinkWriter, WriteContext
@@ -22,7 +23,7 @@ from sinks.errors import (
 from sinks.kafka import KafkaSink
 from sinks.keys import DuplicateKeyError, NullKeyError, NullValueError
 from sinks.postgres import PostgresSink
-from sinks.settings import from_settings
+from sinks.rebuild import from_settings
 
 __all__ = [
     "CommitError",

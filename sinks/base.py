@@ -362,7 +362,7 @@ class Sink(abc.ABC):
 
     def settings(self) -> dict[str, Any]:
         """The non-secret, JSON-able settings that build this sink again with
-        :func:`sinks.settings.from_settings` (``kind``, ``sink_id`` and the
+        :func:`sinks.rebuild.from_settings` (``kind``, ``sink_id`` and the
         constructor's arguments). The default names the sink only: a sink of
         another kind cannot be rebuilt by the ``twophase`` commands."""
         return {"kind": self.kind, "sink_id": self.sink_id}

@@ -1,11 +1,12 @@
-"""A sink's non-secret settings, and rebuilding a sink from them.
+"""A sink's non-secret settings: what is recorded, and where its secrets come back from.
 
 Every sink has ``settings()``: a small JSON-able dict with its ``kind``, its
 ``sink_id`` and the constructor arguments needed to build it again, with every
 secret taken out. The ledger records it (``Ledger.record_sinks``), so the
 ``twophase`` commands can reach the sinks of a job without the job's code.
-:func:`from_settings` builds the sink again; the secrets come from the
-environment (or the mapping given), never from the ledger.
+:func:`sinks.rebuild.from_settings` builds the sink again (that module knows
+every kind of sink; this one is imported by the sinks themselves); the secrets
+come from the environment (or the mapping given), never from the ledger.
 
 What is taken out, and where it comes back from (``<SINK>`` is the sink id in
 upper case with every character other than A-Z and 0-9 replaced by ``_``; the
@@ -38,12 +39,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
-
-from sinks.errors import ConfigError
-
-if TYPE_CHECKING:
-    from sinks.base import Sink
+from typing import Any
 
 FORMAT = 1
 
@@ -100,24 +96,3 @@ def lookup(secrets: Mapping[str, str], names: Iterable[str]) -> str | None:
 
 def environment(secrets: Mapping[str, str] | None) -> Mapping[str, str]:
     return os.environ if secrets is None else secrets
-
-
-def from_settings(settings: Mapping[str, Any], secrets: Mapping[str, str] | None = None) -> Sink:
-    """Build the sink that ``settings`` (a sink's ``settings()``) describe, its
-    secrets taken from ``secrets`` (default: the environment; module docstring)."""
-    # imported here: the sinks import this module for the helpers above
-    from sinks.delta import DeltaSink
-    from sinks.kafka import KafkaSink
-    from sinks.postgres import PostgresSink
-
-    kinds: dict[str, Any] = {"postgres": PostgresSink, "kafka": KafkaSink, "delta": DeltaSink}
-    kind = settings.get("kind")
-    if kind not in kinds:
-        raise ConfigError(
-            f"sink {settings.get('sink_id')!r} of kind {kind!r} cannot be rebuilt from its "
-            f"recorded settings (only {sorted(kinds)} can)"
-        )
-    if settings.get("v", FORMAT) != FORMAT:
-        raise ConfigError(f"sink settings of unknown format {settings.get('v')!r}")
-    sink: Sink = kinds[kind].from_settings(settings, environment(secrets))
-    return sink

@@ -23,7 +23,8 @@ from pyspark.sql import SparkSession
 from lifecycle import Job
 from lifecycle.spark_log import SparkCommitLog
 from lifecycle.state.hadoop_store import HadoopStore
-from lifecycle.state.store import LocalStore, StateStore, open_store
+from lifecycle.state.store import LocalStore, open_store
+from lifecycle.state.store_interface import StateStore
 from sinks.errors import ConfigError
 from tests.conftest import write_input
 from tests.sparkutil import INPUT_SCHEMA

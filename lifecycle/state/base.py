@@ -257,7 +257,7 @@ class StateLedger:
         the sink's ``settings()``, which holds no secret), replacing the ones
         recorded before; nothing is written when they are unchanged. Returns
         whether a record was written. The ``twophase`` commands rebuild the
-        sinks from them (:func:`sinks.settings.from_settings`)."""
+        sinks from them (:func:`sinks.rebuild.from_settings`)."""
         if not isinstance(sinks, dict) or not all(
             isinstance(k, str) and isinstance(v, dict) for k, v in sinks.items()
         ):

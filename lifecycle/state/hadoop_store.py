@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from py4j.java_gateway import is_instance_of
 from py4j.protocol import Py4JJavaError
 
-from lifecycle.state.store import TMP, StateStore, check_rel, scheme_of
+from lifecycle.state.store_interface import TMP, StateStore, check_rel, scheme_of
 from sinks.errors import ConfigError
 
 if TYPE_CHECKING:
