@@ -1,5 +1,9 @@
 """Arrow record batches to Kafka record keys, values and headers.
 
+Longer than 450 lines because it is one encoding with one rule per type: keys
+and headers write numbers by the JSON rules below, and the preflight's type
+check and the encoder apply the same per-type rules, so they are read together.
+
 Everything is converted column-wise with pyarrow compute kernels, nested types
 included (a list column is encoded by encoding all its elements as one column and
 joining them per row); only the final ``bytes`` per record are materialised in

@@ -1,5 +1,9 @@
 """One task's Kafka transaction, spoken in raw protocol: the writer's producer.
 
+Longer than 450 lines because the transaction's requests, the pipelined produce
+and the per-partition error rules below all act on one producer's state
+(sequences, requests in flight, batches to resend), so they are read together.
+
 kafka-python's ``KafkaProducer.send`` costs about 60 µs per record (a future,
 a header list, a partitioner call and an accumulator append in Python). The
 writer instead encodes whole record batches from Arrow

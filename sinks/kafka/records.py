@@ -1,5 +1,9 @@
 """Kafka v2 record batches (magic 2, KIP-98) encoded column-wise from Arrow.
 
+Longer than 450 lines because the batch and record layout below, the pass that
+sizes every record and splits the rows into batches, and the pass that frames
+them must agree byte for byte, so they are read together.
+
 The encoding half of a producer: given the keys, values and headers of the rows
 bound for one partition, build the exact bytes of the record batches a Produce
 request carries. Nothing here talks to a broker.
@@ -27,11 +31,11 @@ Varints are zigzag-encoded (protobuf's sint32).
 Everything is done per column, never per record in Python: the record framing
 (length prefix, fixed fields, length varints, header names) is computed as a
 2-D byte matrix per group of adjacent fields, compacted with its validity mask
-into an Arrow binary array, and joined with the keys, values and header values
-row by row by ``binary_join_element_wise``, whose data buffer is then exactly the
-records section of consecutive batches. Python loops only per batch (header,
-CRC, compression) and per header column. Partitioning is
-:mod:`sinks.kafka.partitioner`.
+into an Arrow binary array (:mod:`sinks.kafka.varints`), and joined with the
+keys, values and header values row by row by ``binary_join_element_wise``,
+whose data buffer is then exactly the records section of consecutive batches.
+Python loops only per batch (header, CRC, compression) and per header column.
+Partitioning is :mod:`sinks.kafka.partitioner`.
 
 Where this differs from kafka-python's ``DefaultRecordBatchBuilder`` (which the
 tests compare against byte for byte): ``partitionLeaderEpoch`` is -1, as the
@@ -55,6 +59,7 @@ import pyarrow.compute as pc
 
 from sinks import _binaries as _b
 from sinks.errors import ConfigError, DataError
+from sinks.kafka.varints import RowFrame, Varints, varint_bytes, varint_size, varints, zigzag
 
 __all__ = ["EncodedBatch", "batches_by_partition", "record_batches"]
 
@@ -94,137 +99,6 @@ class EncodedBatch:
     data: bytes
     records: int
     base_sequence: int
-
-
-# -- varints -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Varints:
-    """The zigzag values (uint64) of a column of int64 values and the sizes of
-    their varints."""
-
-    z: np.ndarray
-    size: np.ndarray
-
-    def rows(self, rows: slice) -> _Varints:
-        return _Varints(self.z[rows], self.size[rows])
-
-
-def _varints(v: np.ndarray) -> _Varints:
-    z = _zigzag(v)
-    return _Varints(z, _varint_size(z))
-
-
-def _zigzag(v: np.ndarray) -> np.ndarray:
-    """Zigzag of int64 values, as uint64."""
-    v = v.astype(np.int64, copy=False)
-    z = v << 1
-    if len(v) and v.min() < 0:
-        z ^= v >> 63
-    return z.view(np.uint64)
-
-
-def _varint_size(z: np.ndarray) -> np.ndarray:
-    """Bytes of the varint of every zigzagged value ``z`` (uint64 array)."""
-    top = int(z.max()) if len(z) else 0
-    if top < 1 << 7:
-        return np.ones(len(z), dtype=np.int64)
-    size = (z >= np.uint64(1 << 7)).astype(np.int64)
-    size += 1
-    shift = 14
-    while top >> shift:
-        size += z >= np.uint64(1 << shift)
-        shift += 7
-    return size
-
-
-def _varint_bytes(v: int) -> bytes:
-    """The zigzag varint of ``v``."""
-    return _zigzag_bytes((v << 1) ^ (v >> 63))
-
-
-def _zigzag_bytes(z: int) -> bytes:
-    """The varint of the zigzag value ``z``."""
-    out = bytearray()
-    while z > 0x7F:
-        out.append(0x80 | (z & 0x7F))
-        z >>= 7
-    out.append(z)
-    return bytes(out)
-
-
-class _Frame:
-    """Per-row byte strings made of fixed-width fields (varints, constant bytes),
-    built as one (width x rows) byte matrix and its validity mask, then compacted
-    into an Arrow binary array."""
-
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
-        # (zigzag values or constant bytes, varint sizes, rows where present)
-        self.fields: list[tuple[np.ndarray | bytes, np.ndarray | None, np.ndarray | None]] = []
-        self.lengths = np.zeros(rows, dtype=np.int64)
-        self.fixed = True  # every row the same bytes
-
-    def varint(self, v: _Varints, present: np.ndarray | None = None) -> None:
-        """The varints ``v`` (one per row), where ``present``."""
-        z, size = v.z, v.size
-        if present is None and self.rows and z.min() == z.max():
-            self.const(_zigzag_bytes(int(z[0])))
-            return
-        self.fields.append((z, size, present))
-        self.fixed = False
-        self.lengths += size if present is None else np.where(present, size, 0)
-
-    def const(self, data: bytes, present: np.ndarray | None = None) -> None:
-        """The same bytes in every row, where ``present``."""
-        if present is not None and present.all():
-            present = None
-        self.fields.append((data, None, present))
-        self.fixed = self.fixed and present is None
-        self.lengths += len(data) if present is None else present * len(data)
-
-    def build(self) -> pa.Array:
-        if self.fixed:
-            row = np.frombuffer(b"".join(f for f, _, _ in self.fields), dtype=np.uint8)  # type: ignore[misc]
-            packed = np.tile(row, self.rows)
-            offsets = np.arange(self.rows + 1, dtype=np.int32) * np.int32(len(row))
-        else:
-            packed, offsets = self._compact()
-        return pa.Array.from_buffers(
-            pa.binary(), self.rows, [None, pa.py_buffer(offsets), pa.py_buffer(packed)]
-        )
-
-    def _compact(self) -> tuple[np.ndarray, np.ndarray]:
-        widths = [
-            len(field) if size is None else int(size.max())
-            for field, size, _ in self.fields  # type: ignore[arg-type]
-        ]
-        # Column-major: every byte position of the rows is one contiguous row here.
-        matrix = np.empty((sum(widths), self.rows), dtype=np.uint8)
-        mask = np.empty((sum(widths), self.rows), dtype=bool)
-        col = 0
-        for (field, size, present), width in zip(self.fields, widths, strict=True):
-            if isinstance(field, bytes):
-                matrix[col : col + width] = np.frombuffer(field, dtype=np.uint8)[:, None]
-                mask[col : col + width] = True if present is None else present
-            else:
-                z = field.astype(np.uint32) if width <= 4 else field
-                np.greater(size, 0, out=mask[col])
-                for b in range(width):
-                    byte = matrix[col + b]
-                    np.right_shift(z, 7 * b, out=byte, casting="unsafe")
-                    byte &= 0x7F
-                    if b + 1 < width:
-                        more = mask[col + b + 1]
-                        np.greater(size, b + 1, out=more)
-                        byte |= more.view(np.uint8) << 7
-                if present is not None:
-                    mask[col : col + width] &= present
-            col += width
-        offsets = np.zeros(self.rows + 1, dtype=np.int32)
-        np.cumsum(self.lengths, out=offsets[1:])
-        return matrix.T[mask.T], offsets
 
 
 # -- record batches ----------------------------------------------------------
@@ -350,7 +224,7 @@ def _encode(
     # Sizes of every record's fields but its length prefix and offset delta.
     key_len = np.full(n, -1, dtype=np.int64) if keys is None else _b.lengths(keys)
     value_len = np.full(n, -1, dtype=np.int64) if values is None else _b.lengths(values)
-    key_varint, value_varint = _varints(key_len), _varints(value_len)
+    key_varint, value_varint = varints(key_len), varints(value_len)
     # + attributes and timestampDelta (one byte each)
     body = 2 + _field_size(key_varint, key_len) + _field_size(value_varint, value_len)
     header_count = np.zeros(n, dtype=np.int64)
@@ -359,12 +233,12 @@ def _encode(
         name_bytes = name.encode("utf-8")
         h_len = _b.lengths(arr)
         present = h_len >= 0
-        prefix = _varint_bytes(len(name_bytes)) + name_bytes
-        h_varint = _varints(h_len)
+        prefix = varint_bytes(len(name_bytes)) + name_bytes
+        h_varint = varints(h_len)
         header_fields.append((prefix, h_varint, present, arr))
         header_count += present
         body += present * (len(prefix) + _field_size(h_varint, h_len))
-    count_varint = _varints(header_count)
+    count_varint = varints(header_count)
     body += count_varint.size
 
     limit = max_batch_bytes - HEADER_SIZE
@@ -379,8 +253,8 @@ def _encode(
     # the segment of every batch, by its first row
     segment_of = np.searchsorted(segments, batches[:-1], side="right") - 1
     counts = np.diff(batches)
-    offset_delta = _varints(np.arange(n, dtype=np.int64) - np.repeat(batches[:-1], counts))
-    record_len = _varints(body + offset_delta.size)
+    offset_delta = varints(np.arange(n, dtype=np.int64) - np.repeat(batches[:-1], counts))
+    record_len = varints(body + offset_delta.size)
     ends = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(body, out=ends[1:])
     ends[1:] += np.cumsum(offset_delta.size + record_len.size)
@@ -493,7 +367,7 @@ def batches_by_partition(
     return dict(zip(targets, encoded, strict=True))
 
 
-def _field_size(length_varint: _Varints, lengths: np.ndarray) -> np.ndarray:
+def _field_size(length_varint: Varints, lengths: np.ndarray) -> np.ndarray:
     """Bytes of a nullable bytes field: its length varint and its bytes."""
     return length_varint.size + np.maximum(lengths, 0)
 
@@ -510,8 +384,8 @@ def _split(body: np.ndarray, limit: int) -> np.ndarray:
     while start < n:
         while True:
             end = min(n, start + window)
-            size = body[start:end] + _varint_size(_zigzag(np.arange(end - start)))
-            size += _varint_size(_zigzag(size))
+            size = body[start:end] + varint_size(zigzag(np.arange(end - start)))
+            size += varint_size(zigzag(size))
             fit = int(np.searchsorted(np.cumsum(size), limit, side="right"))
             if fit < end - start or end == n:
                 break
@@ -527,12 +401,12 @@ def _frame(
     hi: int,
     keys: pa.Array | None,
     values: pa.Array | None,
-    key_len: _Varints,
-    value_len: _Varints,
-    offset_delta: _Varints,
-    record_len: _Varints,
-    header_count: _Varints,
-    header_fields: list[tuple[bytes, _Varints, np.ndarray, pa.Array]],
+    key_len: Varints,
+    value_len: Varints,
+    offset_delta: Varints,
+    record_len: Varints,
+    header_count: Varints,
+    header_fields: list[tuple[bytes, Varints, np.ndarray, pa.Array]],
 ) -> pa.Buffer:
     """The records of rows lo..hi-1, one after the other, as one buffer."""
     rows = hi - lo
@@ -542,7 +416,7 @@ def _frame(
         arr = arr.slice(lo, rows)
         return arr.cast(pa.binary()) if pa.types.is_large_binary(arr.type) else arr
 
-    head = _Frame(rows)
+    head = RowFrame(rows)
     head.varint(record_len.rows(rng))
     head.const(b"\x00\x00")  # attributes, timestampDelta
     head.varint(offset_delta.rows(rng))
@@ -550,19 +424,19 @@ def _frame(
     pieces = [head.build()]
     if keys is not None:
         pieces.append(piece(keys))
-    mid = _Frame(rows)
+    mid = RowFrame(rows)
     mid.varint(value_len.rows(rng))
     pieces.append(mid.build())
     if values is not None:
         pieces.append(piece(values))
-    tail = _Frame(rows)
+    tail = RowFrame(rows)
     tail.varint(header_count.rows(rng))
     for prefix, h_len, present, arr in header_fields:
         tail.const(prefix, present[rng])
         tail.varint(h_len.rows(rng), present[rng])
         pieces.append(tail.build())
         pieces.append(piece(arr))
-        tail = _Frame(rows)
+        tail = RowFrame(rows)
     if tail.fields:
         pieces.append(tail.build())
     if len(pieces) == 1:

@@ -1,5 +1,15 @@
 """Kafka exactly-once sink: one transaction per task attempt, committed by the driver.
 
+Longer than 450 lines because KafkaSink is the public API: its documented
+constructor, its settings round trip and every method the coordinator calls
+(most of them one-line delegations) stay on this one class.
+
+This module is the sink's face: its options and settings, its transactional
+ids, preflight (:mod:`sinks.kafka.preflight`), its writers, its claims and its
+lanes of pooled ids. The commit path, abort, the sweep of lingering
+transactions and the records of what committed are the committer's
+(:mod:`sinks.kafka.committer`).
+
 Executor side (:mod:`sinks.kafka.writer`): each Spark task writes its partition
 in its own Kafka transaction, flushes it and returns the committable ``{txn,
 transactional_id, producer_id, epoch, rows, topic, partitions: {partition:
@@ -9,33 +19,6 @@ DescribeTransactions (:mod:`sinks.kafka.pool`: ``tp3.<job>.<pipeline>.<sink>
 .i<incarnation>.l<lane>.p<part>.a<attempt>``); elsewhere it is the task's
 transaction name (:mod:`sinks.naming`: ``tp2.<job>.<pipeline>.<sink>.i<incarnation>
 .r<run>.b<batch>.p<part>.a<attempt>``).
-
-Commit and abort (driver, :mod:`sinks.kafka.txn`): the transaction is resumed
-by EndTxn (never ``init_transactions()``, which aborts), idempotently, the
-transactions of a checkpoint over a few connections at once; any
-refusal is settled from the control markers in the log, and so is a success
-answered to a retry (a broker that died inside an EndTxn may answer success
-without having written every marker). Abort fences (InitProducerId). Retried
-(tenacity) on retriable errors and dropped connections, bounded by
-``commit_timeout``.
-
-Lingering transactions (``abort_lingering``): the driver cannot list them from
-Kafka portably (ListTransactions needs Kafka 3.0+ and DESCRIBE rights; tansu
-lacks it) nor derive them (Spark task attempt ids are not enumerable). Every
-writer therefore announces its transactional id in a registry topic before it
-writes data (:mod:`sinks.kafka.registry`); the sweep reads the registry
-incrementally, asks ``is_orphan`` about each id announced for this topic under
-``scope.own_prefixes()`` (this incarnation's, and first-format names: never
-another incarnation's, unless the coordinator passes that incarnation's scope
-after a start-over), fences the orphans and tombstones them once the registry
-shows them aborted. Limits: ``registry_topic=None`` disables the sweep (Apache
-Kafka then aborts orphans only after ``transaction.timeout.ms``; until then
-they hold back read_committed consumers) and the memory of progress below;
-every transactional id leaves coordinator state for
-``transactional.id.expiration.ms`` (7 days by default): with the pool, lanes
-x partitions x attempts of them; without it, one per task and batch.
-A future option on Apache Kafka >= 3.0: ListTransactions (state Ongoing) as a
-second source of candidates.
 
 What the sink remembers (:mod:`sinks.kafka.progress`), all in the registry
 topic, per (target topic, job, pipeline, sink id):
@@ -47,28 +30,9 @@ topic, per (target topic, job, pipeline, sink id):
   its ``start_over_from``), so of two jobs claiming at the same instant the
   first in the log wins and the other refuses with
   :class:`~sinks.progress.IncarnationConflictError`;
-* **what is committed**: a writer's announcement is the first record of its own
-  transaction, so its COMMIT marker proves the batch committed, atomically with
-  the data. ``forget`` (after the ledger recorded the commit) first appends a
-  progress record ``{incarnation, batch}`` (acks=all, waited for), then
-  tombstones the announcements. The highest committed batch is the max of the
-  owner's progress record and its committed announcements still there.
-
-Guarantees across a crash at any instant: a batch's data and its announcement
-commit together; the progress record is durable before its announcements are
-tombstoned, so one of them always says the batch committed (a sweep that finds
-a committed announcement left by a missed ``forget`` records its progress
-before tombstoning it). Before each commit the claim is re-read (incrementally):
-another owner refuses the commit (``at_commit``), and committables of a batch
-at or below this incarnation's progress record are replays: fenced, never
-committed (a retried commit of the same transactions stays idempotent, since the
-progress record is written only after the commit completed). Limits: the
-registry must keep its records: compaction is safe (claims have unique keys,
-progress keys keep their latest record, announcements go only after their
-progress record), but ``cleanup.policy=delete`` with a retention would forget
-claims and progress, and deleting the registry topic forgets everything
-(``registry_topic=None`` likewise keeps nothing). The check before a commit and
-the EndTxn are two steps: a takeover between them is caught at the next commit.
+* **what is committed**: the writers' committed announcements and the progress
+  records ``forget`` appends (:mod:`sinks.kafka.committer`, which also says
+  what holds across a crash).
 
 Transaction timeout: a prepared transaction must be committed before
 ``transaction_timeout_ms`` has passed since its first write, or Apache Kafka
@@ -80,23 +44,16 @@ compare it with the checkpoint interval plus batch, commit and restart time.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import re
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
-from kafka.protocol.admin import DescribeTransactionsRequest
 
-from sinks import _faults, base, settings
-from sinks._parallel import (
-    COMMIT_CONNECTIONS,
-    check_connections,
-    slices,
-)
+from sinks import settings
+from sinks._parallel import COMMIT_CONNECTIONS, check_connections
 from sinks._retry import retry_transient
 from sinks.audit import CheckpointEvidence, Finding
 from sinks.base import (
@@ -108,32 +65,23 @@ from sinks.base import (
     SinkWriter,
     WriteContext,
 )
-from sinks.errors import ConfigError, PreflightError
-from sinks.kafka import access, checks, encode, outcome, txn, txn_age
+from sinks.errors import ConfigError
 from sinks.kafka import audit as kafka_audit
+from sinks.kafka import checks, txn_age
+from sinks.kafka.committer import REGISTRY_TIMEOUT_S, KafkaCommitter
 from sinks.kafka.connections import DriverConnections
 from sinks.kafka.pool import IdPool, lane_of, pool_prefix, pooled_id
+from sinks.kafka.preflight import check_cluster, check_schema
 from sinks.kafka.produce import ProducerOptions
 from sinks.kafka.progress import ProgressStore
-from sinks.kafka.registry import (
-    ABORTED,
-    COMMITTED,
-    DEFAULT_TOPIC,
-    OPEN,
-    TOPIC_CONFIG,
-    Announcement,
-    announced_name,
-    write_tombstones,
-)
-from sinks.kafka.wire import TRANSIENT, KafkaWire
+from sinks.kafka.registry import DEFAULT_TOPIC
+from sinks.kafka.wire import TRANSIENT
 from sinks.kafka.writer import KafkaWriter, WriterSettings
 from sinks.keys import KeyedWrite
-from sinks.naming import TxnName, check_id, scope_prefixes
+from sinks.naming import check_id
 from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.kafka")
-
-_REGISTRY_TIMEOUT_S = 30.0
 
 
 class KafkaSink(Sink):
@@ -188,13 +136,13 @@ class KafkaSink(Sink):
             transient errors before the job fails (the decision stays in the ledger).
         registry_topic: compacted topic where writers announce their
             transactional ids so the driver can sweep lingering ones; created on
-            preflight. ``None`` disables the sweep (see the module docstring).
+            preflight. ``None`` disables the sweep (see :mod:`sinks.kafka.committer`).
         flush_timeout: seconds ``prepare`` waits for all records to be acknowledged.
         connect_timeout: seconds preflight waits for the cluster to answer.
     """
 
     kind = "kafka"
-    _driver_only = ("_conns", "_store", "_pool")
+    _driver_only = ("_conns", "_store", "_pool", "_committer")
     prepared_work_expires = True
     prepared_work_holds_resources = True
     speculation_safe = True  # every attempt has its own pooled id (sinks/kafka/pool.py)
@@ -381,6 +329,18 @@ class KafkaSink(Sink):
             if self.registry_topic
             else None
         )
+        self._committer = KafkaCommitter(
+            where=self.describe(),
+            sink_id=self.sink_id,
+            topic=self.topic,
+            id_prefix=self.id_prefix,
+            transaction_timeout_ms=self.transaction_timeout_ms,
+            commit_timeout=self.commit_timeout,
+            commit_connections=self.commit_connections,
+            conns=self._conns,
+            store=self._store,
+            pool=self._pool,
+        )
 
     def close(self) -> None:
         """Release the driver's connections (optional; they are daemon threads)."""
@@ -389,50 +349,27 @@ class KafkaSink(Sink):
     # -- preflight ----------------------------------------------------------------------
 
     def preflight(self, schema: pa.Schema) -> None:
+        """Check the DataFrame's columns, then the cluster (:mod:`sinks.kafka.preflight`),
+        and keep what the writers need to know of the cluster."""
         self._check_schema(schema)
-        try:
-            wire = KafkaWire(
-                self.bootstrap_servers, config=self.producer_config, timeout_s=self.connect_timeout
-            )
-        except Exception as e:
-            raise PreflightError(
-                f"cannot reach Kafka at {','.join(self._servers())}: {e}".strip()
-            ) from e
-        needs = access.required(self.topic, self.registry_topic, self.id_prefix)
-        with wire:
-            access.check_topics(wire, self.describe(), needs, self.producer_config)
-            checks.ensure_topic(
-                wire,
-                self.describe(),
-                self.topic,
-                partitions=self.partitions,
-                replication_factor=self.replication_factor,
-                config={},
-                create=self.create_topic,
-            )
-            if self.registry_topic:
-                checks.ensure_topic(
-                    wire,
-                    self.describe(),
-                    self.registry_topic,
-                    partitions=1,
-                    replication_factor=self.replication_factor,
-                    config=TOPIC_CONFIG,
-                    create=True,
-                    registry=True,
-                )
-            access.check_topics(wire, self.describe(), needs, self.producer_config)  # created
-            probe = f"{self.id_prefix}tp-preflight.{self.sink_id}"  # under the ACL's prefix
-            try:
-                checks.check_transaction_timeout(
-                    wire, self.describe(), self.transaction_timeout_ms, probe=probe
-                )
-            except checks.TransactionalIdDenied as e:
-                acl = [a for a in needs if a.resource == "transactional-id"]
-                raise access.denied(self.describe(), acl, self.producer_config) from e
-            # the writers size their record batches to it (they run on executors: pickled)
-            self.topic_max_bytes = checks.topic_max_message_bytes(wire, self.topic)
-            self.pooled_ids = wire.api_version(DescribeTransactionsRequest) >= 0
+        facts = check_cluster(
+            self.describe(),
+            self.bootstrap_servers,
+            servers=self._servers(),
+            producer_config=self.producer_config,
+            connect_timeout=self.connect_timeout,
+            topic=self.topic,
+            registry_topic=self.registry_topic,
+            id_prefix=self.id_prefix,
+            sink_id=self.sink_id,
+            create_topic=self.create_topic,
+            partitions=self.partitions,
+            replication_factor=self.replication_factor,
+            transaction_timeout_ms=self.transaction_timeout_ms,
+        )
+        # the writers size their record batches to it (they run on executors: pickled)
+        self.topic_max_bytes = facts.topic_max_bytes
+        self.pooled_ids = facts.pooled_ids
 
     @property
     def changelog(self) -> bool:
@@ -446,16 +383,14 @@ class KafkaSink(Sink):
         return self.rules.sort_columns() if self.changelog else None
 
     def _check_schema(self, schema: pa.Schema) -> None:
-        if self.changelog:
-            self.rules.preflight(schema)
-        if self.key:
-            encode.check_bytes_column(schema, self.key, "key", numbers=True)
-        if self.value:
-            encode.check_bytes_column(schema, self.value, "value", numbers=False)
-        else:
-            encode.check_json_schema(self.rules.written(schema))
-        for h in self.headers:
-            encode.check_bytes_column(schema, h, "header", numbers=True)
+        check_schema(
+            schema,
+            self.rules,
+            changelog=self.changelog,
+            key=self.key,
+            value=self.value,
+            headers=self.headers,
+        )
 
     @staticmethod
     def min_safe_timeout_ms(
@@ -560,7 +495,7 @@ class KafkaSink(Sink):
         def claim() -> SinkProgress:
             with self._conns.wire() as wire, self._conns.producer() as producer:
                 return store.claim(
-                    wire, producer, scope, start_over_from, nonce, _REGISTRY_TIMEOUT_S
+                    wire, producer, scope, start_over_from, nonce, REGISTRY_TIMEOUT_S
                 )
 
         return retry_transient(
@@ -570,158 +505,37 @@ class KafkaSink(Sink):
             deadline=self.commit_timeout,
         )
 
-    # -- driver side: commit --------------------------------------------------------------
+    # -- driver side: commit, abort, sweep, forget (sinks.kafka.committer) ---------------
 
     def commit(self, committables: Sequence[Committable]) -> None:
-        pending = {c["transactional_id"]: c for c in committables}
-        if not pending:
-            return
-        txn_age.check_at_commit(
-            self.describe(), committables, timeout_ms=self.transaction_timeout_ms
-        )
-        total = len(pending)
-        replayed: list[str] = []
-        done = itertools.count(1)
-        failed = False  # an attempt failed: the broker may have died inside an EndTxn
-
-        def attempt() -> None:
-            nonlocal failed
-            try:
-                commit_pending()
-            except BaseException:
-                failed = True
-                raise
-
-        def commit_pending() -> None:
-            with self._conns.wire() as wire:
-                replays = self._store.replays(wire, pending) if self._store else []
-                if replays:
-                    log.warning(
-                        "%s: %d transaction(s) re-write batches this sink holds committed "
-                        "already (a replay); aborting them instead of committing: %s",
-                        self.describe(),
-                        len(replays),
-                        replays[:5],
-                    )
-                    self._fence(wire, list(replays))
-                    for tid in replays:
-                        del pending[tid]
-                    replayed.extend(replays)
-                parts = slices(sorted(pending), most=self.commit_connections)
-                self._conns.each(wire, parts, commit_part, "commit")
-
-        def commit_part(wire: KafkaWire, part: list[str]) -> None:
-            coordinators = wire.find_coordinators(part)
-            for tid in part:
-                txn.commit(
-                    wire,
-                    coordinators[tid],
-                    pending[tid],
-                    where=self.describe(),
-                    timeout_ms=self.transaction_timeout_ms,
-                    verify=failed,
-                )
-                del pending[tid]  # distinct keys per thread: a retry skips it
-                if next(done) == 1 and total > 1:
-                    _faults.hit("driver.mid_commit", sink=self.kind)
-
-        retry_transient(
-            attempt,
-            what=f"commit of {total} transaction(s) to {self.describe()}",
-            transient=TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-        self._tombstone(replayed)
+        """EndTxn(commit) for every transaction of ``committables``
+        (:meth:`~sinks.kafka.committer.KafkaCommitter.commit`)."""
+        self._committer.commit(committables)
 
     def cannot_have_lost(self, committables: Sequence[Committable]) -> bool:
-        """True when every transaction opened (``opened_at``, the executor's
-        clock) less than ``transaction_timeout_ms`` minus a minute ago: the
-        broker cannot have aborted any at its timeout yet. Reading the log for
-        each (:meth:`classify`) costs a read per partition and transaction."""
-        opened = [c.get("opened_at") for c in committables]
-        if not opened or any(t is None for t in opened):
-            return False
-        margin_s = 60.0  # clock skew between executors and driver, the abort sweep's period
-        oldest = min(float(t) for t in opened if t is not None)
-        return time.time() - oldest < self.transaction_timeout_ms / 1000 - margin_s
+        return self._committer.cannot_have_lost(committables)
 
     def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
-        """From the log, as the commit settles a refused EndTxn
-        (:mod:`sinks.kafka.outcome`): COMMIT marker: committed; no marker yet:
-        prepared; ABORT marker, or its records gone: lost."""
-        found: dict[str, str] = {}
-
-        def read() -> None:
-            with self._conns.wire() as wire:
-                for c in committables:
-                    if c["txn"] not in found:
-                        verdict = outcome.txn_outcome(wire, c)
-                        found[c["txn"]] = (
-                            base.COMMITTED
-                            if verdict == outcome.COMMITTED
-                            else base.PREPARED
-                            if verdict == outcome.OPEN
-                            else base.LOST
-                        )
-
-        retry_transient(
-            read,
-            what=f"check of {len(committables)} transaction(s) in {self.describe()}",
-            transient=TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-        return found
-
-    # -- driver side: abort, sweep, forget ------------------------------------------------
-
-    def _fence(self, wire: KafkaWire, transactional_ids: list[str]) -> None:
-        txn.fence(wire, transactional_ids, self.transaction_timeout_ms)
+        return self._committer.classify(committables)
 
     def abort(self, committables: Sequence[Committable]) -> None:
-        ids = sorted({c["transactional_id"] for c in committables})
-        if not ids:
-            return
-        # a pooled id is ended by its own producer id and epoch (sinks/kafka/pool.py)
-        own = {
-            c["transactional_id"]: (int(c["producer_id"]), int(c["epoch"]))
-            for c in committables
-            for n in [TxnName.require(c["txn"])]
-            if self._not_to_fence(
-                c["transactional_id"], JobScope(n.job, n.pipeline, n.sink_id, n.incarnation)
-            )
-        }
-        legacy = [t for t in ids if t not in own]
-        parts = slices(legacy, most=self.commit_connections)  # fence() empties them as it goes
+        self._committer.abort(committables)
 
-        def attempt() -> None:
-            with self._conns.wire() as wire:
-                txn.abort_own(wire, own)
-                self._conns.each(wire, [p for p in parts if p], self._fence, "abort")
+    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
+        return self._committer.lingering(job, pipeline)
 
-        retry_transient(
-            attempt,
-            what=f"abort of {len(ids)} transaction(s) in {self.describe()}",
-            transient=TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-        self._tombstone(ids)
+    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+        return self._committer.abort_lingering(scope, is_orphan)
 
-    def _announced(
-        self, wire: KafkaWire, prefixes: tuple[str, ...]
-    ) -> dict[str, tuple[TxnName, Announcement]]:
-        """Every transactional id announced for this topic whose transaction's
-        name starts with one of ``prefixes`` and not tombstoned, read from the
-        registry (incrementally), with its name and how it ended."""
-        assert self._store is not None
-        live = self._store.view.refresh(wire)
-        found: dict[str, tuple[TxnName, Announcement]] = {}
-        for tid, a in sorted(live.items()):
-            if a.topic != self.topic:
-                continue
-            name = announced_name(tid, a, self.id_prefix)
-            if name is not None and str(name).startswith(prefixes):
-                found[tid] = (name, a)
-        return found
+    def forget(self, committables: Sequence[Committable]) -> None:
+        self._committer.forget(committables)
+
+    def evidence(self, committable: Committable) -> dict[str, Any]:
+        return kafka_audit.evidence(committable)
+
+    def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
+        with self._conns.wire() as wire:
+            return kafka_audit.audit(wire, checkpoints)
 
     # -- the pool of transactional ids (sinks/kafka/pool.py) ------------------------------
 
@@ -757,149 +571,6 @@ class KafkaSink(Sink):
             if lane is not None
         }
 
-    def _not_to_fence(self, transactional_id: str, scope: JobScope) -> bool:
-        """Whether ``transactional_id`` is a pooled id that a task of this run may
-        hold now: it is ended by its transaction's own epoch, never fenced."""
-        return lane_of(transactional_id, self.id_prefix) is not None and self._pool.leasing(scope)
-
     def pool_size(self, scope: JobScope) -> int:
         """How many lanes of pooled ids ``scope`` has used in this run."""
         return self._pool.size(scope)
-
-    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
-        """Every transactional id of (``job``, ``pipeline``, this sink) announced
-        in the registry for this topic and not yet tombstoned, of every
-        incarnation: open, or ended (committed or aborted) with the tombstone
-        still to come. Empty without a registry (nothing can be listed)."""
-        store = self._store
-        if store is None:
-            return []
-
-        def read() -> dict[str, tuple[TxnName, Announcement]]:
-            with self._conns.wire() as wire:
-                return self._announced(wire, scope_prefixes(job, pipeline, self.sink_id))
-
-        found = retry_transient(
-            read,
-            what=f"listing of announced transactions in {self.describe()}",
-            transient=TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-        return [
-            LingeringTxn(
-                str(name),
-                name,
-                a.state,
-                (f"transactional id {tid}, " if tid != str(name) else "")
-                + f"producer id {a.producer_id}, epoch {a.epoch}, announced on registry "
-                f"partition {a.partition}",
-            )
-            for tid, (name, a) in found.items()
-        ]
-
-    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        """Fence the orphans among the ids of ``scope.own_prefixes()`` announced
-        for this topic; tombstone them once the registry shows them aborted.
-
-        An orphan found committed (its ``forget`` was missed: a crash between the
-        ledger's record and ``forget``) is not fenced: its progress is recorded
-        under the incarnation in its name (never the one this sink claimed: after
-        a start-over they differ), then it is tombstoned."""
-        store = self._store
-        if store is None:
-            return []
-
-        orphans_named: dict[str, TxnName] = {}
-
-        def sweep() -> tuple[list[TxnName], dict[str, Announcement]]:
-            with self._conns.wire() as wire:
-                announced = self._announced(wire, scope.own_prefixes())
-                orphans = {t: n for t, (n, _) in announced.items() if is_orphan(n)}
-                orphans_named.update(orphans)
-                # (an orphan that ended already needs no fence: its writer aborted it, or
-                # the broker did at its timeout, bumping the epoch)
-                ending = [t for t in sorted(orphans) if announced[t][1].state == OPEN]
-                # a pooled id may be leased to a batch in flight (now, or by the time
-                # a fence lands): end the orphan's own transaction (its producer id
-                # and epoch), never fence the id
-                pooled = [t for t in ending if self._not_to_fence(t, scope)]
-                if pooled:
-                    txn.abort_own(wire, {t: announced[t][1].own_epoch() for t in pooled})
-                fenced = [t for t in ending if t not in pooled]
-                if fenced:
-                    self._fence(wire, list(fenced))  # fenced twice after a retry: harmless
-                live = store.view.refresh(wire)  # the markers of the ended ones
-                return [orphans[t] for t in ending], {t: live[t] for t in orphans if t in live}
-
-        ended, found = retry_transient(
-            sweep,
-            what=f"sweep of lingering transactions in {self.describe()}",
-            transient=TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-        committed = [t for t, a in found.items() if a.state == COMMITTED]
-        if committed and self._record_committed(
-            [orphans_named[t] for t in committed], as_named=True
-        ):
-            self._tombstone(committed)
-        self._tombstone(sorted(t for t, a in found.items() if a.state == ABORTED))
-        aborted = sorted(str(n) for n in ended)
-        if aborted:
-            log.info("aborted %d lingering Kafka transaction(s): %s", len(aborted), aborted)
-        return aborted
-
-    def evidence(self, committable: Committable) -> dict[str, Any]:
-        return kafka_audit.evidence(committable)
-
-    def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
-        with self._conns.wire() as wire:
-            return kafka_audit.audit(wire, checkpoints)
-
-    def forget(self, committables: Sequence[Committable]) -> None:
-        """Record the committed batches in a progress record, then tombstone
-        their announcements (which said the same until then)."""
-        ids = sorted({c["transactional_id"] for c in committables})
-        names = [TxnName.require(c["txn"]) for c in committables]
-        if ids and self._record_committed(names):
-            self._tombstone(ids)
-
-    def _record_committed(self, names: list[TxnName], *, as_named: bool = False) -> bool:
-        """Append the progress records of the committed transactions ``names``
-        (see :meth:`ProgressStore.record_committed`); False (and the
-        announcements must stay) when they could not be written."""
-        store = self._store
-        if store is None:
-            return True
-        try:
-            with self._conns.wire() as wire, self._conns.producer() as producer:
-                store.record_committed(
-                    wire, producer, names, _REGISTRY_TIMEOUT_S, as_named=as_named
-                )
-        except Exception as e:
-            log.warning(
-                "could not record the progress of %d committed transaction(s) in registry %s "
-                "(%r); their announcements stay and say the same",
-                len(names),
-                self.registry_topic,
-                e,
-            )
-            return False
-        return True
-
-    def _tombstone(self, ids: list[str]) -> None:
-        """Mark ids resolved in the registry. Best effort: a missed tombstone only
-        makes a later sweep see an already finished id again (harmless)."""
-        if not ids or self._store is None:
-            return
-        try:
-            with self._conns.producer() as producer:
-                write_tombstones(producer, self._store.registry, ids, timeout_s=_REGISTRY_TIMEOUT_S)
-        except Exception as e:
-            log.warning(
-                "could not tombstone %d id(s) in registry %s (%r); harmless, a later sweep retries",
-                len(ids),
-                self.registry_topic,
-                e,
-            )
-            return
-        self._store.view.forget(ids)

@@ -1,5 +1,9 @@
 """The few raw Kafka protocol calls the sink needs, over kafka-python's client.
 
+Longer than 450 lines because every raw request the sink sends goes through
+this one class over the kafka-python internals listed below, so that a
+kafka-python upgrade is checked in one place.
+
 kafka-python's producer can only end a transaction it began itself, and its
 ``init_transactions()`` aborts whatever is open, so the driver speaks the
 protocol directly: FindCoordinator (key type transaction), EndTxn with a

@@ -1,0 +1,403 @@
+"""The driver side of the Kafka sink: commit, abort, classify, sweep and forget
+prepared transactions (what Flink calls the sink's committer).
+
+Commit and abort (:mod:`sinks.kafka.txn`): the transaction is resumed by EndTxn
+(never ``init_transactions()``, which aborts), idempotently, the transactions
+of a checkpoint over a few connections at once; any refusal is settled from the
+control markers in the log, and so is a success answered to a retry (a broker
+that died inside an EndTxn may answer success without having written every
+marker). Abort fences (InitProducerId). Retried (tenacity) on retriable errors
+and dropped connections, bounded by ``commit_timeout``.
+
+Lingering transactions (``abort_lingering``): the driver cannot list them from
+Kafka portably (ListTransactions needs Kafka 3.0+ and DESCRIBE rights; tansu
+lacks it) nor derive them (Spark task attempt ids are not enumerable). Every
+writer therefore announces its transactional id in a registry topic before it
+writes data (:mod:`sinks.kafka.registry`); the sweep reads the registry
+incrementally, asks ``is_orphan`` about each id announced for this topic under
+``scope.own_prefixes()`` (this incarnation's, and first-format names: never
+another incarnation's, unless the coordinator passes that incarnation's scope
+after a start-over), fences the orphans and tombstones them once the registry
+shows them aborted. Limits: ``registry_topic=None`` disables the sweep (Apache
+Kafka then aborts orphans only after ``transaction.timeout.ms``; until then
+they hold back read_committed consumers) and the memory of progress below;
+every transactional id leaves coordinator state for
+``transactional.id.expiration.ms`` (7 days by default): with the pool, lanes
+x partitions x attempts of them; without it, one per task and batch.
+A future option on Apache Kafka >= 3.0: ListTransactions (state Ongoing) as a
+second source of candidates.
+
+What is committed (:mod:`sinks.kafka.progress`): a writer's announcement is the
+first record of its own transaction, so its COMMIT marker proves the batch
+committed, atomically with the data. ``forget`` (after the ledger recorded the
+commit) first appends a progress record ``{incarnation, batch}`` (acks=all,
+waited for), then tombstones the announcements. The highest committed batch is
+the max of the owner's progress record and its committed announcements still
+there.
+
+Guarantees across a crash at any instant: a batch's data and its announcement
+commit together; the progress record is durable before its announcements are
+tombstoned, so one of them always says the batch committed (a sweep that finds
+a committed announcement left by a missed ``forget`` records its progress
+before tombstoning it). Before each commit the claim (:mod:`sinks.kafka.sink`)
+is re-read (incrementally): another owner refuses the commit (``at_commit``),
+and committables of a batch at or below this incarnation's progress record are
+replays: fenced, never committed (a retried commit of the same transactions
+stays idempotent, since the progress record is written only after the commit
+completed). Limits: the registry must keep its records: compaction is safe
+(claims have unique keys, progress keys keep their latest record, announcements
+go only after their progress record), but ``cleanup.policy=delete`` with a
+retention would forget claims and progress, and deleting the registry topic
+forgets everything (``registry_topic=None`` likewise keeps nothing). The check
+before a commit and the EndTxn are two steps: a takeover between them is caught
+at the next commit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sinks import _faults, base
+from sinks._parallel import slices
+from sinks._retry import retry_transient
+from sinks.base import Committable, JobScope, LingeringTxn, OrphanTest
+from sinks.kafka import outcome, txn, txn_age
+from sinks.kafka.connections import DriverConnections
+from sinks.kafka.pool import IdPool, lane_of
+from sinks.kafka.progress import ProgressStore
+from sinks.kafka.registry import (
+    ABORTED,
+    COMMITTED,
+    OPEN,
+    Announcement,
+    announced_name,
+    write_tombstones,
+)
+from sinks.kafka.wire import TRANSIENT, KafkaWire
+from sinks.naming import TxnName, scope_prefixes
+
+log = logging.getLogger("sinks.kafka")
+
+REGISTRY_TIMEOUT_S = 30.0
+"""seconds a write to the registry (a claim, progress records, tombstones) waits
+for its acknowledgement"""
+
+
+@dataclass
+class KafkaCommitter:
+    """Commits, aborts, classifies and sweeps one Kafka sink's transactions, and
+    records what committed in the sink's registry topic.
+
+    Lives on the driver only: :class:`~sinks.kafka.sink.KafkaSink` makes it with
+    its driver-side state (connections, progress store, pool of ids) and
+    delegates to it."""
+
+    where: str
+    """the sink, for messages"""
+    sink_id: str
+    topic: str
+    """the target topic: only its announcements are swept"""
+    id_prefix: str
+    """the sink's ``transactional_id_prefix`` (or ``""``)"""
+    transaction_timeout_ms: int
+    commit_timeout: float
+    commit_connections: int
+    conns: DriverConnections
+    store: ProgressStore | None
+    """None without a registry topic: no progress, no sweep, no tombstones"""
+    pool: IdPool
+
+    # -- commit ---------------------------------------------------------------------------
+
+    def commit(self, committables: Sequence[Committable]) -> None:
+        """EndTxn(commit) for every transaction of ``committables``; replays of
+        batches this sink holds committed are fenced instead, and tombstoned."""
+        pending = {c["transactional_id"]: c for c in committables}
+        if not pending:
+            return
+        txn_age.check_at_commit(self.where, committables, timeout_ms=self.transaction_timeout_ms)
+        total = len(pending)
+        replayed: list[str] = []
+        done = itertools.count(1)
+        failed = False  # an attempt failed: the broker may have died inside an EndTxn
+
+        def attempt() -> None:
+            nonlocal failed
+            try:
+                commit_pending()
+            except BaseException:
+                failed = True
+                raise
+
+        def commit_pending() -> None:
+            with self.conns.wire() as wire:
+                replays = self.store.replays(wire, pending) if self.store else []
+                if replays:
+                    log.warning(
+                        "%s: %d transaction(s) re-write batches this sink holds committed "
+                        "already (a replay); aborting them instead of committing: %s",
+                        self.where,
+                        len(replays),
+                        replays[:5],
+                    )
+                    self._fence(wire, list(replays))
+                    for tid in replays:
+                        del pending[tid]
+                    replayed.extend(replays)
+                parts = slices(sorted(pending), most=self.commit_connections)
+                self.conns.each(wire, parts, commit_part, "commit")
+
+        def commit_part(wire: KafkaWire, part: list[str]) -> None:
+            coordinators = wire.find_coordinators(part)
+            for tid in part:
+                txn.commit(
+                    wire,
+                    coordinators[tid],
+                    pending[tid],
+                    where=self.where,
+                    timeout_ms=self.transaction_timeout_ms,
+                    verify=failed,
+                )
+                del pending[tid]  # distinct keys per thread: a retry skips it
+                if next(done) == 1 and total > 1:
+                    _faults.hit("driver.mid_commit", sink="kafka")
+
+        retry_transient(
+            attempt,
+            what=f"commit of {total} transaction(s) to {self.where}",
+            transient=TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+        self._tombstone(replayed)
+
+    def cannot_have_lost(self, committables: Sequence[Committable]) -> bool:
+        """True when every transaction opened (``opened_at``, the executor's
+        clock) less than ``transaction_timeout_ms`` minus a minute ago: the
+        broker cannot have aborted any at its timeout yet. Reading the log for
+        each (:meth:`classify`) costs a read per partition and transaction."""
+        opened = [c.get("opened_at") for c in committables]
+        if not opened or any(t is None for t in opened):
+            return False
+        margin_s = 60.0  # clock skew between executors and driver, the abort sweep's period
+        oldest = min(float(t) for t in opened if t is not None)
+        return time.time() - oldest < self.transaction_timeout_ms / 1000 - margin_s
+
+    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
+        """From the log, as the commit settles a refused EndTxn
+        (:mod:`sinks.kafka.outcome`): COMMIT marker: committed; no marker yet:
+        prepared; ABORT marker, or its records gone: lost."""
+        found: dict[str, str] = {}
+
+        def read() -> None:
+            with self.conns.wire() as wire:
+                for c in committables:
+                    if c["txn"] not in found:
+                        verdict = outcome.txn_outcome(wire, c)
+                        found[c["txn"]] = (
+                            base.COMMITTED
+                            if verdict == outcome.COMMITTED
+                            else base.PREPARED
+                            if verdict == outcome.OPEN
+                            else base.LOST
+                        )
+
+        retry_transient(
+            read,
+            what=f"check of {len(committables)} transaction(s) in {self.where}",
+            transient=TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+        return found
+
+    # -- abort and sweep --------------------------------------------------------------------
+
+    def _fence(self, wire: KafkaWire, transactional_ids: list[str]) -> None:
+        txn.fence(wire, transactional_ids, self.transaction_timeout_ms)
+
+    def _not_to_fence(self, transactional_id: str, scope: JobScope) -> bool:
+        """Whether ``transactional_id`` is a pooled id that a task of this run may
+        hold now: it is ended by its transaction's own epoch, never fenced."""
+        return lane_of(transactional_id, self.id_prefix) is not None and self.pool.leasing(scope)
+
+    def abort(self, committables: Sequence[Committable]) -> None:
+        """End every transaction of ``committables``: a pooled id by its own
+        producer id and epoch, any other by a fence; then tombstone them."""
+        ids = sorted({c["transactional_id"] for c in committables})
+        if not ids:
+            return
+        # a pooled id is ended by its own producer id and epoch (sinks/kafka/pool.py)
+        own = {
+            c["transactional_id"]: (int(c["producer_id"]), int(c["epoch"]))
+            for c in committables
+            for n in [TxnName.require(c["txn"])]
+            if self._not_to_fence(
+                c["transactional_id"], JobScope(n.job, n.pipeline, n.sink_id, n.incarnation)
+            )
+        }
+        legacy = [t for t in ids if t not in own]
+        parts = slices(legacy, most=self.commit_connections)  # fence() empties them as it goes
+
+        def attempt() -> None:
+            with self.conns.wire() as wire:
+                txn.abort_own(wire, own)
+                self.conns.each(wire, [p for p in parts if p], self._fence, "abort")
+
+        retry_transient(
+            attempt,
+            what=f"abort of {len(ids)} transaction(s) in {self.where}",
+            transient=TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+        self._tombstone(ids)
+
+    def _announced(
+        self, wire: KafkaWire, prefixes: tuple[str, ...]
+    ) -> dict[str, tuple[TxnName, Announcement]]:
+        """Every transactional id announced for this topic whose transaction's
+        name starts with one of ``prefixes`` and not tombstoned, read from the
+        registry (incrementally), with its name and how it ended."""
+        assert self.store is not None
+        live = self.store.view.refresh(wire)
+        found: dict[str, tuple[TxnName, Announcement]] = {}
+        for tid, a in sorted(live.items()):
+            if a.topic != self.topic:
+                continue
+            name = announced_name(tid, a, self.id_prefix)
+            if name is not None and str(name).startswith(prefixes):
+                found[tid] = (name, a)
+        return found
+
+    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
+        """Every transactional id of (``job``, ``pipeline``, this sink) announced
+        in the registry for this topic and not yet tombstoned, of every
+        incarnation: open, or ended (committed or aborted) with the tombstone
+        still to come. Empty without a registry (nothing can be listed)."""
+        store = self.store
+        if store is None:
+            return []
+
+        def read() -> dict[str, tuple[TxnName, Announcement]]:
+            with self.conns.wire() as wire:
+                return self._announced(wire, scope_prefixes(job, pipeline, self.sink_id))
+
+        found = retry_transient(
+            read,
+            what=f"listing of announced transactions in {self.where}",
+            transient=TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+        return [
+            LingeringTxn(
+                str(name),
+                name,
+                a.state,
+                (f"transactional id {tid}, " if tid != str(name) else "")
+                + f"producer id {a.producer_id}, epoch {a.epoch}, announced on registry "
+                f"partition {a.partition}",
+            )
+            for tid, (name, a) in found.items()
+        ]
+
+    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+        """Fence the orphans among the ids of ``scope.own_prefixes()`` announced
+        for this topic; tombstone them once the registry shows them aborted.
+
+        An orphan found committed (its ``forget`` was missed: a crash between the
+        ledger's record and ``forget``) is not fenced: its progress is recorded
+        under the incarnation in its name (never the one this sink claimed: after
+        a start-over they differ), then it is tombstoned."""
+        store = self.store
+        if store is None:
+            return []
+
+        orphans_named: dict[str, TxnName] = {}
+
+        def sweep() -> tuple[list[TxnName], dict[str, Announcement]]:
+            with self.conns.wire() as wire:
+                announced = self._announced(wire, scope.own_prefixes())
+                orphans = {t: n for t, (n, _) in announced.items() if is_orphan(n)}
+                orphans_named.update(orphans)
+                # (an orphan that ended already needs no fence: its writer aborted it, or
+                # the broker did at its timeout, bumping the epoch)
+                ending = [t for t in sorted(orphans) if announced[t][1].state == OPEN]
+                # a pooled id may be leased to a batch in flight (now, or by the time
+                # a fence lands): end the orphan's own transaction (its producer id
+                # and epoch), never fence the id
+                pooled = [t for t in ending if self._not_to_fence(t, scope)]
+                if pooled:
+                    txn.abort_own(wire, {t: announced[t][1].own_epoch() for t in pooled})
+                fenced = [t for t in ending if t not in pooled]
+                if fenced:
+                    self._fence(wire, list(fenced))  # fenced twice after a retry: harmless
+                live = store.view.refresh(wire)  # the markers of the ended ones
+                return [orphans[t] for t in ending], {t: live[t] for t in orphans if t in live}
+
+        ended, found = retry_transient(
+            sweep,
+            what=f"sweep of lingering transactions in {self.where}",
+            transient=TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+        committed = [t for t, a in found.items() if a.state == COMMITTED]
+        if committed and self._record_committed(
+            [orphans_named[t] for t in committed], as_named=True
+        ):
+            self._tombstone(committed)
+        self._tombstone(sorted(t for t, a in found.items() if a.state == ABORTED))
+        aborted = sorted(str(n) for n in ended)
+        if aborted:
+            log.info("aborted %d lingering Kafka transaction(s): %s", len(aborted), aborted)
+        return aborted
+
+    # -- forget: progress records and tombstones ----------------------------------------------
+
+    def forget(self, committables: Sequence[Committable]) -> None:
+        """Record the committed batches in a progress record, then tombstone
+        their announcements (which said the same until then)."""
+        ids = sorted({c["transactional_id"] for c in committables})
+        names = [TxnName.require(c["txn"]) for c in committables]
+        if ids and self._record_committed(names):
+            self._tombstone(ids)
+
+    def _record_committed(self, names: list[TxnName], *, as_named: bool = False) -> bool:
+        """Append the progress records of the committed transactions ``names``
+        (see :meth:`ProgressStore.record_committed`); False (and the
+        announcements must stay) when they could not be written."""
+        store = self.store
+        if store is None:
+            return True
+        try:
+            with self.conns.wire() as wire, self.conns.producer() as producer:
+                store.record_committed(wire, producer, names, REGISTRY_TIMEOUT_S, as_named=as_named)
+        except Exception as e:
+            log.warning(
+                "could not record the progress of %d committed transaction(s) in registry %s "
+                "(%r); their announcements stay and say the same",
+                len(names),
+                store.registry,
+                e,
+            )
+            return False
+        return True
+
+    def _tombstone(self, ids: list[str]) -> None:
+        """Mark ids resolved in the registry. Best effort: a missed tombstone only
+        makes a later sweep see an already finished id again (harmless)."""
+        if not ids or self.store is None:
+            return
+        try:
+            with self.conns.producer() as producer:
+                write_tombstones(producer, self.store.registry, ids, timeout_s=REGISTRY_TIMEOUT_S)
+        except Exception as e:
+            log.warning(
+                "could not tombstone %d id(s) in registry %s (%r); harmless, a later sweep retries",
+                len(ids),
+                self.store.registry,
+                e,
+            )
+            return
+        self.store.view.forget(ids)
