@@ -1,5 +1,5 @@
-"""The driver side of the Delta sink: commit, abort, classify and sweep staged
-work (what Flink calls the sink's committer).
+"""The Delta versions a sink commits: its claims, and each checkpoint's staged
+work as one version (what Flink calls the sink's committer).
 
 The driver commits every staged file of one ``commit`` call (one checkpoint of
 one pipeline) as ONE Delta version, through deltalake's
@@ -34,11 +34,12 @@ partition columns inside, exactly the table's column types, and partition
 values for exactly the table's partition columns (else
 :class:`~sinks.delta.layout.DeltaSchemaError`, naming file and column).
 
-Staged files are found through their staging markers (:mod:`sinks.delta.storage`):
-``abort_lingering`` lists the marker directory, never the whole table, and the
-commit deletes a transaction's markers once its Delta version exists, so a
-committed file is never a sweep candidate, even after OPTIMIZE removed it from
-the snapshot while time travel still reads it.
+The commit deletes a transaction's staging markers once its Delta version
+exists; staged work that will never be committed is aborted and swept by
+:mod:`sinks.delta.sweep`.
+
+A claim is a version of its own, compare-and-set on the snapshot it checked
+(:meth:`DeltaCommitter.claim`, :mod:`sinks.delta.progress`).
 """
 
 from __future__ import annotations
@@ -56,35 +57,19 @@ from deltalake.transaction import AddAction
 
 from sinks import _faults
 from sinks._retry import retry_transient
-from sinks.base import (
-    COMMITTED,
-    LOST,
-    PREPARED,
-    ClaimedScopes,
-    Committable,
-    JobScope,
-    LingeringTxn,
-    OrphanTest,
-)
+from sinks.base import COMMITTED, LOST, PREPARED, ClaimedScopes, Committable, JobScope
 from sinks.delta import merge, progress, replace, spark_txn, table
 from sinks.delta.constraints import RowRules
 from sinks.delta.layout import DeltaSchemaError, Layout, check_file_schema
-from sinks.delta.storage import (
-    DATA_SUFFIX,
-    SPARK_STAGING_DIR,
-    STAGING_DIR,
-    TableStorage,
-    marker_path,
-    split_stem,
-)
-from sinks.errors import REWRITE_ADVICE, CommitRefusedError, TransactionLostError
+from sinks.delta.storage import TableStorage, marker_path
+from sinks.errors import REWRITE_ADVICE, CommitRefusedError, PreflightError, TransactionLostError
 from sinks.keys import KeyedWrite
-from sinks.naming import TxnName, scope_prefixes
-from sinks.progress import conflict
+from sinks.naming import TxnName
+from sinks.progress import SinkProgress, conflict, may_claim
 
 log = logging.getLogger("sinks.delta")
 
-_TRANSIENT = (CommitFailedError, OSError)
+TRANSIENT = (CommitFailedError, OSError)
 
 _REFUSALS = (
     "delta table is append-only",
@@ -109,7 +94,7 @@ def app_id(scope: JobScope) -> str:
 
 @dataclass
 class DeltaCommitter:
-    """Commits, aborts and sweeps one Delta sink's staged work."""
+    """Commits one Delta sink's claims and staged work."""
 
     where: str
     """the sink, for messages"""
@@ -120,6 +105,52 @@ class DeltaCommitter:
     rules: KeyedWrite
     replace_where: str | None
     commit_timeout: float
+
+    # -- progress and claims -----------------------------------------------------------
+
+    def read_progress(self, scope: JobScope) -> SinkProgress:
+        """The owner of ``scope`` and the batch up to which it holds it committed."""
+        dt = self.load()
+        return progress.read(dt, scope) if dt is not None else SinkProgress(owner=None)
+
+    def claim(self, scope: JobScope, start_over_from: str | None) -> SinkProgress:
+        """Make ``scope.incarnation`` the owner of ``scope`` (a version of its
+        own, compare-and-set) and remember the scope as this sink's."""
+        ours = scope.incarnation
+        assert ours is not None
+
+        def claim_once() -> SinkProgress:
+            dt = self.load()
+            if dt is None:
+                raise PreflightError(f"{self.where} does not exist (preflight creates it)")
+            found = progress.read(dt, scope)
+            txn = None
+            if found.owner != ours:
+                # only a claim to commit needs delta-spark (twophase recover has no
+                # Spark): read again through its transaction, which checks what it read
+                txn = spark_txn.open_if_needed(dt, self.storage.root, self.where)
+                if txn is not None:
+                    found = progress.read(txn, scope)
+            if not may_claim(found, ours, start_over_from):
+                raise conflict(self.where, scope.key(), found, ours)
+            if found.owner == ours:
+                return found
+            if txn is not None:
+                txn.commit([], progress.claim_transactions(scope, found.owner))
+            else:
+                progress.commit_claim(dt, scope, previous=found.owner)  # compare-and-set
+            return SinkProgress(owner=ours, batch=-1, previous=found.owner)
+
+        found = retry_transient(
+            claim_once,
+            what=f"claim of {scope.key()} in {self.where}",
+            transient=TRANSIENT,
+            deadline=self.commit_timeout,
+        )
+        self.claims.remember(scope)
+        return found
+
+    # -- commit ----------------------------------------------------------------------
 
     def commit(self, committables: Sequence[Committable]) -> None:
         """Commit every staged file of ``committables`` as one Delta version with
@@ -153,7 +184,7 @@ class DeltaCommitter:
         retry_transient(
             once,
             what=f"commit of {len(cs)} staged transaction(s) as {app} v{version} to {self.where}",
-            transient=_TRANSIENT,
+            transient=TRANSIENT,
             deadline=self.commit_timeout,
         )
 
@@ -295,87 +326,6 @@ class DeltaCommitter:
             stats=add["stats"],
         )
 
-    # -- driver side: abort, sweep -----------------------------------------------------
-
-    def abort(self, committables: Sequence[Committable]) -> None:
-        """Delete the staged files of ``committables`` (idempotent). A file the
-        table references is never deleted."""
-        paths = [a["path"] for c in committables for a in c.get("adds", ())]
-        paths += [ch["path"] for c in committables for ch in c.get("changes", ())]
-        if paths:
-            retry_transient(
-                lambda: self._delete_staged(paths),
-                what=f"abort of {len(committables)} staged transaction(s) in {self.where}",
-                transient=_TRANSIENT,
-                deadline=self.commit_timeout,
-            )
-
-    def _delete_staged(self, paths: list[str]) -> None:
-        dt = self.load()
-        committed = table.committed_paths(dt) if dt is not None else set()
-        for rel in paths:
-            if rel in committed:
-                log.error("%s: not deleting %s: the table references it", self.where, rel)
-            else:
-                self.storage.delete(rel)
-            self.storage.delete(marker_path(rel))
-
-    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        """Delete the staged files of every transaction of ``scope`` that has a
-        staging marker and for which ``is_orphan`` is true; return their names.
-
-        Only markers are listed (one small directory), never the whole table.
-        Committed transactions have no marker (their commit deleted it); a file
-        the table references is kept even so."""
-        return retry_transient(
-            lambda: self._sweep(scope, is_orphan),
-            what=f"sweep of lingering staged files in {self.where}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-
-    def _staged(self, prefixes: tuple[str, ...]) -> dict[str, tuple[TxnName, list[str]]]:
-        """Every transaction under one of ``prefixes`` that has staging markers:
-        its name and the stems of its markers (one per staged file)."""
-        found: dict[str, tuple[TxnName, list[str]]] = {}
-        for stem in sorted(self.storage.list_files(STAGING_DIR)):
-            parts = split_stem(stem) if stem.startswith(prefixes) else None
-            name = TxnName.parse(parts[0]) if parts else None
-            if name is not None:
-                found.setdefault(str(name), (name, []))[1].append(stem)
-        return found
-
-    def _spark_staged(self, prefixes: tuple[str, ...]) -> dict[str, TxnName]:
-        """Every transaction under one of ``prefixes`` with a Spark staging
-        directory (:mod:`sinks.delta.spark_stage`): a batch whose driver died
-        before its files moved to their places."""
-        found: dict[str, TxnName] = {}
-        for d in self.storage.list_dirs(SPARK_STAGING_DIR):
-            name = TxnName.parse(d) if d.startswith(prefixes) else None
-            if name is not None:
-                found[d] = name
-        return found
-
-    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
-        """Every transaction of (``job``, ``pipeline``, this sink), of every
-        incarnation, with staging markers in the table: what :meth:`abort_lingering`
-        looks at."""
-        prefixes = scope_prefixes(job, pipeline, self.sink_id)
-        found, spark = retry_transient(
-            lambda: (self._staged(prefixes), self._spark_staged(prefixes)),
-            what=f"listing of staged files in {self.where}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-        return [
-            LingeringTxn(txn, name, "staged", f"{len(stems)} staged file(s)")
-            for txn, (name, stems) in found.items()
-        ] + [
-            LingeringTxn(txn, name, "staged", "files in Spark's staging directory")
-            for txn, name in spark.items()
-            if txn not in found
-        ]
-
     def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
         """The checks of :meth:`commit`: committed when the table's app version of
         its scope is at or above its batch (commits carry the highest batch of
@@ -417,49 +367,6 @@ class DeltaCommitter:
         return retry_transient(
             read,
             what=f"check of {len(committables)} staged transaction(s) in {self.where}",
-            transient=_TRANSIENT,
+            transient=TRANSIENT,
             deadline=self.commit_timeout,
         )
-
-    def _sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        prefixes = scope.own_prefixes()
-        orphans = {
-            txn: stems for txn, (name, stems) in self._staged(prefixes).items() if is_orphan(name)
-        }
-        spark = sorted(d for d, name in self._spark_staged(prefixes).items() if is_orphan(name))
-        for d in spark:
-            self.storage.delete_tree(f"{SPARK_STAGING_DIR}/{d}")
-        if spark:
-            log.info("%s: deleted Spark's staging directories of %s", self.where, spark)
-        if not orphans:
-            return spark
-        dt = self.load()
-        committed = table.committed_paths(dt) if dt is not None else set()
-        aborted = []
-        for txn, stems in sorted(orphans.items()):
-            kept = 0
-            for stem in stems:
-                marker = f"{STAGING_DIR}/{stem}"
-                data = self.storage.read(marker)
-                rel = data.decode("utf-8", "replace") if data else ""
-                if rel in committed:
-                    kept += 1  # a marker a crash left behind after the commit
-                elif _is_staged_path(rel, stem):
-                    self.storage.delete(rel)
-                self.storage.delete(marker)
-            if kept < len(stems):
-                aborted.append(txn)
-        if aborted:
-            log.info("%s: deleted the staged files of %s", self.where, aborted)
-        return sorted(set(aborted) | set(spark))
-
-
-def _is_staged_path(rel: str, stem: str) -> bool:
-    """Whether a marker's content names the data file of ``stem`` (a damaged or
-    foreign marker must never make the sweep delete anything else)."""
-    parts = rel.split("/")
-    return (
-        parts[-1] == stem + DATA_SUFFIX
-        and not rel.startswith("/")
-        and all(p not in ("", ".", "..") and not p.startswith("_delta_log") for p in parts)
-    )

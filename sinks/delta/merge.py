@@ -4,19 +4,16 @@ At a checkpoint the committables of a keyed sink hold change files
 (:mod:`sinks.delta.changes`): per batch and task, the winning row of each key,
 writes and deletes. The commit applies them to the table copy-on-write:
 
-1. **plan** (driver, :func:`plan`): on the snapshot the commit builds on, the
-   files that may hold a changed key: those of the changes' partitions when
-   every partition column is a key column, and of those the ones whose
-   statistics' range of the first key column (integers and dates, whose
-   statistics are exact) meets a change file's range. Files without
-   statistics are candidates. Nothing else is read;
-2. **rewrite** (executors, :func:`rewrite`): one Spark job reads the change
-   files (the last batch's row of each key wins) and the candidate files, keeps
-   the candidates' rows whose key is not changed, adds the rows the changes
-   write, and stages the result with Spark's Parquet writer
-   (:class:`~sinks.delta.spark_stage.SparkStage`: files named after a
-   transaction of the sink's scope and the checkpoint's highest batch, with
-   their markers, so a sweep finds them after any crash);
+1. **plan** (driver, :func:`~sinks.delta.merge_plan.plan`): on the snapshot
+   the commit builds on, the files that may hold a changed key, found from the
+   log and the files' statistics alone;
+2. **rewrite** (executors, :func:`~sinks.delta.merge_rewrite.rewrite`): one
+   Spark job reads the change files (the last batch's row of each key wins)
+   and the candidate files, keeps the candidates' rows whose key is not
+   changed, adds the rows the changes write, and stages the result with
+   Spark's Parquet writer (:class:`~sinks.delta.spark_stage.SparkStage`: files
+   named after a transaction of the sink's scope and the checkpoint's highest
+   batch, with their markers, so a sweep finds them after any crash);
 3. **commit** (driver, :func:`commit`): one Delta version removes the
    candidates and adds the staged files, with the app transaction
    ``txn(appId, highest batch)`` and ``max_commit_retries=0``. A version that
@@ -40,26 +37,23 @@ hold a changed key.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
+from typing import Any
 
-import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError
-from deltalake.transaction import AddAction, RemoveAction
+from deltalake.transaction import AddAction
 
 from sinks import _faults
 from sinks.base import Committable, JobScope
 from sinks.delta import progress, spark_rewrite, table
-from sinks.delta.changes import DELETE_COLUMN, change_schema, range_value
-from sinks.delta.layout import Layout, partition_value, quoted
+from sinks.delta.layout import Layout
+from sinks.delta.merge_plan import Candidate, Change, changes_of, plan, removes
+from sinks.delta.merge_rewrite import rewrite, winning_changes
 from sinks.delta.spark_stage import SparkStage
 from sinks.delta.spark_txn import SparkTxn, data_files
 from sinks.delta.storage import TableStorage, marker_path
@@ -67,233 +61,7 @@ from sinks.errors import REWRITE_ADVICE, TransactionLostError
 from sinks.keys import KeyedWrite
 from sinks.naming import TxnName
 
-if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
-
 log = logging.getLogger("sinks.delta")
-
-_BATCH = "_twophase_batch"
-_RANK = "_twophase_rank"
-
-
-@dataclass(frozen=True)
-class Change:
-    """One staged change file of a batch."""
-
-    path: str
-    batch: int
-    size: int
-    rows: int
-    key_range: tuple[Any, Any] | None
-    partitions: list[tuple[str | None, ...]] | None
-
-
-def changes_of(committables: Sequence[Committable]) -> list[Change]:
-    """The change files of ``committables``, in batch order."""
-    found = []
-    for c in committables:
-        batch = TxnName.require(c["txn"]).batch_id
-        for ch in c.get("changes", ()):
-            kr = ch.get("key_range")
-            parts = ch.get("partitions")
-            found.append(
-                Change(
-                    ch["path"],
-                    batch,
-                    int(ch["size"]),
-                    int(ch["rows"]),
-                    (kr[0], kr[1]) if kr else None,
-                    [tuple(p) for p in parts] if parts is not None else None,
-                )
-            )
-    return sorted(found, key=lambda ch: (ch.batch, ch.path))
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A table file that may hold a changed key: rewritten and removed."""
-
-    path: str
-    size: int
-    rows: int | None
-    partition_values: dict[str, str | None]
-
-    @classmethod
-    def of(cls, action: dict[str, Any], partition_by: Sequence[str]) -> Candidate:
-        """The file of a row of ``DeltaTable.get_add_actions(flatten=True)``."""
-        return cls(
-            unquote(str(action["path"])),  # the log's paths are URL-encoded
-            int(action["size_bytes"]),
-            None if action.get("num_records") is None else int(action["num_records"]),
-            {c: partition_value(action.get(f"partition.{c}")) for c in partition_by},
-        )
-
-
-def _exact_range_type(t: pa.DataType) -> bool:
-    """Key types whose Delta statistics are exact (strings are cut to a prefix,
-    timestamps to milliseconds)."""
-    return pa.types.is_integer(t) or pa.types.is_date(t)
-
-
-def plan(
-    dt: DeltaTable, layout: Layout, rules: KeyedWrite, changes: Sequence[Change]
-) -> list[Candidate]:
-    """The files of ``dt``'s snapshot that may hold a key of ``changes``."""
-    actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
-    parts = layout.partition_by
-    by_partition = bool(parts) and set(parts) <= set(rules.key)
-    allowed: set[tuple[str | None, ...]] | None = None
-    if by_partition and all(ch.partitions is not None for ch in changes):
-        allowed = {p for ch in changes for p in ch.partitions or ()}
-    first = rules.key[0]
-    ranges: list[tuple[Any, Any]] | None = None
-    if (
-        first not in parts
-        and _exact_range_type(layout.schema.field(first).type)
-        and all(ch.key_range is not None for ch in changes)
-    ):
-        ranges = [ch.key_range for ch in changes if ch.key_range is not None]
-    # statistics are keyed by physical names on a column-mapped table (partition
-    # values by logical ones, as deltalake gives them)
-    stat = layout.mapping.name(first) if layout.mapping is not None else first
-    found = []
-    for a in actions:
-        candidate = Candidate.of(a, parts)
-        pv = candidate.partition_values
-        if allowed is not None and tuple(pv[c] for c in parts) not in allowed:
-            continue
-        if ranges is not None:
-            low, high = range_value(a.get(f"min.{stat}")), range_value(a.get(f"max.{stat}"))
-            if (
-                low is not None
-                and high is not None
-                and not any(lo <= high and low <= hi for lo, hi in ranges)
-            ):
-                continue
-        found.append(candidate)
-    return found
-
-
-def removes(candidates: Sequence[Candidate]) -> list[RemoveAction]:
-    now = int(time.time() * 1000)
-    return [
-        RemoveAction(
-            path=c.path,
-            data_change=True,
-            deletion_timestamp=now,
-            size=c.size,
-            partition_values=c.partition_values,
-        )
-        for c in candidates
-    ]
-
-
-def _spark_type(t: pa.DataType) -> Any:
-    from pyspark.sql.pandas.types import from_arrow_type
-
-    return from_arrow_type(t, prefer_timestamp_ntz=True)
-
-
-def _spark_schema(schema: pa.Schema) -> Any:
-    from pyspark.sql.types import StructField, StructType
-
-    return StructType([StructField(f.name, _spark_type(f.type), True) for f in schema])
-
-
-def as_stored(df: DataFrame, layout: Layout) -> DataFrame:
-    """``df`` with its string partition columns as Delta stores them: an empty
-    string is null (:func:`sinks.delta.layout.partition_value`)."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import StringType
-
-    for c in layout.partition_by:
-        if isinstance(df.schema[c].dataType, StringType):
-            col = F.col(quoted(c))
-            df = df.withColumn(c, F.when(col == F.lit(""), F.lit(None)).otherwise(col))
-    return df
-
-
-def _winners(
-    spark: SparkSession,
-    storage: TableStorage,
-    layout: Layout,
-    rules: KeyedWrite,
-    changes: Sequence[Change],
-) -> DataFrame:
-    """The changes of every batch, the last batch's row per key."""
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
-
-    schema = _spark_schema(change_schema(layout))
-    frames = []
-    for batch in sorted({ch.batch for ch in changes}):
-        paths = [storage.path(ch.path) for ch in changes if ch.batch == batch]
-        frames.append(spark.read.schema(schema).parquet(*paths).withColumn(_BATCH, F.lit(batch)))
-    # change files of an earlier version may hold "" in a partition key column
-    df = as_stored(functools.reduce(lambda a, b: a.unionByName(b), frames), layout)
-    if len(frames) == 1:
-        return df.drop(_BATCH)  # one row per key already (one task per key)
-    w = Window.partitionBy(*[F.col(quoted(k)) for k in rules.key]).orderBy(F.col(_BATCH).desc())
-    return df.withColumn(_RANK, F.row_number().over(w)).where(F.col(_RANK) == 1).drop(_RANK, _BATCH)
-
-
-def _targets(
-    spark: SparkSession, storage: TableStorage, layout: Layout, candidates: Sequence[Candidate]
-) -> DataFrame | None:
-    """The candidates' rows, with their partition values, in table order."""
-    from pyspark.sql import functions as F
-
-    if not candidates:
-        return None
-    file_schema = _spark_schema(layout.file_schema)
-    groups: dict[tuple[str | None, ...], list[str]] = {}
-    for c in candidates:
-        key = tuple(c.partition_values[p] for p in layout.partition_by)
-        groups.setdefault(key, []).append(storage.path(c.path))
-    frames = []
-    for values, paths in groups.items():
-        df = spark.read.schema(file_schema).parquet(*paths)
-        for col, value in zip(layout.partition_by, values, strict=True):
-            t = _spark_type(layout.schema.field(col).type)
-            df = df.withColumn(col, F.lit(value).cast(t))
-        frames.append(df.select(*[F.col(quoted(n)) for n in layout.schema.names]))
-    return functools.reduce(lambda a, b: a.unionByName(b), frames)
-
-
-def rewrite(
-    spark: SparkSession,
-    storage: TableStorage,
-    layout: Layout,
-    rules: KeyedWrite,
-    candidates: Sequence[Candidate],
-    changes: Sequence[Change],
-    where: str,
-    stage: Callable[[DataFrame], Committable | None],
-) -> Committable | None:
-    """Stage (through ``stage``) the candidates' rows with ``changes`` applied."""
-    from pyspark.sql import functions as F
-
-    winners = _winners(spark, storage, layout, rules, changes)
-    upserts = winners.where(~F.col(DELETE_COLUMN)).drop(DELETE_COLUMN)
-    targets = _targets(spark, storage, layout, candidates)
-    if targets is None:
-        result = upserts
-    else:
-        keys = winners.select(*[F.col(quoted(k)).alias(f"_k{i}") for i, k in enumerate(rules.key)])
-        match = functools.reduce(
-            lambda a, b: a & b,
-            # null-safe: a partition key column's "" is stored (and staged) as null
-            [targets[quoted(k)].eqNullSafe(keys[f"_k{i}"]) for i, k in enumerate(rules.key)],
-        )
-        kept = targets.join(keys, match, "left_anti")
-        result = kept.unionByName(upserts)
-    log.debug(
-        "%s: merging %d change file(s) into %d candidate file(s)",
-        where,
-        len(changes),
-        len(candidates),
-    )
-    return stage(result)
 
 
 def _attempt() -> int:
@@ -445,7 +213,7 @@ def _commit_through_delta_spark(
     spark = txn.spark
     written: list[Any] = []
     try:
-        winners = _winners(spark, storage, layout, rules, changes)
+        winners = winning_changes(spark, storage, layout, rules, changes)
         planned = txn.live_files([c.path for c in candidates])
         files = spark_rewrite.touched(txn, rules.key, planned, winners)
         config = dict(dt.metadata().configuration or {})

@@ -23,9 +23,9 @@ import pyarrow as pa
 from deltalake import DeltaTable
 from deltalake.transaction import RemoveAction
 
-from sinks.delta import merge
+from sinks.delta import merge_plan, merge_rewrite
 from sinks.delta.layout import DeltaSchemaError, Layout, quoted
-from sinks.delta.merge import Candidate
+from sinks.delta.merge_plan import Candidate
 from sinks.errors import DataError
 from sinks.predicates import changes_between_evaluations, time_words
 
@@ -143,7 +143,7 @@ def check_rows(df: DataFrame, predicate: str, layout: Layout, where: str, batch_
     raw = [f"_twophase_raw{i}" for i in range(len(parts))]
     with_raw = df.select("*", *[F.col(quoted(c)).alias(r) for c, r in zip(parts, raw, strict=True)])
     outside = (
-        merge.as_stored(with_raw, layout)
+        merge_rewrite.as_stored(with_raw, layout)
         .where(~F.coalesce(F.expr(predicate), F.lit(False)))
         .limit(1)
         .collect()
@@ -183,4 +183,4 @@ def removes(dt: DeltaTable, layout: Layout, predicate: str) -> list[RemoveAction
         .select("path")
         .collect()
     }
-    return merge.removes([Candidate.of(a, parts) for a in rows if str(a["path"]) in matched])
+    return merge_plan.removes([Candidate.of(a, parts) for a in rows if str(a["path"]) in matched])

@@ -1,17 +1,16 @@
 """Delta Lake exactly-once sink: staged Parquet files, one Delta version per commit.
 
 This module is the sink's face: its options, preflight (the table's layout,
-created or checked), schema evolution, its writers (:mod:`sinks.delta.writer`
+created or checked), schema evolution and its writers (:mod:`sinks.delta.writer`
 in tasks, :mod:`sinks.delta.spark_stage` by Spark's own writer,
-:mod:`sinks.delta.changes` for keyed sinks) and its claims
-(:mod:`sinks.delta.progress`). Executors stage Parquet files in the table
-directory, invisible until committed; the commit path, abort and sweep are the
-committer's (:mod:`sinks.delta.committer`).
+:mod:`sinks.delta.changes` for keyed sinks). Executors stage Parquet files in
+the table directory, invisible until committed; claims and the commit path are
+the committer's (:mod:`sinks.delta.committer`), abort and sweep the sweeper's
+(:mod:`sinks.delta.sweep`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
@@ -24,7 +23,6 @@ from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 
 from sinks import settings
-from sinks._retry import retry_transient
 from sinks.audit import CheckpointEvidence, Finding
 from sinks.base import (
     ClaimedScopes,
@@ -37,9 +35,9 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.delta import audit as delta_audit
-from sinks.delta import progress, replace, spark_txn, table
+from sinks.delta import replace, table
 from sinks.delta.changes import ChangeWriter
-from sinks.delta.committer import _TRANSIENT, DeltaCommitter, app_id
+from sinks.delta.committer import DeltaCommitter, app_id
 from sinks.delta.constraints import RowRules
 from sinks.delta.layout import DeltaSchemaError, Layout, quoted
 from sinks.delta.spark_stage import SparkStage, nested_not_null
@@ -47,11 +45,12 @@ from sinks.delta.storage import (
     TableStorage,
     local_root,
 )
+from sinks.delta.sweep import DeltaSweeper
 from sinks.delta.writer import DeltaWriter
 from sinks.errors import ConfigError, PreflightError
 from sinks.keys import KeyedWrite
 from sinks.naming import check_id
-from sinks.progress import SinkProgress, conflict, may_claim
+from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.delta")
 
@@ -107,7 +106,7 @@ class DeltaSink(Sink):
     """
 
     kind = "delta"
-    _driver_only = ("_committer",)
+    _driver_only = ("_committer", "_sweeper")
 
     def __init__(
         self,
@@ -182,6 +181,13 @@ class DeltaSink(Sink):
             claims=self._claims,
             rules=self.rules,
             replace_where=self.replace_where,
+            commit_timeout=self.commit_timeout,
+        )
+        self._sweeper = DeltaSweeper(
+            where=self.describe(),
+            sink_id=self.sink_id,
+            storage=self._storage,
+            load=self._load,
             commit_timeout=self.commit_timeout,
         )
 
@@ -269,14 +275,28 @@ class DeltaSink(Sink):
 
     def preflight(self, schema: pa.Schema) -> None:
         """Check (or create) the table: writable by this sink, the same columns as
-        ``schema`` with compatible types, the expected partition columns."""
+        ``schema`` with compatible types, the expected partition columns
+        (:func:`sinks.delta.table.check_target`)."""
         where = self.describe()
         try:
-            self._layout = self._check_or_create(schema, where)
+            target = table.check_target(
+                self._storage,
+                schema,
+                where,
+                rules=self.rules,
+                partition_by=self.partition_by,
+                create_missing=self.create_table,
+                replace_where=self.replace_where,
+                merge_schema=self.schema_mode == "merge",
+                spark_writes=self.write_with == "spark",
+            )
         except DeltaSchemaError as e:
             raise PreflightError(str(e)) from e
         except (DeltaError, OSError) as e:
             raise PreflightError(f"cannot open {where}: {e}".strip()) from e
+        self._row_rules = target.row_rules
+        self._new_columns = target.new_columns
+        self._layout = target.layout
 
     @property
     def commits_at_finish(self) -> bool:  # type: ignore[override]
@@ -287,74 +307,6 @@ class DeltaSink(Sink):
 
     def sort_columns(self) -> list[str] | None:
         return self.rules.sort_columns() if self.rules.keyed else None
-
-    def _check_or_create(self, schema: pa.Schema, where: str) -> Layout:
-        if self.rules.keyed:
-            self.rules.preflight(schema)
-            schema = self.rules.written(schema)
-        missing = [c for c in self.partition_by or () if c not in schema.names]
-        if missing:
-            raise DeltaSchemaError(
-                f"{where}: partition column(s) {missing} are not columns of the DataFrame "
-                f"({schema.names})"
-            )
-        dt = self._load()
-        if dt is None:
-            if not self.create_table:
-                raise DeltaSchemaError(
-                    f"{where} does not exist; create it, or pass create_table=True to DeltaSink"
-                )
-            try:
-                wanted = Layout.of(schema, self.partition_by or ())
-            except DeltaSchemaError as e:
-                raise DeltaSchemaError(f"{where} cannot be created from the DataFrame: {e}") from e
-            wanted.check_partitioning(where)
-            if not table.create(self.table_uri, self.storage_options, wanted):
-                log.info("%s was created concurrently by another writer; checking it", where)
-            dt = self._load()
-            if dt is None:
-                raise DeltaSchemaError(f"{where} vanished right after it was created")
-        self._row_rules = table.check_writable(
-            dt,
-            where,
-            removes=self.rules.keyed or self.replace_where is not None,
-            delta_spark=spark_txn.available(self._storage.root),
-        )
-        retention = dt.metadata().configuration.get(progress.RETENTION_PROPERTY)
-        if retention is not None:
-            raise DeltaSchemaError(
-                f"{where} sets {progress.RETENTION_PROPERTY}={retention}: Delta would expire "
-                "the app transactions in which this sink remembers what it committed, and "
-                "then a replayed batch could be committed twice. Unset the property "
-                "(ALTER TABLE ... UNSET TBLPROPERTIES)"
-            )
-        layout = dataclasses.replace(table.layout_of(dt), checked=self._row_rules.digest)
-        if self.partition_by is not None and list(layout.partition_by) != self.partition_by:
-            raise DeltaSchemaError(
-                f"{where} is partitioned by {list(layout.partition_by)}, but DeltaSink was "
-                f"given partition_by={self.partition_by}; pass the table's partition columns "
-                "(in that order) or partition_by=None"
-            )
-        layout.check_partitioning(where)
-        self._new_columns = layout.check_input(
-            schema,
-            where,
-            merge=self.schema_mode == "merge",
-            derived=self._row_rules.generated_columns,
-        )
-        if self.replace_where is not None:
-            replace.check_predicate(self.replace_where, layout, where)
-        if layout.mapping is not None and (self._new_columns or self.write_with == "spark"):
-            raise DeltaSchemaError(
-                f"{where} uses column mapping ({layout.mapping.mode} mode): "
-                + (
-                    "schema_mode='merge' would add columns, which need new physical names "
-                    "and ids; add them with delta-spark (ALTER TABLE ... ADD COLUMNS) first"
-                    if self._new_columns
-                    else "write_with='spark' writes logical names; use 'auto' or 'arrow'"
-                )
-            )
-        return layout
 
     # -- executor side --------------------------------------------------------------
 
@@ -434,48 +386,13 @@ class DeltaSink(Sink):
         )
         return [staged] if staged is not None else []
 
-    # -- progress and claims -----------------------------------------------------------
+    # -- driver side: claims, commit (sinks.delta.committer), abort, sweep (sinks.delta.sweep)
 
     def progress(self, scope: JobScope) -> SinkProgress:
-        dt = self._load()
-        return progress.read(dt, scope) if dt is not None else SinkProgress(owner=None)
+        return self._committer.read_progress(scope)
 
     def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
-        ours = scope.incarnation
-        assert ours is not None
-
-        def claim_once() -> SinkProgress:
-            dt = self._load()
-            if dt is None:
-                raise PreflightError(f"{self.describe()} does not exist (preflight creates it)")
-            found = progress.read(dt, scope)
-            txn = None
-            if found.owner != ours:
-                # only a claim to commit needs delta-spark (twophase recover has no
-                # Spark): read again through its transaction, which checks what it read
-                txn = spark_txn.open_if_needed(dt, self._storage.root, self.describe())
-                if txn is not None:
-                    found = progress.read(txn, scope)
-            if not may_claim(found, ours, start_over_from):
-                raise conflict(self.describe(), scope.key(), found, ours)
-            if found.owner == ours:
-                return found
-            if txn is not None:
-                txn.commit([], progress.claim_transactions(scope, found.owner))
-            else:
-                progress.commit_claim(dt, scope, previous=found.owner)  # compare-and-set
-            return SinkProgress(owner=ours, batch=-1, previous=found.owner)
-
-        found = retry_transient(
-            claim_once,
-            what=f"claim of {scope.key()} in {self.describe()}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-        self._claims.remember(scope)
-        return found
-
-    # -- driver side: commit, abort, sweep (sinks.delta.committer) -------------------
+        return self._committer.claim(scope, start_over_from)
 
     def commit(self, committables: Sequence[Committable]) -> None:
         """Commit every staged file (or change) of ``committables`` as one Delta
@@ -487,13 +404,13 @@ class DeltaSink(Sink):
         return self._committer.classify(committables)
 
     def abort(self, committables: Sequence[Committable]) -> None:
-        self._committer.abort(committables)
+        self._sweeper.abort(committables)
 
     def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
-        return self._committer.lingering(job, pipeline)
+        return self._sweeper.lingering(job, pipeline)
 
     def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        return self._committer.abort_lingering(scope, is_orphan)
+        return self._sweeper.abort_lingering(scope, is_orphan)
 
     def evidence(self, committable: Committable) -> dict[str, Any]:
         return delta_audit.evidence(committable)

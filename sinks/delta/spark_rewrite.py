@@ -4,7 +4,7 @@ delta-spark reads and writes faithfully.
 A keyed sink's merge (:mod:`sinks.delta.merge`) reads the files it plans to
 replace and writes them again with the changes applied. On a table with
 deletion vectors, the change data feed, column mapping, or a feature only
-delta-spark's commit honours (:func:`sinks.delta.spark_txn.needed` with
+delta-spark's commit honours (:func:`sinks.delta.spark_features.needed` with
 ``rewrites``), that read and that write go through the commit's own delta-spark
 transaction (:class:`~sinks.delta.spark_txn.SparkTxn`), as delta-spark's MERGE
 makes them. The rules:
@@ -50,7 +50,8 @@ from urllib.parse import unquote
 
 from sinks.delta.changes import DELETE_COLUMN
 from sinks.delta.layout import Layout, quoted
-from sinks.delta.spark_txn import CHANGE_DATA_FEED, ROW_TRACKING, SparkTxn, property_on
+from sinks.delta.spark_features import CHANGE_DATA_FEED, ROW_TRACKING, property_on
+from sinks.delta.spark_txn import SparkTxn
 from sinks.delta.storage import TableStorage
 
 if TYPE_CHECKING:

@@ -3,10 +3,11 @@ delta-rs cannot write.
 
 The sink commits with delta-rs (:mod:`sinks.delta.committer`), which refuses
 any commit to a table whose protocol lists a writer feature it does not
-implement. Tables made by delta-spark often list such features. For those the
-driver commits through delta-spark's ``OptimisticTransaction`` instead (the JVM
-of the job's own Spark session, over py4j), so the commit is the one delta-spark
-itself would make:
+implement. Tables made by delta-spark often list such features
+(:mod:`sinks.delta.spark_features` says which tables, and whether the driver has
+delta-spark). For those the driver commits through delta-spark's
+``OptimisticTransaction`` instead (the JVM of the job's own Spark session, over
+py4j), so the commit is the one delta-spark itself would make:
 
 * **row tracking**: fresh row ids (``baseRowId``) and
   ``defaultRowCommitVersion`` on every added file, and the table's high-water
@@ -17,7 +18,8 @@ itself would make:
 * **v2 checkpoints**, checksums and log cleanup: delta-spark's post-commit hooks;
 * **type widening**: files are written with the table's current (widened) types;
 * **rewrites** (a keyed merge, a replace) of tables with deletion vectors, the
-  change data feed or column mapping (:data:`REWRITE_FEATURES`): the files are
+  change data feed or column mapping
+  (:data:`~sinks.delta.spark_features.REWRITE_FEATURES`): the files are
   read, removed and written through the transaction
   (:mod:`sinks.delta.spark_rewrite`).
 
@@ -73,27 +75,12 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction
 
 from sinks.delta import progress
-from sinks.delta.column_mapping import MODE_KEY
+from sinks.delta.spark_features import DeltaSparkMissingError, missing_advice, needed, session
 from sinks.errors import CommitRefusedError
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-DELTA_SPARK_FEATURES = frozenset(
-    {
-        "rowTracking",
-        "inCommitTimestamp",
-        "clustering",
-        "domainMetadata",
-        "typeWidening",
-        "typeWidening-preview",
-        "v2Checkpoint",
-    }
-)
-"""writer features delta-rs refuses to commit to and delta-spark's own commit
-honours for the files this sink adds"""
-
-_DELTA_LOG_CLASS = "org.apache.spark.sql.delta.DeltaLog"
 _CONFLICT_CLASS = "java.util.ConcurrentModificationException"
 
 
@@ -102,82 +89,17 @@ class DeltaSparkConflict(CommitFailedError):  # type: ignore[misc]
     ``Concurrent...Exception``): check again on the new snapshot."""
 
 
-class DeltaSparkMissingError(CommitRefusedError):
-    """The table needs delta-spark's commit and the driver's session lacks it."""
-
-
-CHANGE_DATA_FEED = "delta.enableChangeDataFeed"
-ROW_TRACKING = "delta.enableRowTracking"
-
-
-def property_on(config: dict[str, str], key: str) -> bool:
-    """Whether the boolean table property ``key`` is true in ``config`` (the
-    table's properties; Delta reads them case-insensitively, false when unset)."""
-    return str(config.get(key, "false")).lower() == "true"
-
-
 def data_files(written: Sequence[Any]) -> list[Any]:
     """The data files (``AddFile``) among file actions ``written`` (:meth:`SparkTxn.write`),
     without the change-data files (``AddCDCFile``)."""
     return [w for w in written if str(w.getClass().getSimpleName()) == "AddFile"]
 
 
-REWRITE_FEATURES = ("deletionVectors", "changeDataFeed", "columnMapping")
-"""features of a table whose rewrites (a keyed merge, a replace) go through
-delta-spark, which reads and removes files by them and writes what they need
-(:mod:`sinks.delta.spark_rewrite`); delta-rs commits appends to such tables"""
-
-
-def needed(dt: DeltaTable, *, rewrites: bool = False) -> list[str]:
-    """The table's features for which commits go through delta-spark: the
-    writer features delta-rs cannot write, and with ``rewrites`` (the commits
-    remove files) those of :data:`REWRITE_FEATURES` the table uses."""
-    proto = dt.protocol()
-    features = set(proto.writer_features or ()) | set(proto.reader_features or ())
-    found = features & DELTA_SPARK_FEATURES
-    if rewrites:
-        config = dt.metadata().configuration or {}
-        if "deletionVectors" in features:
-            found.add("deletionVectors")
-        if property_on(config, CHANGE_DATA_FEED):
-            found.add("changeDataFeed")
-        if config.get(MODE_KEY) not in (None, "none"):
-            found.add("columnMapping")
-    return sorted(found)
-
-
-def session() -> SparkSession | None:
-    """The driver's Spark session if its JVM has delta-spark, else ``None``
-    (never starts one)."""
-    from pyspark.sql import SparkSession
-
-    spark = SparkSession.getActiveSession() or SparkSession._instantiatedSession
-    if spark is None:
-        return None
-    try:
-        spark._jvm.py4j.reflection.ReflectionUtil.classForName(_DELTA_LOG_CLASS)
-    except Exception:
-        return None
-    return spark
-
-
-def missing_advice() -> str:
-    """How to give a job's session delta-spark (for error messages), for the
-    installed pyspark's Spark line."""
-    import pyspark
-
-    spark_line = ".".join(pyspark.__version__.split(".")[:2])
-    return (
-        "start the job's Spark session with delta-spark (spark.jars or --packages "
-        f"io.delta:delta-spark_{spark_line}_2.13 with io.delta:delta-storage, and "
-        "spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension)"
-    )
-
-
 def open_if_needed(
     dt: DeltaTable, root: str | None, where: str, *, rewrites: bool = False
 ) -> SparkTxn | None:
-    """A delta-spark transaction when the table ``dt`` needs one (:func:`needed`,
+    """A delta-spark transaction when the table ``dt`` needs one
+    (:func:`~sinks.delta.spark_features.needed`,
     ``rewrites``: the commit removes files), else ``None`` (delta-rs commits).
     ``dt`` is moved to the transaction's
     snapshot, so that every check made on it (features, schema, the files
@@ -196,11 +118,6 @@ def open_if_needed(
     if dt.version() != txn.read_version:
         dt.load_as_version(txn.read_version)
     return txn
-
-
-def available(root: str | None) -> bool:
-    """Whether commits to the table at ``root`` can go through delta-spark."""
-    return root is not None and session() is not None
 
 
 @dataclass

@@ -10,6 +10,8 @@ feed or column mapping, need a session with delta-spark,
 :mod:`sinks.delta.spark_txn` and :mod:`sinks.delta.spark_rewrite`; CHECK
 constraints, invariants and generated columns are enforced on the rows,
 :mod:`sinks.delta.constraints`), and what its columns and partition columns are.
+The sink's preflight is :func:`check_target`: the table created when missing,
+then checked against the sink's options and the DataFrame's schema.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Schema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
-from sinks.delta import spark_txn
+from sinks.delta import progress, replace, spark_features, spark_txn
 from sinks.delta.column_mapping import MODE_KEY, ColumnMapping
 from sinks.delta.constraints import RowRules
 from sinks.delta.layout import DeltaSchemaError, Layout
+from sinks.delta.storage import TableStorage
+from sinks.keys import KeyedWrite
 
 log = logging.getLogger("sinks.delta")
 
@@ -77,13 +81,13 @@ def check_writable(
     partition replace), which reads the files it replaces and asks more of the
     table (:func:`check_rewritable`). ``delta_spark``: the driver can commit
     through delta-spark (:mod:`sinks.delta.spark_txn`), which honours the
-    features delta-rs cannot write (:data:`~sinks.delta.spark_txn.DELTA_SPARK_FEATURES`).
+    features delta-rs cannot write (:data:`~sinks.delta.spark_features.DELTA_SPARK_FEATURES`).
     Returns the table's row rules (:class:`~sinks.delta.constraints.RowRules`),
     which the rows must satisfy."""
     proto = dt.protocol()
     if removes:
         check_rewritable(dt, where, delta_spark=delta_spark)
-    through_spark = spark_txn.needed(dt)
+    through_spark = spark_features.needed(dt)
     unknown = sorted(set(proto.writer_features or ()) - _WRITER_FEATURES - set(through_spark))
     if proto.min_writer_version > 7 or unknown:
         raise DeltaSchemaError(
@@ -95,7 +99,7 @@ def check_writable(
             f"{where} has the table feature(s) {through_spark}, which delta-rs cannot write; "
             "DeltaSink commits such a table through delta-spark, which needs a local or "
             "shared-filesystem table and a job whose Spark session has delta-spark: "
-            + spark_txn.missing_advice()
+            + spark_features.missing_advice()
         )
     return RowRules.of(dt, where)  # refuses identity columns and nested rules
 
@@ -115,13 +119,13 @@ def check_rewritable(dt: DeltaTable, where: str, *, delta_spark: bool) -> None:
 
     Appends need none of this: an add names no deletion vector."""
     config = dt.metadata().configuration or {}
-    if spark_txn.property_on(config, "delta.appendOnly"):
+    if spark_features.property_on(config, "delta.appendOnly"):
         raise DeltaSchemaError(
             f"{where} is append-only (delta.appendOnly=true): a keyed DeltaSink (key=) or a "
             "replace (replace_where=) removes files, which Delta forbids there. Append (no "
             "key=, no replace_where=), or unset the property"
         )
-    needs = sorted(set(spark_txn.needed(dt, rewrites=True)) - set(spark_txn.needed(dt)))
+    needs = sorted(set(spark_features.needed(dt, rewrites=True)) - set(spark_features.needed(dt)))
     if needs and not delta_spark:
         raise DeltaSchemaError(
             f"{where} has the table feature(s) {needs}: a keyed DeltaSink (key=) or a replace "
@@ -129,7 +133,7 @@ def check_rewritable(dt: DeltaTable, where: str, *, delta_spark: bool) -> None:
             "delta-spark (deleted rows stay deleted, files are removed with their deletion "
             "vectors, change data is written, columns are read by physical name), which "
             "needs a local or shared-filesystem table and a job whose Spark session has "
-            "delta-spark: " + spark_txn.missing_advice() + ". Or append (no key=, no "
+            "delta-spark: " + spark_features.missing_advice() + ". Or append (no key=, no "
             "replace_where=): appends are honoured without it"
         )
 
@@ -169,14 +173,114 @@ def add_columns(
 ) -> None:
     """Add nullable columns to the table, in one version (schema evolution):
     through delta-spark when the table's commits go through it (a local table
-    at ``root`` with :func:`~sinks.delta.spark_txn.needed` features), else
+    at ``root`` with :func:`~sinks.delta.spark_features.needed` features), else
     through deltalake."""
     from deltalake.schema import Schema as DeltaSchema
 
     missing = [f for f in fields if f.name not in {x.name for x in dt.schema().fields}]
     if not missing:
         return
-    if root is not None and spark_txn.needed(dt):
+    if root is not None and spark_features.needed(dt):
         spark_txn.add_columns(root, missing, where)
     else:
         dt.alter.add_columns(list(DeltaSchema.from_arrow(pa.schema(missing)).fields))
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What preflight found of the table, for one DataFrame schema."""
+
+    layout: Layout
+    """the table's columns and partition columns, with the digest of its row rules"""
+    row_rules: RowRules
+    """the rules the rows must satisfy (:func:`check_writable`)"""
+    new_columns: list[pa.Field]
+    """the DataFrame's columns the table lacks, to add (``schema_mode="merge"``)"""
+
+
+def check_target(
+    storage: TableStorage,
+    schema: pa.Schema,
+    where: str,
+    *,
+    rules: KeyedWrite,
+    partition_by: list[str] | None,
+    create_missing: bool,
+    replace_where: str | None,
+    merge_schema: bool,
+    spark_writes: bool,
+) -> Target:
+    """Check (or create, with ``create_missing``) the table of ``storage`` for
+    writing ``schema`` with the sink's options: writable by this sink, the
+    same columns as ``schema`` with compatible types (columns to add with
+    ``merge_schema``), the expected partition columns (``partition_by``; None:
+    whatever the table has), ``replace_where`` over them, and no column
+    mapping where the sink would write logical names (``spark_writes``:
+    ``write_with="spark"``) or add columns. ``where`` names the sink in
+    messages."""
+    if rules.keyed:
+        rules.preflight(schema)
+        schema = rules.written(schema)
+    missing = [c for c in partition_by or () if c not in schema.names]
+    if missing:
+        raise DeltaSchemaError(
+            f"{where}: partition column(s) {missing} are not columns of the DataFrame "
+            f"({schema.names})"
+        )
+    dt = load(storage.table_uri, storage.storage_options)
+    if dt is None:
+        if not create_missing:
+            raise DeltaSchemaError(
+                f"{where} does not exist; create it, or pass create_table=True to DeltaSink"
+            )
+        try:
+            wanted = Layout.of(schema, partition_by or ())
+        except DeltaSchemaError as e:
+            raise DeltaSchemaError(f"{where} cannot be created from the DataFrame: {e}") from e
+        wanted.check_partitioning(where)
+        if not create(storage.table_uri, storage.storage_options, wanted):
+            log.info("%s was created concurrently by another writer; checking it", where)
+        dt = load(storage.table_uri, storage.storage_options)
+        if dt is None:
+            raise DeltaSchemaError(f"{where} vanished right after it was created")
+    row_rules = check_writable(
+        dt,
+        where,
+        removes=rules.keyed or replace_where is not None,
+        delta_spark=spark_features.available(storage.root),
+    )
+    retention = dt.metadata().configuration.get(progress.RETENTION_PROPERTY)
+    if retention is not None:
+        raise DeltaSchemaError(
+            f"{where} sets {progress.RETENTION_PROPERTY}={retention}: Delta would expire "
+            "the app transactions in which this sink remembers what it committed, and "
+            "then a replayed batch could be committed twice. Unset the property "
+            "(ALTER TABLE ... UNSET TBLPROPERTIES)"
+        )
+    layout = dataclasses.replace(layout_of(dt), checked=row_rules.digest)
+    if partition_by is not None and list(layout.partition_by) != partition_by:
+        raise DeltaSchemaError(
+            f"{where} is partitioned by {list(layout.partition_by)}, but DeltaSink was "
+            f"given partition_by={partition_by}; pass the table's partition columns "
+            "(in that order) or partition_by=None"
+        )
+    layout.check_partitioning(where)
+    new_columns = layout.check_input(
+        schema,
+        where,
+        merge=merge_schema,
+        derived=row_rules.generated_columns,
+    )
+    if replace_where is not None:
+        replace.check_predicate(replace_where, layout, where)
+    if layout.mapping is not None and (new_columns or spark_writes):
+        raise DeltaSchemaError(
+            f"{where} uses column mapping ({layout.mapping.mode} mode): "
+            + (
+                "schema_mode='merge' would add columns, which need new physical names "
+                "and ids; add them with delta-spark (ALTER TABLE ... ADD COLUMNS) first"
+                if new_columns
+                else "write_with='spark' writes logical names; use 'auto' or 'arrow'"
+            )
+        )
+    return Target(layout, row_rules, new_columns)

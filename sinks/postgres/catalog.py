@@ -1,16 +1,25 @@
-"""Reading and preparing the target: catalog look-ups, preflight, table creation."""
+"""Reading and preparing the target: catalog look-ups, preflight, table creation.
+
+The sink's preflight of its table is :func:`check_target`: the table found (or
+created), the DataFrame's columns matched to its columns, and from them the
+schema the writers COPY.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import psycopg
 import pyarrow as pa
 from psycopg import sql
 
 from sinks.errors import PreflightError
-from sinks.postgres.types import PgColumn, ddl_type, incompatibility, unsupported
+from sinks.keys import KeyedWrite
+from sinks.postgres.types import PgColumn, ddl_type, incompatibility, unsupported, wire_type
+from sinks.postgres.values import PG_TYPE_KEY
+from sinks.postgres.writer import DELETE_FLAG
 from sinks.predicates import changes_between_evaluations, time_words
 
 log = logging.getLogger("sinks.postgres")
@@ -269,3 +278,75 @@ _NOT_A_PREDICATE = (
     psycopg.errors.FeatureNotSupported,  # a subquery, an aggregate
     psycopg.errors.GroupingError,
 )
+
+
+@dataclass(frozen=True)
+class Target:
+    """What preflight found of the target table, for one DataFrame schema."""
+
+    wire: pa.Schema | None
+    """what the writers COPY: each written field with the binary type of its
+    column (and the delete flag of ``delete_when``); None while the table lacks
+    columns that ``add_columns`` adds first"""
+    new_columns: list[pa.Field]
+    """the DataFrame's columns the table lacks, to add (``add_columns``)"""
+
+
+def check_target(
+    conn: psycopg.Connection,
+    schema: pa.Schema,
+    *,
+    table_schema: str,
+    table: str,
+    ident: sql.Composable,
+    key: list[str],
+    rules: KeyedWrite,
+    create_missing: bool,
+    add_missing: bool,
+    replace_where: str | None,
+    sink: str,
+) -> Target:
+    """Check the table ``table_schema.table`` (``ident``, quoted) for writing
+    ``schema`` with ``rules``: create it when missing and ``create_missing``
+    (``create_table``), match the DataFrame's columns to the table's
+    (:func:`check_columns`), note the columns to add with ``add_missing``
+    (``add_columns``), check ``replace_where`` and the unique index an upsert
+    by ``key`` needs. ``sink`` names the sink in messages."""
+    where = f"{table_schema}.{table}"
+    columns = table_columns(conn, table_schema, table)
+    if columns is None:
+        if not create_missing:
+            raise PreflightError(
+                f"table {where} does not exist ({sink}); create it, "
+                "or pass create_table=True to PostgresSink"
+            )
+        create_table(conn, ident, rules.written(schema), key, where)
+        columns = table_columns(conn, table_schema, table)
+        assert columns is not None
+    rules.preflight(schema)
+    written = rules.written(schema)
+    have = {c.name for c in columns}
+    new_columns = [f for f in written if add_missing and f.name not in have and f.name not in key]
+    if new_columns:  # evolve_schema adds them, then comes back here
+        written = pa.schema([f for f in written if f not in new_columns])
+    targets = check_columns(where, columns, written, key)
+    if replace_where is not None and not new_columns:
+        # (with new columns to add, the pass after evolve_schema checks it)
+        check_replace_predicate(conn, ident, replace_where, where)
+    if key and set(key) not in unique_keys(conn, table_schema, table):
+        raise PreflightError(
+            f"upsert by key {key} needs a unique index or primary key on exactly "
+            f"those columns of {where} (INSERT ... ON CONFLICT uses it); create one, "
+            "e.g. ALTER TABLE ... ADD PRIMARY KEY (...)"
+        )
+    if new_columns:
+        return Target(None, new_columns)
+    wire = pa.schema(
+        [
+            pa.field(f.name, wire_type(f.type, c), metadata={PG_TYPE_KEY: c.formatted})
+            for f, c in zip(written, targets, strict=True)
+        ]
+    )
+    if rules.delete_when is not None:
+        wire = wire.append(DELETE_FLAG)
+    return Target(wire, new_columns)

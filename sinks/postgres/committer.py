@@ -1,5 +1,6 @@
-"""The driver side of the PostgreSQL sink: commit, abort, classify and sweep
-prepared transactions (what Flink calls the sink's committer).
+"""The driver side of the PostgreSQL sink: claim its scopes, commit, abort,
+classify and sweep prepared transactions (what Flink calls the sink's
+committer), and record what the ledger holds committed.
 
 The commit path: :meth:`PreparedCommitter.commit` issues ``COMMIT PREPARED``
 for every committable, over a few connections at once (each ``COMMIT
@@ -10,6 +11,12 @@ visible) or lost (no marker): the latter raises
 :class:`~sinks.errors.TransactionLostError`, never silence. Before committing,
 the scope's claim is checked (another owner refuses) and transactions of
 batches the sink's progress row already holds are replays: rolled back.
+
+The claim, the progress row and the commit markers are the sink's memory of
+its own progress (:mod:`sinks.postgres.progress`): claimed before any commit
+(:meth:`PreparedCommitter.claim`), raised once the ledger recorded a commit
+(:meth:`PreparedCommitter.settle`), and markers deleted once the ledger keeps
+no audit evidence of their checkpoints (:meth:`PreparedCommitter.retire`).
 
 A partition replace commits differently (:class:`sinks.postgres.replace.ReplaceCommitter`).
 """
@@ -41,6 +48,7 @@ from sinks.base import (
 from sinks.errors import REWRITE_ADVICE, TransactionLostError
 from sinks.naming import TxnName, scope_prefixes
 from sinks.postgres.progress import ProgressTable
+from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.postgres")
 
@@ -59,6 +67,8 @@ class PreparedCommitter:
     markers: sql.Composable
     progress: Callable[[], ProgressTable]
     claims: ClaimedScopes
+    ensure_markers: Callable[[psycopg.Connection], None]
+    """creates the marker and progress tables when missing (before a claim)"""
     commit_timeout: float
     commit_connections: int
 
@@ -66,6 +76,31 @@ class PreparedCommitter:
         return retry_transient(
             fn, what=f"{what} {self.where}", transient=TRANSIENT, deadline=self.commit_timeout, **kw
         )
+
+    # -- progress and claims -----------------------------------------------------------
+
+    def read_progress(self, scope: JobScope) -> SinkProgress:
+        """The owner of ``scope`` and the batch up to which it holds it committed."""
+
+        def read() -> SinkProgress:
+            with self.connect("twophase-progress") as conn:
+                return self.progress().read(conn, scope)
+
+        return self._retry(read, f"read of the progress of {scope.key()} in")  # type: ignore[return-value]
+
+    def claim(self, scope: JobScope, start_over_from: str | None) -> SinkProgress:
+        """Make ``scope.incarnation`` the owner of ``scope``
+        (:meth:`~sinks.postgres.progress.ProgressTable.claim`) and remember the
+        scope as this sink's."""
+
+        def claim() -> SinkProgress:
+            with self.connect("twophase-claim") as conn:
+                self.ensure_markers(conn)
+                return self.progress().claim(conn, scope, start_over_from)
+
+        found: SinkProgress = self._retry(claim, f"claim of {scope.key()} in")  # type: ignore[assignment]
+        self.claims.remember(scope)
+        return found
 
     # -- commit ----------------------------------------------------------------------
 
@@ -244,3 +279,32 @@ class PreparedCommitter:
     ) -> list[str]:
         """What else a sweep removes (a replace's staged rows); nothing here."""
         return []
+
+    # -- after the ledger recorded the commit --------------------------------------------
+
+    def settle(self, committables: Sequence[Committable]) -> None:
+        """Record the committed batches in the progress row (their markers stay
+        while the ledger keeps their audit evidence: :meth:`retire`)."""
+        gids = [c["txn"] for c in committables]
+        if not gids:
+            return
+        try:
+            with self.connect("twophase-cleanup") as conn:
+                for scope, names in self.claims.group(map(TxnName.require, gids)).items():
+                    batch = max(n.batch_id for n in names)
+                    self.progress().settle(conn, scope, batch)
+        except psycopg.OperationalError as e:  # harmless: the markers still say it
+            log.warning(
+                "could not record the progress of %d committed transactions (%s); their "
+                "commit markers stay and say the same",
+                len(gids),
+                e,
+            )
+
+    def retire(self, scope: JobScope, before_batch: int) -> None:
+        """Delete the commit markers of ``scope`` below ``before_batch``."""
+        try:
+            with self.connect("twophase-cleanup") as conn:
+                self.progress().retire(conn, scope, before_batch)
+        except psycopg.OperationalError as e:  # harmless: the next retirement deletes them
+            log.warning("could not delete old commit markers of %s: %s", self.where, e)

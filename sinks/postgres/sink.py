@@ -1,19 +1,25 @@
 """PostgreSQL exactly-once sink: prepared transactions, committed by the driver.
 
-This module is the sink's face: its options, preflight (:mod:`catalog`,
-:mod:`markers`), its writers (:mod:`writer`, :mod:`upsert`, :mod:`replace`),
-its progress and claims (:mod:`progress`). The commit path, abort and sweep
-are the committer's (:mod:`sinks.postgres.committer`; a replace's,
+Longer than 450 lines because PostgresSink is the public API: its documented
+constructor and the checks of its options, its settings round trip and every
+method the lifecycle calls (most of them one-line delegations) stay on this one
+class.
+
+This module is the sink's face: its options and settings, its preflight (the
+table by :func:`sinks.postgres.catalog.check_target`, the marker tables by
+:mod:`sinks.postgres.markers`, the server's room for prepared transactions by
+:mod:`sinks.postgres.capacity`) and its writers (:mod:`sinks.postgres.writer`,
+:mod:`sinks.postgres.upsert`, :mod:`sinks.postgres.replace`). Claims, the
+commit path, abort, sweep and the progress they record are the committer's
+(:mod:`sinks.postgres.committer`; a replace's,
 :class:`sinks.postgres.replace.ReplaceCommitter`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import re
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,7 +33,6 @@ from sinks._parallel import (
     COMMIT_CONNECTIONS,
     check_connections,
 )
-from sinks._retry import retry_transient
 from sinks.audit import CheckpointEvidence, Finding
 from sinks.base import (
     ClaimedScopes,
@@ -41,15 +46,14 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.errors import ConfigError, PreflightError
-from sinks.naming import TxnName, check_id
+from sinks.naming import check_id
 from sinks.postgres import audit as pg_audit
-from sinks.postgres import catalog, liveness, markers, replace
-from sinks.postgres.committer import TRANSIENT as _TRANSIENT
+from sinks.postgres import capacity, catalog, liveness, markers, replace
+from sinks.postgres.capacity import PreparedCapacity
 from sinks.postgres.committer import PreparedCommitter
 from sinks.postgres.progress import ProgressTable
-from sinks.postgres.types import ddl_type, wire_type
-from sinks.postgres.values import PG_TYPE_KEY
-from sinks.postgres.writer import DELETE_FLAG, PostgresWriter, WriterSettings
+from sinks.postgres.types import ddl_type
+from sinks.postgres.writer import PostgresWriter, WriterSettings
 from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.postgres")
@@ -119,7 +123,7 @@ class PostgresSink(Sink):
     """
 
     kind = "postgres"
-    _driver_only = ("_capacity", "_capacity_lock", "_committer")
+    _driver_only = ("_capacity", "_committer")
 
     def __init__(
         self,
@@ -182,8 +186,7 @@ class PostgresSink(Sink):
     # -- driver-side state (never pickled to executors) ----------------------------
 
     def _init_driver_state(self) -> None:
-        self._capacity: psycopg.Connection | None = None  # the capacity check's, kept
-        self._capacity_lock = threading.Lock()
+        self._capacity = PreparedCapacity(self.describe(), self.connect, lambda: self.max_prepared)
         self._committer = self._make_committer()
 
     def _make_committer(self) -> PreparedCommitter:
@@ -194,6 +197,7 @@ class PostgresSink(Sink):
             "markers": self.marker_ident,
             "progress": lambda: self.progress_table,
             "claims": self._claims,
+            "ensure_markers": self._ensure_markers,
             "commit_timeout": self.commit_timeout,
             "commit_connections": self.commit_connections,
         }
@@ -210,10 +214,7 @@ class PostgresSink(Sink):
 
     def close(self) -> None:
         """Release the driver's kept connection (the capacity check's)."""
-        with self._capacity_lock:
-            conn, self._capacity = self._capacity, None
-        if conn is not None:
-            conn.close()
+        self._capacity.close()
 
     # -- identity ---------------------------------------------------------------
 
@@ -343,66 +344,30 @@ class PostgresSink(Sink):
     # -- preflight ----------------------------------------------------------------
 
     def preflight(self, schema: pa.Schema) -> None:
-        where = f"{self.schema}.{self.table}"
+        """Check the server (:func:`sinks.postgres.capacity.max_prepared`), the
+        marker tables and the table (:func:`sinks.postgres.catalog.check_target`)."""
         try:
             conn = self.connect(application_name="twophase-preflight")
         except psycopg.OperationalError as e:
             raise PreflightError(f"cannot connect to {self.describe()}: {e}".strip()) from e
         with conn:
-            mpt = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
-            if mpt == 0:
-                raise PreflightError(
-                    f"{self.describe()}: max_prepared_transactions is 0, so PostgreSQL "
-                    "cannot prepare transactions and exactly-once is impossible. Set "
-                    "max_prepared_transactions in postgresql.conf to at least the number of "
-                    "Spark tasks that write at once times the batches awaiting commit "
-                    "(e.g. 100), and restart the server."
-                )
-            self.max_prepared = mpt
+            self.max_prepared = capacity.max_prepared(conn, self.describe())
             self._ensure_markers(conn)
-            columns = catalog.table_columns(conn, self.schema, self.table)
-            if columns is None:
-                if not self.create_table:
-                    raise PreflightError(
-                        f"table {where} does not exist ({self.describe()}); create it, "
-                        "or pass create_table=True to PostgresSink"
-                    )
-                catalog.create_table(
-                    conn, self.table_ident, self.rules.written(schema), self.key, where
-                )
-                columns = catalog.table_columns(conn, self.schema, self.table)
-                assert columns is not None
-            self.rules.preflight(schema)
-            written = self.rules.written(schema)
-            have = {c.name for c in columns}
-            self._new_columns = [
-                f
-                for f in written
-                if self.add_columns and f.name not in have and f.name not in self.key
-            ]
-            if self._new_columns:  # evolve_schema adds them, then comes back here
-                written = pa.schema([f for f in written if f not in self._new_columns])
-            targets = catalog.check_columns(where, columns, written, self.key)
-            if self.replace_where is not None and not self._new_columns:
-                # (with new columns to add, the pass after evolve_schema checks it)
-                catalog.check_replace_predicate(conn, self.table_ident, self.replace_where, where)
-            if self.key and set(self.key) not in catalog.unique_keys(conn, self.schema, self.table):
-                raise PreflightError(
-                    f"upsert by key {self.key} needs a unique index or primary key on exactly "
-                    f"those columns of {where} (INSERT ... ON CONFLICT uses it); create one, "
-                    "e.g. ALTER TABLE ... ADD PRIMARY KEY (...)"
-                )
-        if self._new_columns:
-            self._wire = None
-            return
-        self._wire = pa.schema(
-            [
-                pa.field(f.name, wire_type(f.type, c), metadata={PG_TYPE_KEY: c.formatted})
-                for f, c in zip(written, targets, strict=True)
-            ]
-        )
-        if self.rules.delete_when is not None:
-            self._wire = self._wire.append(DELETE_FLAG)
+            target = catalog.check_target(
+                conn,
+                schema,
+                table_schema=self.schema,
+                table=self.table,
+                ident=self.table_ident,
+                key=self.key,
+                rules=self.rules,
+                create_missing=self.create_table,
+                add_missing=self.add_columns,
+                replace_where=self.replace_where,
+                sink=self.describe(),
+            )
+        self._new_columns = target.new_columns
+        self._wire = target.wire
 
     def evolve_schema(self, schema: pa.Schema) -> None:
         """With ``add_columns``: add the DataFrame's columns the table lacks (as
@@ -428,22 +393,7 @@ class PostgresSink(Sink):
     def expect_load(self, load: ExpectedLoad) -> None:
         """Warn when this sink alone may hold more prepared transactions between
         two checkpoints than the server's ``max_prepared_transactions``."""
-        limit = self.max_prepared
-        if limit is None or load.transactions < limit:
-            return
-        log.warning(
-            "%s: max_prepared_transactions is %d, and this sink may hold about %d prepared "
-            "transactions between two checkpoints (%d tasks per batch x %d batches). Set "
-            "max_prepared_transactions to at least %d in postgresql.conf (a server restart; "
-            "other jobs on the server count too), or checkpoint more often. Meanwhile the "
-            "job takes a checkpoint early when the server comes close to the limit",
-            self.describe(),
-            limit,
-            load.transactions,
-            load.tasks_per_batch,
-            load.batches_per_checkpoint,
-            2 * load.transactions,
-        )
+        self._capacity.warn(load)
 
     @property
     def commits_at_finish(self) -> bool:  # type: ignore[override]
@@ -463,37 +413,7 @@ class PostgresSink(Sink):
         """A reason to checkpoint now when the server's prepared transactions
         (all databases, all jobs) leave less room than two more batches like
         this one; None otherwise (also when the server cannot be asked)."""
-        limit = self.max_prepared
-        if not batch or limit is None:
-            return None
-        try:
-            held = self._prepared_count()
-        except psycopg.OperationalError:
-            return None  # the commit will say what is wrong with the server
-        if held + 2 * len(batch) <= limit:
-            return None
-        return (
-            f"{self.describe()}: {held} of max_prepared_transactions={limit} are prepared "
-            f"and the last batch prepared {len(batch)}"
-        )
-
-    def _prepared_count(self) -> int:
-        """How many transactions the server holds prepared (every database and
-        job), over a connection kept from one batch to the next: the check runs
-        in every batch's barrier, where a new connection would cost more than
-        the query. A connection that fails is dropped; the next check opens one."""
-        with self._capacity_lock:
-            conn = self._capacity
-            if conn is None or conn.closed:
-                conn = self._capacity = self.connect("twophase-capacity")
-            try:
-                row = conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone()
-            except psycopg.Error:
-                self._capacity = None
-                with contextlib.suppress(Exception):
-                    conn.close()
-                raise
-            return int(row[0]) if row else 0
+        return self._capacity.pressure(batch)
 
     # -- executor side --------------------------------------------------------------
 
@@ -526,36 +446,13 @@ class PostgresSink(Sink):
             )
         return PostgresWriter(settings, ctx, self._wire)
 
-    # -- progress and claims -----------------------------------------------------------
+    # -- driver side: claims, commit, abort, sweep (sinks.postgres.committer) ---------
 
     def progress(self, scope: JobScope) -> SinkProgress:
-        def read() -> SinkProgress:
-            with self.connect(application_name="twophase-progress") as conn:
-                return self.progress_table.read(conn, scope)
-
-        return retry_transient(
-            read,
-            what=f"read of the progress of {scope.key()} in {self.describe()}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
+        return self._committer.read_progress(scope)
 
     def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
-        def claim() -> SinkProgress:
-            with self.connect(application_name="twophase-claim") as conn:
-                self._ensure_markers(conn)
-                return self.progress_table.claim(conn, scope, start_over_from)
-
-        found = retry_transient(
-            claim,
-            what=f"claim of {scope.key()} in {self.describe()}",
-            transient=_TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-        self._claims.remember(scope)
-        return found
-
-    # -- driver side: commit, abort, sweep (sinks.postgres.committer) ----------------
+        return self._committer.claim(scope, start_over_from)
 
     def commit(self, committables: Sequence[Committable]) -> None:
         self._committer.commit(committables)
@@ -586,27 +483,9 @@ class PostgresSink(Sink):
 
     def retire_evidence(self, scope: JobScope, before_batch: int) -> None:
         """Delete the commit markers of ``scope`` below ``before_batch``."""
-        try:
-            with self.connect(application_name="twophase-cleanup") as conn:
-                self.progress_table.retire(conn, scope, before_batch)
-        except psycopg.OperationalError as e:  # harmless: the next retirement deletes them
-            log.warning("could not delete old commit markers of %s: %s", self.describe(), e)
+        self._committer.retire(scope, before_batch)
 
     def forget(self, committables: Sequence[Committable]) -> None:
         """Record the committed batches in the progress row (their markers stay
         while the ledger keeps their audit evidence: :meth:`retire_evidence`)."""
-        gids = [c["txn"] for c in committables]
-        if not gids:
-            return
-        try:
-            with self.connect(application_name="twophase-cleanup") as conn:
-                for scope, names in self._claims.group(map(TxnName.require, gids)).items():
-                    batch = max(n.batch_id for n in names)
-                    self.progress_table.settle(conn, scope, batch)
-        except psycopg.OperationalError as e:  # harmless: the markers still say it
-            log.warning(
-                "could not record the progress of %d committed transactions (%s); their "
-                "commit markers stay and say the same",
-                len(gids),
-                e,
-            )
+        self._committer.settle(committables)
