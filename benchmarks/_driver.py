@@ -26,7 +26,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from lifecycle.coordinator import Coordinator, PipelineSinks
+from lifecycle.coordinator import Coordinator
+from lifecycle.job_sinks import PipelineSinks
 from lifecycle.ledger import FileLedger
 from lifecycle.spark_log import SparkCommitLog
 from sinks import DeltaSink, KafkaSink, PostgresSink

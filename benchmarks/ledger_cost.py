@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 import pyarrow as pa  # noqa: E402
 
-from lifecycle.coordinator import Coordinator, PipelineSinks  # noqa: E402
+from lifecycle.coordinator import Coordinator  # noqa: E402
+from lifecycle.job_sinks import PipelineSinks  # noqa: E402
 from lifecycle.ledger import FileLedger  # noqa: E402
 from lifecycle.spark_log import SparkCommitLog  # noqa: E402
 from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext  # noqa: E402

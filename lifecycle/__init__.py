@@ -22,7 +22,8 @@ if TYPE_CHECKING:
         RecoveryRefusedError,
         TaskFailedError,
     )
-    from lifecycle.job import Job, JobResult
+    from lifecycle.job import Job
+    from lifecycle.job_result import JobResult
     from lifecycle.ledger import Checkpoint, FileLedger, PostgresLedger
     from lifecycle.logs import configure_logging
     from lifecycle.pipeline import PipelineState
@@ -38,7 +39,7 @@ _EXPORTS = {
     "FileLedger": "lifecycle.ledger",
     "Job": "lifecycle.job",
     "JobFailedError": "lifecycle.errors",
-    "JobResult": "lifecycle.job",
+    "JobResult": "lifecycle.job_result",
     "PipelineFailedError": "lifecycle.errors",
     "PipelineState": "lifecycle.pipeline",
     "PostgresLedger": "lifecycle.ledger",

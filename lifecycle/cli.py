@@ -56,19 +56,23 @@ They exit 0 on success (``lingering``: nothing lingers), 1 when the work is
 not done (``lingering``: something lingers; ``recover``: recovery failed;
 ``abandon``: refused or not confirmed) and 2 when they cannot start (no
 ledger, a job holds it, a sink cannot be rebuilt or reached).
-What they do is in :mod:`lifecycle.operations`; this module parses and prints.
+What they do is in :mod:`lifecycle.operations`, what ``status``, ``stop`` and
+``start-over`` do in :mod:`lifecycle.remote`, the grammar of every command in
+:mod:`lifecycle.cli_args`: this module parses and prints.
 
 ``twophase audit`` (see :mod:`lifecycle.audit`) exits 0 when every checked
 transaction is in its sink as the ledger says (``expired`` ones, which the sink
 no longer keeps, do not fail it), 1 on any mismatch (a missing table or topic
 included), 2 when it cannot start or cannot read a sink.
+
+Longer than 450 lines because this docstring is the commands' reference (their
+usage, where they find the ledger, their exit codes) beside what each prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -76,22 +80,13 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, NoReturn
 
 from lifecycle import audit as audit_view
-from lifecycle import control, heartbeat, operations
+from lifecycle import operations, remote
 from lifecycle import status as status_view
 from lifecycle._exit import leave
+from lifecycle.cli_args import build_parser
 from lifecycle.errors import CheckpointCommitError
-from lifecycle.ledger import (
-    check_location,
-    is_locked,
-    locate,
-    new_state_advice,
-    read_ledger,
-    stored_location,
-)
-from lifecycle.state.pg_location import PgLocation
-from lifecycle.state.store import open_store
+from lifecycle.ledger import read_ledger
 from sinks.errors import ConfigError, TransactionLostError, TwoPhaseError
-from sinks.naming import check_incarnation
 
 
 def format_status(doc: dict[str, Any]) -> str:
@@ -104,15 +99,9 @@ def _fail(message: object, code: int) -> int:
     return code
 
 
-def _shown(ledger: str) -> str:
-    """``--ledger``'s value as messages show it (a URI without its password)."""
-    where = check_location(ledger)
-    return PgLocation.parse(where).display() if isinstance(where, str) else str(where)
-
-
 def _ledger_arg(ledger: str | None) -> str:
     """`` --ledger URI|DIR`` (a URI without its password) for a command line to suggest."""
-    return f" --ledger '{_shown(ledger)}'" if ledger else ""
+    return f" --ledger '{remote.shown_location(ledger)}'" if ledger else ""
 
 
 def lingering(state_dir: str | None, *, ledger: str | None = None) -> int:
@@ -319,37 +308,22 @@ def give_up_owed(
 def stop(state_dir: str, *, drain: bool, timeout: float, ledger: str | None = None) -> int:
     """Ask the job on ``state_dir`` to stop, wait for it to exit, report the outcome
     (``ledger``: the job's ``ledger=``, see the module docstring)."""
-    where = locate(state_dir, ledger)
-    if not is_locked(location=where):  # before any JVM a URI state_dir needs
+    asked = remote.ask_to_stop(state_dir, ledger, drain=drain)
+    if asked is None:
         print(f"twophase: no job is running with state_dir {state_dir}", file=sys.stderr)
         return 2
-    req = control.write_request(
-        open_store(state_dir, None), drain=drain, source=f"twophase stop (pid {os.getpid()})"
-    )
     what = "drain" if drain else "stop (savepoint)"
     print(f"asked the job to {what}; waiting for it to exit ...", flush=True)
-    deadline = time.monotonic() + timeout
-    while is_locked(location=where):
-        if time.monotonic() > deadline:
-            print(f"twophase: the job did not exit within {timeout:.0f}s", file=sys.stderr)
-            return 2
-        time.sleep(0.2)
-    doc = read_ledger(location=where) or {}
-    kind = "final" if drain else "savepoint"
-    last = (doc.get("history") or [None])[-1]
-    ok = (
-        last is not None
-        and last["kind"] in (kind, "final")
-        and (last.get("committed_at") or 0) >= req.requested_at
-        and not doc.get("pending")
-        and doc.get("decided") is None
-    )
-    if ok:
+    if not remote.wait_for_exit(asked, timeout):
+        print(f"twophase: the job did not exit within {timeout:.0f}s", file=sys.stderr)
+        return 2
+    last = remote.stop_checkpoint(asked)
+    if last is not None:
         print(f"the job exited; {last['kind']} checkpoint {last['id']} committed")
         return 0
     print(
         "twophase: the job exited without committing its "
-        f"{kind} checkpoint; see the job's log and `twophase status {state_dir}"
+        f"{asked.kind} checkpoint; see the job's log and `twophase status {state_dir}"
         f"{_ledger_arg(ledger)}`",
         file=sys.stderr,
     )
@@ -359,22 +333,10 @@ def stop(state_dir: str, *, drain: bool, timeout: float, ledger: str | None = No
 def start_over(state_dir: str, incarnation: str, ledger: str | None = None) -> int:
     """Record the operator's choice to start over from ``incarnation``."""
     try:
-        check_incarnation(incarnation)
+        remote.request_start_over(state_dir, incarnation, ledger)
     except ConfigError as e:
         print(f"twophase: {e}", file=sys.stderr)
         return 2
-    doc = read_ledger(state_dir, ledger)
-    if doc is not None and doc.get("incarnation") == incarnation:
-        advice = new_state_advice(ledger or stored_location(state_dir))
-        print(
-            f"twophase: {incarnation} is the incarnation of {state_dir} itself; starting "
-            f"over from it needs {advice}",
-            file=sys.stderr,
-        )
-        return 2
-    control.request_start_over(
-        open_store(state_dir, None), incarnation, source=f"twophase (pid {os.getpid()})"
-    )
     print(
         f"the next run with state_dir {state_dir} takes every sink over from incarnation "
         f"{incarnation}: it aborts what that incarnation left prepared, keeps what it "
@@ -384,104 +346,7 @@ def start_over(state_dir: str, incarnation: str, ledger: str | None = None) -> i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="twophase", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    ledger_help = (
-        "the job's ledger=: its PostgreSQL ledger (postgresql://user@host/db[?schema=S&job=J]) "
-        "when STATE_DIR does not record it, the password from PGPASSWORD or ~/.pgpass; or the "
-        "local directory of its file ledger (needed when it is not STATE_DIR/ledger, as for a "
-        "URI STATE_DIR)"
-    )
-    st = sub.add_parser("status", help="show a job's checkpoints and pending transactions")
-    st.add_argument("state_dir", nargs="?")
-    st.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
-    st.add_argument(
-        "--json",
-        action="store_true",
-        help=f"print the status as JSON (schema {status_view.SCHEMA}, see lifecycle.status)",
-    )
-    st.add_argument("--raw", action="store_true", help="print the ledger document itself (JSON)")
-    st.add_argument(
-        "--watch",
-        nargs="?",
-        const=2.0,
-        type=float,
-        metavar="S",
-        help="refresh every S seconds (2) until interrupted",
-    )
-    st.add_argument(
-        "--stuck-after",
-        type=float,
-        metavar="S",
-        help="pending work older than S seconds makes a running job stuck (exit 1); "
-        f"default max({status_view.DEFAULT_STUCK_AFTER_S:.0f}, 10 checkpoint intervals)",
-    )
-    sp = sub.add_parser("stop", help="stop a running job (a savepoint, or --drain)")
-    sp.add_argument("state_dir")
-    sp.add_argument(
-        "--drain",
-        action="store_true",
-        help="end every pipeline's input and commit one final checkpoint",
-    )
-    sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (600)")
-    sp.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
-    so = sub.add_parser(
-        "start-over",
-        help="let the next run on STATE_DIR take the sinks over from a lost incarnation",
-    )
-    so.add_argument("state_dir")
-    so.add_argument(
-        "--from",
-        dest="incarnation",
-        required=True,
-        help="the incarnation id the job's refusal named",
-    )
-    so.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
-    li = sub.add_parser(
-        "lingering",
-        help="list the prepared transactions, open Kafka transactions and staged Delta "
-        "files the job's sinks hold, with the ledger's view of each",
-    )
-    li.add_argument("state_dir", nargs="?")
-    li.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
-    rc = sub.add_parser(
-        "recover", help="apply the recovery rules to a stopped job without running it"
-    )
-    rc.add_argument("state_dir")
-    rc.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
-    ab = sub.add_parser(
-        "abandon",
-        help="give up the lost transactions of the decided checkpoint so the rest commits, "
-        "or a batch owed to sinks whose source no longer has it",
-    )
-    ab.add_argument("state_dir")
-    which = ab.add_mutually_exclusive_group(required=True)
-    which.add_argument("--checkpoint", type=int, help="the decided checkpoint's id")
-    which.add_argument(
-        "--owed", metavar="PIPELINE/BATCH", help="a batch owed to sinks (twophase status: OWED)"
-    )
-    ab.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    ab.add_argument("--note", default="", help="why, kept in the ledger with the record")
-    ab.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
-    au = sub.add_parser(
-        "audit",
-        help="check each sink's own records of the last checkpoints against the ledger",
-    )
-    au.add_argument("state_dir", nargs="?")
-    au.add_argument(
-        "--last",
-        type=int,
-        default=audit_view.DEFAULT_LAST,
-        metavar="N",
-        help=f"the N newest checkpoints ({audit_view.DEFAULT_LAST})",
-    )
-    au.add_argument(
-        "--all", action="store_true", help="every checkpoint whose evidence the ledger keeps"
-    )
-    au.add_argument("--json", action="store_true", help="print the report as JSON")
-    au.add_argument("--ledger", metavar="URI|DIR", help=ledger_help)
-    sub.add_parser("version", help="print the version")
-    args = ap.parse_args(argv)
+    args = build_parser(__doc__.split("\n\n")[0]).parse_args(argv)
     if args.cmd == "version":
         try:
             print(version("twophase"))
@@ -562,7 +427,7 @@ def status(
     code (module docstring)."""
     doc = read_ledger(state_dir, ledger)
     if doc is None:
-        where = _shown(ledger) if ledger else str(state_dir)
+        where = remote.shown_location(ledger) if ledger else str(state_dir)
         if as_json:
             print(json.dumps(status_view.not_found(where), indent=2, sort_keys=True))
         print(f"twophase: no ledger in {where}", file=sys.stderr)
@@ -570,12 +435,7 @@ def status(
     if raw:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
-    beat = heartbeat.read(open_store(state_dir, None)) if state_dir is not None else None
-    try:
-        locked = is_locked(state_dir, ledger)
-    except Exception:  # a ledger this command cannot lock-test (e.g. on another host)
-        locked = False
-    found = status_view.job_status(doc, beat, locked=locked, stuck_after=stuck_after)
+    found = remote.current_status(state_dir, ledger, doc, stuck_after=stuck_after)
     if as_json:
         print(json.dumps(found, indent=2, sort_keys=True))
     else:

@@ -6,28 +6,36 @@ finished, takes checkpoints every ``checkpoint_interval`` seconds across all
 pipelines, and returns when every pipeline has finished or the job was stopped.
 The lifecycle of each pipeline is in :mod:`lifecycle.pipeline`; how to stop a
 running job (code, another terminal, signals) is in :mod:`lifecycle.control`.
+
+This module holds the :class:`Job` and its run loop. What a run does before its
+first query starts is :mod:`lifecycle.startup`; how a run fails,
+:mod:`lifecycle.run_failures`; what it returns, :mod:`lifecycle.job_result`;
+what ``add_pipeline`` refuses, :mod:`lifecycle.pipeline_checks`.
+
+Longer than 450 lines because the Job class is the package's entry point and
+documents every argument of its constructor and ``add_pipeline`` (over a
+hundred lines of docstrings) beside the run loop they configure.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from pyspark.sql import DataFrame, SparkSession
 
-from lifecycle import control, replay
+from lifecycle import control, startup
 from lifecycle.binding import batch_handler
-from lifecycle.coordinator import Coordinator, PipelineSinks, sink_label
-from lifecycle.errors import JobFailedError, PipelineFailedError, RecoveryRefusedError
-from lifecycle.failures import TaskFailure, cause_of, full_trace
+from lifecycle.coordinator import Coordinator
+from lifecycle.errors import JobFailedError
+from lifecycle.job_result import JobResult, job_result, last_final, warn_undecided
+from lifecycle.job_sinks import PipelineSinks
 from lifecycle.ledger import (
     Ledger,
     check_location,
@@ -37,11 +45,13 @@ from lifecycle.ledger import (
 )
 from lifecycle.metrics import MetricSample
 from lifecycle.pipeline import Pipeline, PipelineState, Transform
+from lifecycle.pipeline_checks import check_pipeline
+from lifecycle.run_failures import RunFailures
 from lifecycle.spark_log import SparkCommitLog
 from lifecycle.state.store import LocalStore, StateStore, open_store
 from lifecycle.watch import RunWatch
-from sinks.base import ExpectedLoad, Sink
-from sinks.errors import ConfigError, PreflightError, TwoPhaseError
+from sinks.base import Sink
+from sinks.errors import ConfigError
 from sinks.naming import check_id, check_incarnation
 
 log = logging.getLogger("lifecycle.job")
@@ -61,44 +71,7 @@ _QUICK_POLL_S = 0.01
 _QUICK_POLL_REMOTE_S = 0.05
 _REQUEST_POLL_S = 0.2
 
-__all__ = ["Job", "JobFailedError", "JobResult"]
-
-
-@dataclass
-class JobResult:
-    """What ``Job.run()`` returns."""
-
-    checkpoints: int
-    """checkpoints that committed during this run (recovery included)"""
-    rows_committed: dict[str, int]
-    """rows committed during this run, per ``pipeline/sink_id``"""
-    pipelines: dict[str, PipelineState]
-    final_checkpoint: int | None = None
-    """id of the final checkpoint, when every pipeline finished"""
-    stopped: bool = False
-    """True when the run ended by a stop without drain (a savepoint)"""
-    drained: bool = False
-    """True when the run ended by a stop with drain"""
-    committed: bool = False
-    """True when the run ended with its final (or savepoint) checkpoint committed
-    and nothing pre-committed left undecided: the exit status of a job script"""
-    end_of_input_to_exit: float | None = None
-    """seconds from the moment the last pipeline had consumed its input to the end
-    of the run (final checkpoint committed)"""
-    checkpoint_ids: list[int] = field(default_factory=list)
-
-
-def refuse_speculation(sinks: list[Sink]) -> None:
-    """Raise :class:`ConfigError` (with ``spark.speculation`` on) naming the
-    sinks whose retries cannot tell a failed attempt from a speculative one."""
-    unsafe = sorted({s.describe() for s in sinks if not s.speculation_safe})
-    if unsafe:
-        raise ConfigError(
-            "spark.speculation is on, and a task retry of these sinks cannot tell a failed "
-            "attempt from a speculative one still running (it rolls the earlier attempt's "
-            f"prepared work back): {', '.join(unsafe)}; set spark.speculation=false for this "
-            "job (the Kafka sink alone allows it: each attempt has its own transactional id)"
-        )
+__all__ = ["Job", "JobFailedError"]
 
 
 class Job:
@@ -215,7 +188,7 @@ class Job:
         self._stop: bool | None = None  # None: no stop asked; else: drain?
         self._outcome = ""  # "", "drained", "stopped"
         self._running = False
-        self._failures: dict[str, TaskFailure] = {}  # pipeline -> its failed batch
+        self._failures = RunFailures(self.name)  # the failed batches; the run's error
         self._quick_until = 0.0  # monotonic time until which the run loop polls quickly
         self._quick_poll = (
             _QUICK_POLL_S if isinstance(self.store, LocalStore) else _QUICK_POLL_REMOTE_S
@@ -223,7 +196,6 @@ class Job:
         self._watch = RunWatch(
             self.name, metrics_port=metrics_port, metrics_host=metrics_host, progress=progress
         )
-        self._error: str | None = None  # the first line of the failure that ended the run
 
     def add_pipeline(
         self,
@@ -270,48 +242,15 @@ class Job:
             raise ConfigError("add pipelines before run()")
         if name in self._pipelines:
             raise ConfigError(f"pipeline {name!r} is already in job {self.name!r}")
-        if not df.isStreaming:
-            raise ConfigError(
-                f"pipeline {name!r}: the DataFrame is not streaming; build it with "
-                "spark.readStream (for a bounded input, with bounded=True)"
-            )
-        if not sinks:
-            raise ConfigError(f"pipeline {name!r} has no sinks")
-        ids = [s.sink_id for s in sinks]
-        dup = {i for i in ids if ids.count(i) > 1}
-        if dup:
-            raise ConfigError(
-                f"pipeline {name!r}: sink id(s) {sorted(dup)} used twice; pass sink_id= to tell "
-                "them apart"
-            )
-        if trigger_interval <= 0:
-            raise ConfigError("trigger_interval must be > 0 seconds")
-        replacing = [s for s in sinks if s.commits_at_finish]
-        if replacing and not bounded:
-            raise ConfigError(
-                f"pipeline {name!r}: {replacing[0].describe()} replaces (replace_where), which "
-                "commits once, when the pipeline finishes: pass bounded=True (a backfill)"
-            )
-        holding = [s for s in sinks if s.prepared_work_holds_resources]
-        if replacing and holding:
-            why = (
-                "they expire"
-                if holding[0].prepared_work_expires
-                else "their row locks block the pipeline's next batches, and a long backfill "
-                "runs out of max_prepared_transactions"
-            )
-            raise ConfigError(
-                f"pipeline {name!r}: {replacing[0].describe()} replaces (replace_where), so "
-                "every sink of the pipeline commits only when it finishes, and "
-                f"{holding[0].describe()} would hold its transactions open that long ({why}); "
-                "write to it from a pipeline of its own (reading the same input), or make it "
-                "replace too (replace_where=)"
-            )
-        if event_time is not None and transform is None:
-            raise ConfigError(
-                f"pipeline {name!r}: event_time needs transform= (the end-of-input marker is "
-                "fed into the source, before the transform)"
-            )
+        check_pipeline(
+            name,
+            df,
+            sinks,
+            bounded=bounded,
+            trigger_interval=trigger_interval,
+            transform=transform,
+            event_time=event_time,
+        )
         self._pipelines[name] = Pipeline(
             name=name,
             source=df,
@@ -379,13 +318,13 @@ class Job:
         if not self._pipelines:
             raise ConfigError(f"job {self.name!r} has no pipelines")
         if self.spark.conf.get("spark.speculation", "false").lower() == "true":
-            refuse_speculation([s for p in self._pipelines.values() for s in p.sinks])
+            startup.refuse_speculation([s for p in self._pipelines.values() for s in p.sinks])
         ledger = open_ledger(
             self.ledger_location, self.store, self.name, history=self.audit_checkpoints
         )
         self._running = True
         self._outcome = ""  # a stop() that came before run() is honoured
-        self._error = None
+        self._failures.error = None
         ended = "failed"
         signals = control.SignalHandlers(self.stop) if handle_signals else contextlib.nullcontext()
         try:
@@ -393,60 +332,29 @@ class Job:
                 result = self._run(ledger)
             ended = "stopped" if result.stopped else "finished"
             return result
-        except JobFailedError as e:
-            self._error = str(e)
-            self._log_failure(e)
-            raise
-        except (ConfigError, PreflightError) as e:
-            self._error = str(e)
-            raise
-        except TwoPhaseError as e:
-            error = JobFailedError(f"job {self.name!r} failed: {e}", trace=full_trace(e))
-            self._error = str(error)
-            self._log_failure(error)
-            raise error from e
         except BaseException as e:
-            self._error = f"{type(e).__name__}: {e}"
-            raise
+            # a job's failure is logged once; a sink's error becomes the job's failure
+            replaced = self._failures.ended_by(e)
+            if replaced is None:
+                raise
+            raise replaced from e
         finally:
             self._running = False
             self._stop = None
-            self._warn_undecided(ledger)
-            self._watch.end(ended, self._error)
+            warn_undecided(self.name, self.state_dir, ledger)
+            self._watch.end(ended, self._failures.error)
             ledger.close()
             for p in self._pipelines.values():
                 for s in p.sinks:
                     with contextlib.suppress(Exception):
                         s.close()
 
-    @staticmethod
-    def _log_failure(e: JobFailedError) -> None:
-        """Log a failure once, at ERROR: its one line, then its full trace."""
-        first = str(e).split("\n", 1)[0]
-        if e.trace:
-            log.error("%s\n%s", first, e.trace)
-        else:
-            log.error("%s", first)
-
-    def _warn_undecided(self, ledger: Ledger) -> None:
-        pending = ledger.pending_pipelines()
-        decided = ledger.decided()
-        if pending or decided:
-            batches = sum(len(ledger.pending_batch_ids(p)) for p in pending)
-            log.warning(
-                "job %s exits with %d pre-committed batch(es)%s undecided; the next start "
-                "with state_dir %s commits or rolls them back (twophase status shows them)",
-                self.name,
-                batches,
-                f" and checkpoint {decided.id} half-committed" if decided else "",
-                self.state_dir,
-            )
-
     def _run(self, ledger: Ledger) -> JobResult:
         ledger.begin_run()
         self._watch.begin(
             self.store, ledger, list(self._pipelines.values()), self.checkpoint_interval
         )
+        new_state = new_state_advice(self.ledger_location)
         coord = Coordinator(
             self.name,
             ledger,
@@ -458,49 +366,23 @@ class Job:
                 )
                 for p in self._pipelines.values()
             ],
-            new_state=new_state_advice(self.ledger_location),
+            new_state=new_state,
             metrics=self._watch.metrics,
             replay_lost=True,
         )
         coord.progress_note = self._watch.progress_note
-        self._check_spark_state(ledger)
-        for p in self._pipelines.values():
-            for s in p.sinks:
-                s.check_checkpoint_interval(self.checkpoint_interval)
-                s.preflight(p.schema)
-                s.expect_load(self._expected_load(p, s))
-        # what the `twophase` commands rebuild the sinks from (no secrets)
-        ledger.record_sinks(
-            {
-                sink_label(p.name, s.sink_id): s.settings()
-                for p in self._pipelines.values()
-                for s in p.sinks
-            }
+        startup.preflight(
+            self.spark,
+            self.store,
+            ledger,
+            self._pipelines,
+            checkpoint_interval=self.checkpoint_interval,
+            new_state=new_state,
         )
-        start_over = self._start_over_choice(ledger)
-        coord.claim_sinks(start_over)
-        control.clear_start_over(self.store)
-        coord.recover()
-        coord.check_sinks_behind_ledger()
-        for p in self._pipelines.values():
-            for s in p.sinks:
-                s.evolve_schema(p.schema)
-        replay.pay_owed(self.name, coord, self._pipelines)  # recovery rule 5
-        stale = control.take_request(self.store)
-        if stale is not None:
-            log.warning("ignoring a stop request made while the job was not running")
-        finished = ledger.finished()
-        for p in self._pipelines.values():
-            p.query = None
-            p.input_done_at = None
-            if p.name in finished:
-                log.info("pipeline %s finished in an earlier run: not run again", p.name)
-                p.state = PipelineState.FINISHED
-            elif p.ending_input():
-                log.info("pipeline %s was ending its input: resuming that", p.name)
-                p.state = PipelineState.ENDING_INPUT
-            else:
-                p.state = PipelineState.RUNNING
+        startup.recover(
+            self.name, self.store, coord, self._pipelines, start_over_from=self.start_over_from
+        )
+        startup.prepare_pipelines(self.store, ledger, self._pipelines)
         try:
             for p in self._live():
                 self._start(coord, p)
@@ -511,32 +393,15 @@ class Job:
             raise
         return self._result(coord, ledger, end_of_input)
 
-    def _start_over_choice(self, ledger: Ledger) -> str | None:
-        """The incarnation to start over from: the argument, or a ``twophase
-        start-over`` request for this state_dir."""
-        requested = control.start_over_request(self.store)
-        if requested and self.start_over_from and requested != self.start_over_from:
-            raise ConfigError(
-                f"Job(start_over_from={self.start_over_from!r}) and `twophase start-over "
-                f"--from {requested}` disagree: keep one"
-            )
-        choice = self.start_over_from or requested
-        if choice == ledger.incarnation:
-            raise ConfigError(
-                f"start_over_from={choice!r} is this state's own incarnation: starting over "
-                f"from it needs {new_state_advice(self.ledger_location)}"
-            )
-        return choice
-
     def _start(self, coord: Coordinator, p: Pipeline) -> None:
         """(Re)start the query of ``p`` with its batch handler."""
-        self._failures.pop(p.name, None)
+        self._failures.forget(p.name)
         handle = batch_handler(
             coord,
             p.name,
             p.sinks,
             p.schema,
-            on_failure=self._remember,
+            on_failure=self._failures.remember,
             ending_input=p.state is PipelineState.ENDING_INPUT,
         )
 
@@ -549,41 +414,9 @@ class Job:
 
         p.start(self.name, handle_then_poll)
 
-    def _remember(self, failure: TaskFailure) -> None:
-        """Called by a batch handler (Spark's thread) when a batch failed."""
-        self._failures[failure.pipeline] = failure
-
     def _live(self) -> list[Pipeline]:
         live = (PipelineState.RUNNING, PipelineState.ENDING_INPUT)
         return [p for p in self._pipelines.values() if p.state in live]
-
-    def _check_spark_state(self, ledger: Ledger) -> None:
-        """Refuse to start a pipeline whose Spark checkpoint vanished after it
-        committed output: Spark would read its input again from the start."""
-        totals = ledger.totals()
-        for p in self._pipelines.values():
-            committed = any(k.startswith(p.name + "/") for k in totals)
-            if committed and not SparkCommitLog(self.store, p.spark_location).exists():
-                raise RecoveryRefusedError(
-                    f"pipeline {p.name!r} committed output in earlier runs, but its Spark "
-                    f"checkpoint {self.store.uri(p.spark_location)} is missing: starting over "
-                    "would write its input twice. Restore the directory, or use "
-                    f"{new_state_advice(self.ledger_location)} (and an empty target) to "
-                    "start afresh."
-                )
-
-    def _expected_load(self, p: Pipeline, sink: Sink) -> ExpectedLoad:
-        """What ``sink`` may prepare between two checkpoints in pipeline ``p``:
-        a keyed sink's tasks are Spark's shuffle partitions, others follow the
-        source (the default parallelism is the guess); an available-now batch
-        is taken to last a second at least."""
-        spark = self.spark
-        if sink.partition_columns():
-            tasks = int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
-        else:
-            tasks = spark.sparkContext.defaultParallelism
-        batch_s = 1.0 if p.bounded else p.trigger_interval
-        return ExpectedLoad(tasks, 1 + math.ceil(self.checkpoint_interval / batch_s))
 
     def _loop(self, coord: Coordinator) -> float | None:
         """The run loop. Returns the monotonic time the last input was consumed
@@ -667,7 +500,7 @@ class Job:
             exc = q.exception()
             if exc is not None or (p.state is PipelineState.RUNNING and not p.bounded):
                 p.state = PipelineState.FAILED
-                self._fail(coord, p, exc)
+                self._failures.fail(coord, p.name, exc, self._stop_queries)
             now = time.monotonic()
             if p.input_done_at is None:
                 self._watch.metrics.input_consumed(p.name)
@@ -681,60 +514,18 @@ class Job:
             p.state = PipelineState.FINISHED_LOGIC
             log.info("pipeline %s finished its logic; waiting for a checkpoint", p.name)
 
-    def _fail(self, coord: Coordinator, p: Pipeline, exc: BaseException | None) -> None:
-        """Pipeline ``p``'s query terminated (``exc``: with that error): stop the
-        others, commit what Spark completed, and raise the failure: the batch
-        handler's record of it when there is one, else what the query says."""
-        failure = self._failures.pop(p.name, None)
-        error: PipelineFailedError
-        if failure is not None:
-            error = failure.error(self.name)
-        elif exc is not None:
-            error = PipelineFailedError(
-                self.name, p.name, cause_of(exc, None), trace=full_trace(exc)
-            )
-        else:
-            error = PipelineFailedError(self.name, p.name, "its query stopped unexpectedly")
-        self._stop_queries()
-        try:
-            coord.settle(kind="recovery")
-        except Exception:
-            log.exception("could not settle after the failure; the next start recovers")
-        raise error from None
-
     def _stop_queries(self, grace: float = 0.0) -> None:
         deadline = time.monotonic() + grace
         for p in self._pipelines.values():
             p.stop_query(max(0.0, deadline - time.monotonic()))
 
     def _result(self, coord: Coordinator, ledger: Ledger, end: float | None) -> JobResult:
-        rows: dict[str, int] = {
-            sink_label(p.name, s.sink_id): 0 for p in self._pipelines.values() for s in p.sinks
-        }
-        for cp in coord.checkpoints_taken:
-            for k, n in cp.rows.items():
-                rows[k] = rows.get(k, 0) + n
-        last_final = next(
-            (cp for cp in reversed(coord.checkpoints_taken) if cp.kind == "final"), None
-        )
-        final = last_final.id if last_final is not None else None
-        if last_final is not None:
+        final = last_final(coord.checkpoints_taken)
+        if final is not None:
             self._watch.metrics.final_committed(
-                last_final.committed_at or time.time(),
+                final.committed_at or time.time(),
                 (time.monotonic() - end) if end is not None else None,
             )
-        states = {p.name: p.state for p in self._pipelines.values()}
-        all_finished = all(s is PipelineState.FINISHED for s in states.values())
-        return JobResult(
-            checkpoints=len(coord.checkpoints_taken),
-            rows_committed=rows,
-            pipelines=states,
-            final_checkpoint=final,
-            stopped=self._outcome == "stopped",
-            drained=self._outcome == "drained",
-            committed=not ledger.pending_pipelines()
-            and ledger.decided() is None
-            and (all_finished or self._outcome == "stopped"),
-            end_of_input_to_exit=(time.monotonic() - end) if end is not None else None,
-            checkpoint_ids=[cp.id for cp in coord.checkpoints_taken],
+        return job_result(
+            coord.checkpoints_taken, self._pipelines.values(), ledger, self._outcome, end
         )

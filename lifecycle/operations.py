@@ -34,7 +34,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from lifecycle.coordinator import Coordinator, Observer, PipelineSinks, sink_label
+from lifecycle.coordinator import Coordinator
+from lifecycle.job_sinks import Observer, PipelineSinks, sink_label
 from lifecycle.ledger import Checkpoint, Ledger, State, locate, open_ledger, read_ledger
 from lifecycle.spark_log import SparkCommitLog
 from lifecycle.state.pg_location import PgLocation

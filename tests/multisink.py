@@ -8,7 +8,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from lifecycle.coordinator import sink_label
+from lifecycle.job_sinks import sink_label
 from lifecycle.ledger import read_ledger
 from lifecycle.state.pg_location import is_pg_location
 from sinks.base import JobScope

@@ -22,7 +22,7 @@ from deltalake import DeltaTable, write_deltalake
 from pyspark.sql import functions as F
 
 from lifecycle import Job, PipelineState
-from lifecycle.coordinator import sink_label
+from lifecycle.job_sinks import sink_label
 from lifecycle.ledger import read_ledger
 from sinks import DeltaSink, PreflightError, _faults
 from sinks.base import JobScope

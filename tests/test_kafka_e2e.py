@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from lifecycle import Job, PipelineState
-from lifecycle.coordinator import sink_label
+from lifecycle.job_sinks import sink_label
 from lifecycle.ledger import read_ledger
 from sinks import KafkaSink, PostgresSink, _faults
 from sinks.kafka.log import read_topic

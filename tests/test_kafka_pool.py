@@ -212,7 +212,7 @@ def test_recovery_fences_a_pooled_orphan_and_stops_its_zombie(
 
 
 def test_speculation_is_refused_unless_every_sink_allows_it(pg_dsn: str) -> None:
-    from lifecycle.job import refuse_speculation
+    from lifecycle.startup import refuse_speculation
     from sinks import DeltaSink, PostgresSink
     from sinks.errors import ConfigError
 

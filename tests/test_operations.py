@@ -26,8 +26,9 @@ import pyarrow as pa
 import pytest
 
 from lifecycle import cli
-from lifecycle.coordinator import Coordinator, PipelineSinks
+from lifecycle.coordinator import Coordinator
 from lifecycle.errors import CheckpointCommitError
+from lifecycle.job_sinks import PipelineSinks
 from lifecycle.ledger import FileLedger, Ledger, open_ledger, read_ledger, stored_location
 from lifecycle.operations import Operator, lingering
 from lifecycle.spark_log import SparkCommitLog

@@ -20,8 +20,9 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from lifecycle.coordinator import Coordinator, PipelineSinks
+from lifecycle.coordinator import Coordinator
 from lifecycle.errors import CheckpointCommitError
+from lifecycle.job_sinks import PipelineSinks
 from lifecycle.ledger import FileLedger
 from lifecycle.spark_log import SparkCommitLog
 from sinks import KafkaSink, PostgresSink, _faults

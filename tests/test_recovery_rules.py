@@ -16,8 +16,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from lifecycle.coordinator import Coordinator, PipelineSinks
+from lifecycle.coordinator import Coordinator
 from lifecycle.errors import CheckpointCommitError, RecoveryRefusedError
+from lifecycle.job_sinks import PipelineSinks
 from lifecycle.ledger import Ledger
 from lifecycle.spark_log import SparkCommitLog
 from sinks.base import (

@@ -1,0 +1,71 @@
+"""The refusals of ``Job.add_pipeline``: the arguments a pipeline cannot run
+exactly once with (a DataFrame that is not streaming, no sinks or a sink id
+twice, a replacing sink in an unbounded pipeline or beside one that holds its
+work open, an ``event_time`` without its ``transform``), each a
+:class:`~sinks.errors.ConfigError` raised before anything runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pyspark.sql import DataFrame
+
+from lifecycle.pipeline import Transform
+from sinks.base import Sink
+from sinks.errors import ConfigError
+
+
+def check_pipeline(
+    name: str,
+    df: DataFrame,
+    sinks: Sequence[Sink],
+    *,
+    bounded: bool,
+    trigger_interval: float,
+    transform: Transform | None,
+    event_time: str | None,
+) -> None:
+    """Raise :class:`ConfigError` when pipeline ``name`` cannot run as given
+    (the arguments of :meth:`lifecycle.job.Job.add_pipeline`)."""
+    if not df.isStreaming:
+        raise ConfigError(
+            f"pipeline {name!r}: the DataFrame is not streaming; build it with "
+            "spark.readStream (for a bounded input, with bounded=True)"
+        )
+    if not sinks:
+        raise ConfigError(f"pipeline {name!r} has no sinks")
+    ids = [s.sink_id for s in sinks]
+    dup = {i for i in ids if ids.count(i) > 1}
+    if dup:
+        raise ConfigError(
+            f"pipeline {name!r}: sink id(s) {sorted(dup)} used twice; pass sink_id= to tell "
+            "them apart"
+        )
+    if trigger_interval <= 0:
+        raise ConfigError("trigger_interval must be > 0 seconds")
+    replacing = [s for s in sinks if s.commits_at_finish]
+    if replacing and not bounded:
+        raise ConfigError(
+            f"pipeline {name!r}: {replacing[0].describe()} replaces (replace_where), which "
+            "commits once, when the pipeline finishes: pass bounded=True (a backfill)"
+        )
+    holding = [s for s in sinks if s.prepared_work_holds_resources]
+    if replacing and holding:
+        why = (
+            "they expire"
+            if holding[0].prepared_work_expires
+            else "their row locks block the pipeline's next batches, and a long backfill "
+            "runs out of max_prepared_transactions"
+        )
+        raise ConfigError(
+            f"pipeline {name!r}: {replacing[0].describe()} replaces (replace_where), so "
+            "every sink of the pipeline commits only when it finishes, and "
+            f"{holding[0].describe()} would hold its transactions open that long ({why}); "
+            "write to it from a pipeline of its own (reading the same input), or make it "
+            "replace too (replace_where=)"
+        )
+    if event_time is not None and transform is None:
+        raise ConfigError(
+            f"pipeline {name!r}: event_time needs transform= (the end-of-input marker is "
+            "fed into the source, before the transform)"
+        )
