@@ -12,6 +12,7 @@ makes every reference that does not resolve a warning, and ``-W`` a failure.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -106,8 +107,30 @@ def _internal_reference(app, env, node, contnode):  # type: ignore[no-untyped-de
     return contnode
 
 
+_RAW_ROLE = re.compile(r":(?:class|func|mod|meth|attr|data|exc|obj|doc):(?:`|<code)")
+
+
+def _no_raw_roles(app, exception):  # type: ignore[no-untyped-def]
+    """A role that reached a page as text (inside a literal block, or in
+    Markdown where MyST wants ``{role}``) fails the build."""
+    if exception is not None or app.builder.format != "html":
+        return
+    found = []
+    for page in sorted(Path(app.outdir).rglob("*.html")):
+        if "_sources" in page.parts or "_modules" in page.parts:
+            continue
+        for n, line in enumerate(page.read_text(errors="replace").splitlines(), 1):
+            if _RAW_ROLE.search(line):
+                found.append(f"{page.relative_to(app.outdir)}:{n}: {line.strip()[:120]}")
+    if found:
+        from sphinx.errors import ExtensionError
+
+        raise ExtensionError("raw Sphinx roles in the pages:\n" + "\n".join(found))
+
+
 def setup(app):  # type: ignore[no-untyped-def]
     app.connect("missing-reference", _internal_reference)
+    app.connect("build-finished", _no_raw_roles)
     # Napoleon reads an attribute's docstring "incarnation holding the claim;
     # None: never claimed" as a type and a text; the attributes' docstrings here
     # are plain sentences, so napoleon only sees the others (its Args: sections).

@@ -88,7 +88,7 @@ class Heartbeat:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(self._every + 5)
-        extra = {"ended_at": round(time.time(), 3)}
+        extra: dict[str, float | str] = {"ended_at": round(time.time(), 3)}
         if error:
             extra["error"] = error.split("\n", 1)[0]
         with contextlib.suppress(Exception):  # the job's outcome is not the heartbeat's

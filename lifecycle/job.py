@@ -48,7 +48,8 @@ from lifecycle.pipeline import Pipeline, PipelineState, Transform
 from lifecycle.pipeline_checks import check_pipeline
 from lifecycle.run_failures import RunFailures
 from lifecycle.spark_log import SparkCommitLog
-from lifecycle.state.store import LocalStore, StateStore, open_store
+from lifecycle.state.store import LocalStore, open_store
+from lifecycle.state.store_interface import StateStore
 from lifecycle.watch import RunWatch
 from sinks.base import Sink
 from sinks.errors import ConfigError
@@ -317,7 +318,7 @@ class Job:
         """
         if not self._pipelines:
             raise ConfigError(f"job {self.name!r} has no pipelines")
-        if self.spark.conf.get("spark.speculation", "false").lower() == "true":
+        if (self.spark.conf.get("spark.speculation", "false") or "").lower() == "true":
             startup.refuse_speculation([s for p in self._pipelines.values() for s in p.sinks])
         ledger = open_ledger(
             self.ledger_location, self.store, self.name, history=self.audit_checkpoints

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,7 +268,7 @@ class JobMetrics:
         return counter.inc
 
     def pending_changed(
-        self, pending: Mapping[str, Mapping[int, Mapping[str, list[Mapping[str, Any]]]]]
+        self, pending: Mapping[str, Mapping[int, Mapping[str, Sequence[Mapping[str, Any]]]]]
     ) -> None:
         """The ledger's pending batches now (pipeline -> batch -> sink -> committables)."""
         txns: dict[tuple[str, str], tuple[int, int]] = {}

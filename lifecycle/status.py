@@ -18,7 +18,7 @@
                           ``oldest_pending_age_s`` (null when nothing is pending),
                           ``owed`` (batch -> sink -> rows: work lost in a target before
                           it committed, written again from the source at the next start;
-                          see :mod:`lifecycle.replay`)
+                          see lifecycle.replay)
     ``decided``           a checkpoint decided but not yet committed: id, kind, age_s; or null
     ``last_checkpoint``   id, kind, committed_at, age_s of the newest committed one; or null
     ``stuck_after_s``     the threshold the verdict used

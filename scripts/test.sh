@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The project's test command: sets up .venv (once), lints, builds the docs, runs the test suite.
+# The project's test command: sets up .venv (once), lints, checks the types,
+# builds the docs, runs the test suite.
 # Tests start their own services on loopback (a private PostgreSQL cluster);
 # see README.md. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/_venv.sh
 .venv/bin/ruff check sinks lifecycle tests integration benchmarks examples docs
+# The type hints of both packages, strictly ([tool.mypy] in pyproject.toml).
+echo "checking the type hints (mypy) ..."
+.venv/bin/mypy
 # The documentation site, strictly: a warning (a broken link or reference, a
 # docstring that does not render) fails the run. -E: every page read anew.
 echo "building the documentation site (docs/) ..."

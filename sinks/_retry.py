@@ -107,4 +107,4 @@ def _answered_by(
         )
     if "error" in box:
         raise box["error"]
-    return box["value"]  # type: ignore[no-any-return]
+    return box["value"]

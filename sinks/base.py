@@ -120,6 +120,7 @@ class WriteContext:
     pooled transactional ids); None outside a job's pre-commit"""
 
     def txn_name(self) -> TxnName:
+        """The name of this task attempt's transaction (:mod:`sinks.naming`)."""
         return TxnName(
             job=self.scope.job,
             pipeline=self.scope.pipeline,

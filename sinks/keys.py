@@ -120,7 +120,7 @@ class DeleteWhen:
     def mask(self, column: pa.Array) -> pa.BooleanArray:
         """Which rows are deletes (``column`` holds no null)."""
         if self.value is True:
-            return column  # type: ignore[return-value]
+            return column
         return pc.equal(column, pa.scalar(self.value).cast(column.type))
 
 

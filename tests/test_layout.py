@@ -50,3 +50,28 @@ def test_the_map_of_modules_lists_every_module() -> None:
         if name not in elsewhere and f".. automodule:: {name}\n" not in page:
             missing.append(name)
     assert not missing, f"docs/reference/internals.md lacks: {', '.join(missing)}"
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    """What the API reference renders: every name the packages export, and the
+    public methods and properties of their classes."""
+    import inspect
+
+    import lifecycle
+    import lifecycle.testing
+    import sinks
+
+    missing = []
+    for module in (lifecycle, sinks, lifecycle.testing):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if not (inspect.getdoc(obj) or "").strip():
+                missing.append(f"{module.__name__}.{name}")
+            if inspect.isclass(obj):
+                for member, value in vars(obj).items():
+                    documentable = callable(value) or isinstance(value, property)
+                    if member.startswith("_") or not documentable:
+                        continue
+                    if not (inspect.getdoc(value) or "").strip():
+                        missing.append(f"{module.__name__}.{name}.{member}")
+    assert not missing, f"no docstring: {', '.join(missing)}"

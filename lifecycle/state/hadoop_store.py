@@ -85,7 +85,7 @@ class HadoopStore(StateStore):
         """On ``spark``'s driver JVM with its Hadoop configuration (the one its
         queries use: ``spark.hadoop.*`` settings, ``core-site.xml``)."""
         sc = spark.sparkContext
-        return cls(root, sc._jvm, sc._jsc.hadoopConfiguration(), sc._gateway)  # type: ignore[attr-defined]
+        return cls(root, sc._jvm, sc._jsc.hadoopConfiguration(), sc._gateway)
 
     # -- names ----------------------------------------------------------------------
 
@@ -183,7 +183,7 @@ def standalone(root: str) -> HadoopStore:
 
     active = SparkContext._active_spark_context
     if active is not None:
-        return HadoopStore(root, active._jvm, active._jsc.hadoopConfiguration(), active._gateway)  # type: ignore[attr-defined]
+        return HadoopStore(root, active._jvm, active._jsc.hadoopConfiguration(), active._gateway)
     SparkContext._ensure_initialized()
     jvm, gateway = SparkContext._jvm, SparkContext._gateway
     conf = jvm.org.apache.hadoop.conf.Configuration()  # type: ignore[union-attr]

@@ -28,7 +28,7 @@ Operations::
                                 -> rows: the sinks' work of them was lost in the target
                                 before it committed (or follows lost work), so each batch
                                 is written to them again from its source
-                                (:mod:`lifecycle.replay`)
+                                (lifecycle.replay)
     ``repaying p b s``          the work (sink id -> committables) that writes owed batch
                                 ``b`` of ``p`` again, recorded before it commits (owned:
                                 no sweep aborts it)

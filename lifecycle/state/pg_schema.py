@@ -154,7 +154,7 @@ def ensure_schema(conn: psycopg.Connection, schema: str) -> bool:
             return _add_later_columns(conn, schema)
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_key(schema),))
         for statement in DDL:
-            conn.execute(sql.SQL(statement).format(s=s))  # type: ignore[arg-type]
+            conn.execute(sql.SQL(statement).format(s=s))
         return True
 
 
@@ -166,7 +166,7 @@ def _create_owed(conn: psycopg.Connection, schema: str) -> None:
         with conn.transaction():
             conn.execute("SET LOCAL lock_timeout = '2s'")
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_key(schema),))
-            conn.execute(sql.SQL(_OWED_DDL).format(s=sql.Identifier(schema)))  # type: ignore[arg-type]
+            conn.execute(sql.SQL(_OWED_DDL).format(s=sql.Identifier(schema)))
     except (psycopg.errors.LockNotAvailable, psycopg.errors.InsufficientPrivilege) as e:
         statement = sql.SQL(_OWED_DDL).format(s=sql.Identifier(schema)).as_string(conn)
         log.warning(
@@ -247,7 +247,7 @@ class Statements:
         kept = "evidence" if evidence else "NULL"
 
         def q(text: str) -> sql.Composed:
-            return sql.SQL(text).format(s=s)  # type: ignore[arg-type]
+            return sql.SQL(text).format(s=s)
 
         # -- the job's row: opening, fencing -------------------------------------------
         self.jobs = q("SELECT job FROM {s}.ledgers ORDER BY job")

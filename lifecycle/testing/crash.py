@@ -70,6 +70,7 @@ class CrashReport:
 
     @property
     def kills(self) -> int:
+        """How many runs were killed."""
         return sum(1 for r in self.runs if r.killed)
 
     def __str__(self) -> str:

@@ -91,6 +91,7 @@ class SecureListener:
         return str(self._dir / "broker-cert.pem")
 
     def password(self, user: str) -> str:
+        """The SCRAM password of ``user`` (the admin's or a user's added earlier)."""
         return self.admin_password if user == ADMIN else self.users[user]
 
     def _jaas(self, user: str) -> str:

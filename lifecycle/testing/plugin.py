@@ -123,14 +123,16 @@ def fresh_database(admin_dsn: str) -> Iterator[str]:
     info = psycopg.conninfo.conninfo_to_dict(admin_dsn)
     info["dbname"] = name
     try:
-        yield psycopg.conninfo.make_conninfo(**info)
+        yield psycopg.conninfo.make_conninfo("", **info)
     finally:
         with psycopg.connect(admin_dsn, autocommit=True) as conn:
             gids = conn.execute(
                 "SELECT gid FROM pg_prepared_xacts WHERE database = %s", (name,)
             ).fetchall()
         if gids:
-            with psycopg.connect(**{**info, "autocommit": True}) as conn:
+            with psycopg.connect(
+                psycopg.conninfo.make_conninfo("", **info), autocommit=True
+            ) as conn:
                 for (gid,) in gids:
                     conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
         with psycopg.connect(admin_dsn, autocommit=True) as conn:

@@ -82,6 +82,7 @@ def prepared_postgres(dsn: str, job: str | None = None) -> list[str]:
 
 
 def assert_nothing_left_postgres(dsn: str, job: str | None = None) -> None:
+    """No prepared transaction is left on the server (of ``job``'s, when given)."""
     left = prepared_postgres(dsn, job)
     assert not left, f"{len(left)} prepared transaction(s) left in PostgreSQL: {left[:5]}"
 
@@ -209,6 +210,8 @@ def open_transactions_kafka(bootstrap: str, job: str, *, settle: float = 0.0) ->
 
 
 def assert_nothing_left_kafka(bootstrap: str, topic: str, job: str | None = None) -> TopicLog:
+    """No record of ``topic`` is in an open transaction (and, with ``job``, the
+    registry holds none of its transactions open); returns the settled log."""
     log = read_settled(bootstrap, topic)
     assert log.n_open == 0, f"{log.n_open} record(s) of {topic} left in open transactions"
     if job is not None:
@@ -274,7 +277,7 @@ def data_files_delta(table_uri: str | Path) -> set[str]:
     """Every file of a local table directory outside ``_delta_log``,
     ``_change_data`` and the sink's ``_twophase`` directory (relative paths)."""
     root = Path(table_uri)
-    out = set()
+    out: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = Path(dirpath).relative_to(root)
         if rel_dir == Path("."):
@@ -331,6 +334,7 @@ def staged_delta(table_uri: str | Path) -> list[str]:
 
 
 def assert_nothing_left_delta(table_uri: str | Path) -> None:
+    """No staged file of the sink is left in the local table directory."""
     left = staged_delta(table_uri)
     assert not left, f"{len(left)} staged file(s) left in {table_uri}: {left[:10]}"
 

@@ -381,6 +381,7 @@ class DeltaSink(Sink):
             replace.check_rows(df, self.replace_where, self._layout, self.describe(), batch_id)
         if self.rules.keyed or not self.spark_writes():
             return None
+        assert self._layout is not None  # set by preflight
         staged = SparkStage(self._storage, self._layout, self.describe()).stage(
             df, scope, run, batch_id
         )

@@ -86,8 +86,11 @@ def session() -> SparkSession | None:
     spark = SparkSession.getActiveSession() or SparkSession._instantiatedSession
     if spark is None:
         return None
+    jvm = spark._jvm
+    if jvm is None:
+        return None
     try:
-        spark._jvm.py4j.reflection.ReflectionUtil.classForName(_DELTA_LOG_CLASS)
+        jvm.py4j.reflection.ReflectionUtil.classForName(_DELTA_LOG_CLASS)
     except Exception:
         return None
     return spark

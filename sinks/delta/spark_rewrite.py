@@ -79,6 +79,7 @@ def touched(
     if not files:
         return []
     jvm = txn.spark._jvm
+    assert jvm is not None  # a live session's gateway
     ops = jvm.org.apache.spark.sql.delta.util.DeltaFileOperations
     base = str(txn.jvm_txn.deltaLog().dataPath().toString())
     by_path = {str(ops.absolutePath(base, str(f.path())).toString()): f for f in files}

@@ -84,7 +84,7 @@ if TYPE_CHECKING:
 _CONFLICT_CLASS = "java.util.ConcurrentModificationException"
 
 
-class DeltaSparkConflict(CommitFailedError):  # type: ignore[misc]
+class DeltaSparkConflict(CommitFailedError):
     """Another writer's commit conflicts with this one (delta-spark's
     ``Concurrent...Exception``): check again on the new snapshot."""
 
@@ -135,7 +135,9 @@ class SparkTxn:
                 f"{where} has table features that only delta-spark's commit honours; "
                 + missing_advice()
             )
-        delta_log = spark._jvm.org.apache.spark.sql.delta.DeltaLog
+        jvm = spark._jvm
+        assert jvm is not None  # a live session's gateway
+        delta_log = jvm.org.apache.spark.sql.delta.DeltaLog
         uri = Path(root).resolve().as_uri()  # never fs.defaultFS
         txn = _guarded(
             spark, lambda: delta_log.forTable(spark._jsparkSession, uri).startTransaction()
@@ -153,7 +155,7 @@ class SparkTxn:
 
     @property
     def spark(self) -> SparkSession:
-        return self._spark  # type: ignore[no-any-return]
+        return self._spark
 
     @property
     def jvm_txn(self) -> Any:

@@ -284,7 +284,7 @@ def to_binary(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 def to_bytes(arr: pa.Array | pa.ChunkedArray) -> list[bytes | None]:
     """One ``bytes`` (or None for null) per element of a key/header/value column."""
-    return to_binary(arr).to_pylist()  # type: ignore[no-any-return]
+    return to_binary(arr).to_pylist()
 
 
 # -- JSON: scalars -----------------------------------------------------------------------
@@ -648,4 +648,4 @@ def json_values(batch: pa.RecordBatch) -> pa.Array:
 
 def json_rows(batch: pa.RecordBatch) -> list[bytes]:
     """:func:`json_values` as a list of ``bytes``."""
-    return json_values(batch).to_pylist()  # type: ignore[no-any-return]
+    return json_values(batch).to_pylist()

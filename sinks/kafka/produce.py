@@ -48,7 +48,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,7 +133,7 @@ class _InFlight:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class ProduceError(Errors.KafkaError):
+class ProduceError(Errors.KafkaError):  # type: ignore[misc]  # kafka-python has no hints
     """A produce the attempt cannot recover from (fenced, refused, timed out)."""
 
 
@@ -317,7 +317,7 @@ class TxnProducer:
 
     # -- produce -------------------------------------------------------------------------
 
-    def send(self, topic: str, batches: dict[int, Sequence[EncodedBatch]]) -> None:
+    def send(self, topic: str, batches: Mapping[int, Sequence[EncodedBatch]]) -> None:
         """Queue ``batches`` (per partition, in sequence order) and send them,
         pipelined; returns once they are on the wire (not acknowledged)."""
         self._raise_if_failed()

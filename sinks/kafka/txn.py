@@ -54,7 +54,7 @@ from sinks.kafka.wire import KafkaWire
 log = logging.getLogger("sinks.kafka")
 
 
-class StillOpen(Errors.RetriableError):
+class StillOpen(Errors.RetriableError):  # type: ignore[misc]  # kafka-python has no hints
     """EndTxn was refused but the transaction has no marker yet: try again."""
 
 

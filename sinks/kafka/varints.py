@@ -115,10 +115,7 @@ class RowFrame:
         )
 
     def _compact(self) -> tuple[np.ndarray, np.ndarray]:
-        widths = [
-            len(field) if size is None else int(size.max())
-            for field, size, _ in self.fields  # type: ignore[arg-type]
-        ]
+        widths = [len(field) if size is None else int(size.max()) for field, size, _ in self.fields]
         # Column-major: every byte position of the rows is one contiguous row here.
         matrix = np.empty((sum(widths), self.rows), dtype=np.uint8)
         mask = np.empty((sum(widths), self.rows), dtype=bool)
@@ -128,6 +125,7 @@ class RowFrame:
                 matrix[col : col + width] = np.frombuffer(field, dtype=np.uint8)[:, None]
                 mask[col : col + width] = True if present is None else present
             else:
+                assert size is not None  # a column field has its sizes
                 z = field.astype(np.uint32) if width <= 4 else field
                 np.greater(size, 0, out=mask[col])
                 for b in range(width):

@@ -366,4 +366,4 @@ class KafkaWriter(SinkWriter):
 
 def _lengths(arr: pa.Array) -> np.ndarray:
     """Byte length of each element (0 for null) of a binary array."""
-    return pc.fill_null(pc.binary_length(arr), 0).to_numpy(zero_copy_only=False)  # type: ignore[no-any-return]
+    return pc.fill_null(pc.binary_length(arr), 0).to_numpy(zero_copy_only=False)

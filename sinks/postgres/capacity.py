@@ -28,7 +28,9 @@ log = logging.getLogger("sinks.postgres")
 def max_prepared(conn: psycopg.Connection, where: str) -> int:
     """The server's ``max_prepared_transactions``; a server that has 0 cannot
     prepare transactions, so exactly-once is impossible there: refused."""
-    mpt = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+    row = conn.execute("SHOW max_prepared_transactions").fetchone()
+    assert row is not None  # SHOW answers one row
+    mpt = int(row[0])
     if mpt == 0:
         raise PreflightError(
             f"{where}: max_prepared_transactions is 0, so PostgreSQL "

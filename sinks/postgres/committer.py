@@ -28,6 +28,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -72,7 +73,7 @@ class PreparedCommitter:
     commit_timeout: float
     commit_connections: int
 
-    def _retry(self, fn: Callable[[], object], what: str, **kw: object) -> object:
+    def _retry(self, fn: Callable[[], object], what: str, **kw: Any) -> object:
         return retry_transient(
             fn, what=f"{what} {self.where}", transient=TRANSIENT, deadline=self.commit_timeout, **kw
         )

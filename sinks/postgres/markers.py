@@ -50,7 +50,7 @@ def _upgrade(conn: psycopg.Connection, schema: str, name: str, where: str) -> bo
     markers = sql.Identifier(schema, name)
     have = {c.name for c in catalog.table_columns(conn, schema, name) or []}
     missing = [c for c in catalog.MARKER_LATER_COLUMNS if c not in have]
-    changes: list[tuple[str, sql.Composable]] = []
+    changes: list[tuple[str, sql.Composed]] = []
     if missing:
         changes.append(
             (

@@ -230,14 +230,18 @@ class PostgresSink(Sink):
 
     @property
     def table_ident(self) -> sql.Composable:
+        """The target table as a quoted identifier (``schema.table``)."""
         return sql.Identifier(self.schema, self.table)
 
     @property
     def marker_ident(self) -> sql.Composable:
+        """The commit-marker table as a quoted identifier (``marker_table``)."""
         return sql.Identifier(self.marker_schema, self.marker_name)
 
     @property
     def progress_table(self) -> ProgressTable:
+        """Where this sink keeps its claim and committed progress (``twophase.progress``
+        beside the markers)."""
         return ProgressTable(
             sql.Identifier(self.marker_schema, "progress"),
             self.marker_ident,
@@ -256,7 +260,7 @@ class PostgresSink(Sink):
             "kind": self.kind,
             "v": settings.FORMAT,
             "sink_id": self.sink_id,
-            "dsn": make_conninfo(**info),
+            "dsn": make_conninfo("", **info),
             "schema": self.schema,
             "table": self.table,
             "key": list(self.key),

@@ -127,7 +127,7 @@ class Upsert:
             conn.execute(self._insert(distinct=True))
         conn.execute("RELEASE SAVEPOINT twophase_upsert")
 
-    def _raise_on_duplicate(self, conn: psycopg.Connection, query: sql.Composable) -> None:
+    def _raise_on_duplicate(self, conn: psycopg.Connection, query: sql.Composed) -> None:
         row = conn.execute(query).fetchone()
         if row is not None:
             raise self.rules.duplicate_error(row, self.batch_id)
@@ -149,14 +149,14 @@ class Upsert:
         flag = sql.Identifier(*((alias, DELETE_COLUMN) if alias else (DELETE_COLUMN,)))
         return sql.SQL(" WHERE NOT {}").format(flag)
 
-    def _duplicate_query(self) -> sql.Composable:
+    def _duplicate_query(self) -> sql.Composed:
         """A key with staged writes that differ (rows compared as their text)."""
         return sql.SQL(
             "SELECT {keys} FROM {stage} s{writes} GROUP BY {keys} "
             "HAVING count(DISTINCT s::text) > 1 LIMIT 1"
         ).format(keys=self._keys("s"), stage=self.stage, writes=self._only_writes("s"))
 
-    def _write_and_delete_query(self) -> sql.Composable:
+    def _write_and_delete_query(self) -> sql.Composed:
         """A key with a staged delete and a staged write (they differ)."""
         flag = sql.Identifier(DELETE_COLUMN)
         return sql.SQL(
@@ -164,13 +164,13 @@ class Upsert:
             "HAVING bool_or(s.{flag}) AND NOT bool_and(s.{flag}) LIMIT 1"
         ).format(keys=self._keys("s"), stage=self.stage, flag=flag)
 
-    def _deleted_keys(self) -> sql.Composable:
+    def _deleted_keys(self) -> sql.Composed:
         """Every key with a staged delete (no key has a write too, then)."""
         return sql.SQL("SELECT DISTINCT {keys}, true AS {flag} FROM {stage} WHERE {flag}").format(
             keys=self._keys(), flag=sql.Identifier(DELETE_COLUMN), stage=self.stage
         )
 
-    def _tie_query(self) -> sql.Composable:
+    def _tie_query(self) -> sql.Composed:
         """A key whose greatest ``order_by`` value is held by rows that differ
         (deletes of one key are one row, whatever else they hold)."""
         assert self.order_by is not None
@@ -192,7 +192,7 @@ class Upsert:
             row=row,
         )
 
-    def _winners(self) -> sql.Composable:
+    def _winners(self) -> sql.Composed:
         """The greatest staged row of each key, with its delete flag."""
         assert self.order_by is not None
         return sql.SQL(
@@ -205,7 +205,7 @@ class Upsert:
             ord=sql.Identifier(self.order_by),
         )
 
-    def _insert(self, *, distinct: bool, source: sql.Composable | None = None) -> sql.Composable:
+    def _insert(self, *, distinct: bool, source: sql.Composable | None = None) -> sql.Composed:
         """The upsert of the staged writes (``source``: of these rows, the
         writes among them)."""
         others = [n for n in self.columns if n not in self.key]

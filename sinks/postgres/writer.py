@@ -228,6 +228,7 @@ class PostgresWriter(SinkWriter):
     def _prepare(self) -> Committable:
         assert self._encoder is not None
         conn, cfg = self._conn, self._settings
+        assert conn is not None  # opened with the encoder
         trailer = self._encoder.finish()
         self._bytes += len(trailer)
         self._copy.write(trailer)
