@@ -11,6 +11,7 @@ makes every reference that does not resolve a warning, and ``-W`` a failure.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 import sys
@@ -60,6 +61,7 @@ nitpick_ignore_regex = [
 _PACKAGES = ("sinks", "lifecycle")
 
 
+@functools.cache
 def _resolve(dotted: str) -> bool:
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
@@ -76,16 +78,20 @@ def _resolve(dotted: str) -> bool:
     return False
 
 
+@functools.cache
+def _modules() -> tuple[str, ...]:
+    """Every module of the packages, found once per build."""
+    return tuple(
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for root in _PACKAGES
+        for path in sorted((ROOT / root).rglob("*.py"))
+    )
+
+
+@functools.cache
 def _anywhere(name: str) -> bool:
     """``name`` (``x`` or ``Class.x``) is defined in some module of the packages."""
-    for root in _PACKAGES:
-        for path in (ROOT / root).rglob("*.py"):
-            module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(
-                ".__init__"
-            )
-            if _resolve(f"{module}.{name}"):
-                return True
-    return False
+    return any(_resolve(f"{module}.{name}") for module in _modules())
 
 
 def _internal_reference(app, env, node, contnode):  # type: ignore[no-untyped-def]
