@@ -343,7 +343,7 @@ class DeltaSink(Sink):
             return ChangeWriter(self._storage, self._layout, self.rules, ctx)
         return DeltaWriter(self._storage, self._layout, ctx)
 
-    def spark_writes(self) -> bool:
+    def _spark_writes(self) -> bool:
         """Whether micro-batches are staged by Spark's own Parquet writer (see
         ``write_with``); known after :meth:`preflight`."""
         if self.write_with == "auto":
@@ -379,7 +379,7 @@ class DeltaSink(Sink):
         if self.replace_where is not None:
             assert self._layout is not None
             replace.check_rows(df, self.replace_where, self._layout, self.describe(), batch_id)
-        if self.rules.keyed or not self.spark_writes():
+        if self.rules.keyed or not self._spark_writes():
             return None
         assert self._layout is not None  # set by preflight
         staged = SparkStage(self._storage, self._layout, self.describe()).stage(

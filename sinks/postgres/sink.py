@@ -194,8 +194,8 @@ class PostgresSink(Sink):
             "where": self.describe(),
             "sink_id": self.sink_id,
             "connect": self.connect,
-            "markers": self.marker_ident,
-            "progress": lambda: self.progress_table,
+            "markers": self._marker_ident,
+            "progress": lambda: self._progress_table,
             "claims": self._claims,
             "ensure_markers": self._ensure_markers,
             "commit_timeout": self.commit_timeout,
@@ -205,8 +205,8 @@ class PostgresSink(Sink):
             return PreparedCommitter(**common)
         return replace.ReplaceCommitter(
             **common,
-            target=self.table_ident,
-            staging=self.staging,
+            target=self._table_ident,
+            staging=self._staging,
             columns=lambda: list(self._wire.names) if self._wire is not None else [],
             predicate=self.replace_where,
             marker_audit=lambda: bool(self._audit_columns),
@@ -229,22 +229,22 @@ class PostgresSink(Sink):
         return self._sink_id
 
     @property
-    def table_ident(self) -> sql.Composable:
+    def _table_ident(self) -> sql.Composable:
         """The target table as a quoted identifier (``schema.table``)."""
         return sql.Identifier(self.schema, self.table)
 
     @property
-    def marker_ident(self) -> sql.Composable:
+    def _marker_ident(self) -> sql.Composable:
         """The commit-marker table as a quoted identifier (``marker_table``)."""
         return sql.Identifier(self.marker_schema, self.marker_name)
 
     @property
-    def progress_table(self) -> ProgressTable:
+    def _progress_table(self) -> ProgressTable:
         """Where this sink keeps its claim and committed progress (``twophase.progress``
         beside the markers)."""
         return ProgressTable(
             sql.Identifier(self.marker_schema, "progress"),
-            self.marker_ident,
+            self._marker_ident,
             f"{self.schema}.{self.table}",
             self.describe(),
             audit_columns=bool(self._audit_columns),
@@ -362,7 +362,7 @@ class PostgresSink(Sink):
                 schema,
                 table_schema=self.schema,
                 table=self.table,
-                ident=self.table_ident,
+                ident=self._table_ident,
                 key=self.key,
                 rules=self.rules,
                 create_missing=self.create_table,
@@ -381,7 +381,7 @@ class PostgresSink(Sink):
             return
         where = f"{self.schema}.{self.table}"
         with self.connect(application_name="twophase-evolve") as conn:
-            catalog.add_columns(conn, self.table_ident, new, where)
+            catalog.add_columns(conn, self._table_ident, new, where)
         log.info(
             "%s: added the column(s) %s (add_columns=True)",
             self.describe(),
@@ -409,7 +409,7 @@ class PostgresSink(Sink):
         slots) until the commit; a replace's tasks stage into a table instead."""
         return self.replace_where is None
 
-    def staging(self, scope: JobScope) -> sql.Composable:
+    def _staging(self, scope: JobScope) -> sql.Composable:
         """The staging table of a replacing scope."""
         return sql.Identifier(self.marker_schema, replace.staging_name(scope))
 
@@ -438,15 +438,15 @@ class PostgresSink(Sink):
             connect_timeout=self.connect_timeout,
             commit_timeout=self.commit_timeout,
             lock_timeout=self.lock_timeout,
-            table=self.table_ident,
-            markers=self.marker_ident,
+            table=self._table_ident,
+            markers=self._marker_ident,
             marker_audit=bool(self._audit_columns),
             marker_schema=self.marker_schema,
             rules=self.rules,
         )
         if self.replace_where is not None:
             return replace.ReplaceWriter(
-                settings, ctx, self._wire, self.staging(ctx.scope), self.replace_where
+                settings, ctx, self._wire, self._staging(ctx.scope), self.replace_where
             )
         return PostgresWriter(settings, ctx, self._wire)
 
@@ -483,7 +483,7 @@ class PostgresSink(Sink):
                 for c in catalog.table_columns(conn, self.marker_schema, self.marker_name) or []
             }
             complete = set(catalog.MARKER_LATER_COLUMNS) <= have
-            return pg_audit.audit(conn, self.marker_ident, checkpoints, columns=complete)
+            return pg_audit.audit(conn, self._marker_ident, checkpoints, columns=complete)
 
     def retire_evidence(self, scope: JobScope, before_batch: int) -> None:
         """Delete the commit markers of ``scope`` below ``before_batch``."""
