@@ -247,7 +247,7 @@ class Coordinator:
 
     # -- checkpoints ----------------------------------------------------------------
 
-    def completed_cut(
+    def _completed_cut(
         self, only: Iterable[str] | None = None, finishing: Collection[str] = ()
     ) -> dict[str, int]:
         """Per pipeline (of ``only``, default all), the highest pending batch that
@@ -283,7 +283,7 @@ class Coordinator:
         checkpoints are always recorded."""
         finished = sorted(set(finished) - self.ledger.finished())
         with self._checkpointing:
-            cut = self.completed_cut(only, finishing=finished)
+            cut = self._completed_cut(only, finishing=finished)
             if not cut and not finished and kind in ("periodic", "recovery"):
                 return None
             started = time.monotonic()
