@@ -46,6 +46,7 @@ class PrecommitTask:
         batch_id: int,
         schema: pa.Schema,
         lease: int | None = None,
+        only: frozenset[int] | None = None,
     ):
         self.sink = sink
         self.scope = scope
@@ -53,10 +54,13 @@ class PrecommitTask:
         self.batch_id = batch_id
         self.schema = schema
         self.lease = lease
+        self.only = only
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         tc = TaskContext.get()
         assert tc is not None, "PrecommitTask runs inside a Spark task"
+        if self.only is not None and tc.partitionId() not in self.only:
+            return  # its share of the batch is committed already (a partial repayment)
         number = tc.attemptNumber()
         ctx = WriteContext(
             self.scope,
@@ -86,14 +90,27 @@ class PrecommitTask:
 
 
 def precommit(
-    df: DataFrame, sink: Sink, scope: JobScope, run: int, batch_id: int, schema: pa.Schema
+    df: DataFrame,
+    sink: Sink,
+    scope: JobScope,
+    run: int,
+    batch_id: int,
+    schema: pa.Schema,
+    only: frozenset[int] | None = None,
 ) -> list[Committable]:
-    """Write ``df`` through ``sink`` on the executors; return the committables."""
+    """Write ``df`` through ``sink`` on the executors; return the committables.
+    ``only``: write only these Spark partitions of the batch (the lost tasks'
+    share of an owed batch, written again: :mod:`lifecycle.replay`)."""
     framed = sink.frame_for_write(df)
     if framed is not df:
         df, schema = framed, arrow_schema(framed)
     own = sink.precommit_frame(df, scope, run, batch_id)
     if own is not None:
+        if only is not None:
+            raise RuntimeError(
+                f"{sink.describe()} stages its batches through Spark as a whole: it cannot "
+                f"write only partitions {sorted(only)} of batch {batch_id} again"
+            )
         return own
     cols = sink.partition_columns()
     if cols:
@@ -102,7 +119,7 @@ def precommit(
     if order:
         df = df.sortWithinPartitions(*map(column, order))
     df = _plain_names(df)
-    task = PrecommitTask(sink, scope, run, batch_id, schema, sink.lease(scope, batch_id))
+    task = PrecommitTask(sink, scope, run, batch_id, schema, sink.lease(scope, batch_id), only)
     rows = df.mapInArrow(task, "committable string").collect()
     return [json.loads(r[0]) for r in rows]
 

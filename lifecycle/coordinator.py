@@ -25,20 +25,28 @@ Recovery rules (``recover``, run at every start before any query starts):
 4. Every prepared transaction of this job's sinks that no ledger entry owns is
    aborted (failed or speculative task attempts, a crash between prepare and
    registration, zombies of an earlier run).
-5. Lost work is written again, never dropped. Before rules 1 and 2 commit
-   any of a sink's share, the sink checks every transaction of it
-   (``Sink.classify``). When one was lost before it committed (a Kafka
-   transaction the broker aborted at its timeout, a prepared transaction
-   someone rolled back, staged files a VACUUM removed), none of that sink's
-   share from the first batch with a loss on commits: its surviving
-   transactions are aborted, and those batches are recorded in the ledger as
-   *owed* to the sink. The rest of the checkpoint commits, so the decision is
-   final for every other sink, and for this one up to the loss. The job then
-   writes each owed batch again, to the owing sinks only, from its source
-   with its original offsets, before any new batch (:mod:`lifecycle.replay`).
-   A loss found when part of the owed batches committed already stops the job
-   as before (a ``CheckpointCommitError`` whose cause is
-   ``TransactionLostError``): writing them again would duplicate that part.
+5. Lost work is written again, never dropped, whether it is found at a
+   start or during a run. A sink's commit asks the target about every
+   transaction of its share first (the Kafka sink asks the broker, never a
+   clock) and, when one was lost before it committed (a Kafka transaction the
+   broker aborted at its timeout, a prepared transaction someone rolled back,
+   staged files a VACUUM removed), commits none of it and raises
+   ``TransactionLostError``. Then (``Sink.classify``, :mod:`lifecycle.debts`)
+   that sink's share from the first batch with a loss on is recorded in the
+   ledger as *owed* to the sink, its surviving transactions of those batches
+   are aborted, and the rest of its share commits, so the decision is final
+   for every other sink, and for this one up to the loss. Where the loss came
+   in the middle of the sink's commit (part of the first batch with a loss
+   committed already; the Kafka sink commits batch by batch), only the lost
+   tasks' share of that batch, their Spark partitions, is owed. The job then
+   writes each owed batch again, to the owing sinks only, from its source with
+   its original offsets, before any new batch of it commits: at a start before
+   any query runs, and during a run right after the checkpoint that found the
+   loss, with the owing pipeline's query stopped (:mod:`lifecycle.replay`).
+   The loss stops the job (a ``CheckpointCommitError`` whose cause is
+   ``TransactionLostError``) only when part of a later batch of the sink
+   committed already, or an operator abandoned part of the work: writing it
+   again would then break the batches' order or restore what was given up.
    Only a coordinator made with ``replay_lost`` (the job's) applies this rule;
    ``twophase recover``, which cannot run the source, reports the loss.
 
@@ -93,7 +101,8 @@ from lifecycle.metrics import JobMetrics
 from lifecycle.sweep import Sweeper
 from sinks import _faults
 from sinks.base import Committable, JobScope, Sink
-from sinks.errors import CommitRefusedError, ConfigError
+from sinks.errors import CommitRefusedError, ConfigError, TransactionLostError
+from sinks.naming import TxnName
 
 log = logging.getLogger("lifecycle.coordinator")
 
@@ -305,8 +314,13 @@ class Coordinator:
                     break
                 for sid, cs in (self.ledger.pending_batch(p, b) or {}).items():
                     share = shares.setdefault((p, sid), {})
-                    if b >= owes_from.get((p, sid), b + 1) and not abandoned:
-                        continue
+                    first = owes_from.get((p, sid), b + 1)
+                    if b >= first and not abandoned:
+                        owed = self._debts.owes_part(p, sid, b) if b == first else None
+                        if owed is None:
+                            continue
+                        # only the lost tasks' share is owed: the rest commits
+                        cs = [c for c in cs if TxnName.require(c["txn"]).partition not in owed]
                     share[b] = [c for c in cs if (c.get("txn") in skip) == abandoned]
         return shares
 
@@ -334,8 +348,6 @@ class Coordinator:
         if rule is None and cp.kind == "recovery":
             rule = "commit_completed"
         self._debts.extend(cp)
-        if rule is not None and self.replay_lost:
-            self._debts.owe_lost(cp, self.shares(cp))  # rule 5
         groups = self.committables_of(cp)
         abandoned = (
             self.committables_of(cp, abandoned=True) if self.ledger.abandoned_txns(cp.id) else {}
@@ -355,6 +367,8 @@ class Coordinator:
         sinks = {key: self._sinks.sink(*key) for key in groups}
         _faults.hit("driver.before_commit", batch=max(cp.cut.values(), default=None))
         failed = self._sinks.commit_all(groups, sinks)
+        if failed and self.replay_lost:
+            self._owe_lost(cp, groups, sinks, failed)  # rule 5
         rows: dict[str, int] = {}
         for (p, sid), cs in groups.items():
             if (p, sid) not in failed:
@@ -385,6 +399,31 @@ class Coordinator:
         )
         self._sweeper.after_commit(groups, cp.cut)
         return done
+
+    def _owe_lost(
+        self,
+        cp: Checkpoint,
+        groups: dict[tuple[str, str], list[Committable]],
+        sinks: dict[tuple[str, str], Sink],
+        failed: dict[tuple[str, str], Exception],
+    ) -> None:
+        """Rule 5 where a sink's commit of checkpoint ``cp`` reported lost work
+        (a :class:`TransactionLostError`): record what that sink owes
+        (:meth:`lifecycle.debts.Debts.owe_lost`), then commit what is left of
+        its share. ``groups`` and ``failed`` are updated in place: the work
+        each sink committed, and the sinks that still failed."""
+        losing = [k for k, e in failed.items() if _reports_loss(e)]
+        if not losing:
+            return
+        shares = self.shares(cp)
+        owing = self._debts.owe_lost(cp, {k: shares.get(k, {}) for k in losing})
+        if not owing:
+            return  # the loss stops the job: the commit's error says why
+        left = {k: cs for k, cs in self.committables_of(cp).items() if k in owing}
+        for k in owing:
+            del failed[k]
+        groups.update(left)
+        failed.update(self._sinks.commit_all(left, {k: sinks[k] for k in left}))
 
     def _commit_error(
         self,
@@ -487,3 +526,16 @@ class Coordinator:
         if latest > recorded:
             self.ledger.record_spark_completed(p, latest)
         return max(latest, recorded)
+
+
+def _reports_loss(e: BaseException) -> bool:
+    """Whether ``e`` (a sink's failed commit) is, or was caused by, a
+    :class:`TransactionLostError`: work lost in the target (rule 5)."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, TransactionLostError):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False

@@ -18,6 +18,7 @@ from lifecycle.ledger import Checkpoint, Ledger
 from sinks import _faults
 from sinks.base import COMMITTED, LOST, PREPARED, Committable
 from sinks.errors import TransactionLostError
+from sinks.naming import TxnName
 
 log = logging.getLogger("lifecycle.coordinator")  # the coordinator's own messages
 
@@ -66,66 +67,101 @@ class Debts:
                 sorted(later),
             )
 
-    def owe_lost(self, cp: Checkpoint, shares: Shares) -> None:
+    def owes_part(self, pipeline: str, sink_id: str, batch_id: int) -> set[int] | None:
+        """The Spark partitions of batch ``batch_id`` that ``sink_id`` owes when it
+        owes only the lost tasks' share of it; None when it owes the whole batch
+        (or nothing)."""
+        parts = self.ledger.owed_parts(pipeline, batch_id).get(sink_id)
+        return set(parts) if parts is not None else None
+
+    def owe_lost(self, cp: Checkpoint, shares: Shares) -> list[tuple[str, str]]:
         """Rule 5 for decided checkpoint ``cp``, whose shares (see
         :meth:`lifecycle.coordinator.Coordinator.shares`) are ``shares``: per
-        sink, when a transaction of its share was lost before it committed,
-        record the batches from the first one with a loss on as owed to the
-        sink and abort the rest of its work of them, unless any of it committed
-        already or an operator abandoned some of it (the commit then reports
-        the loss)."""
+        sink, ask the target (``Sink.classify``) about every transaction of its
+        share; when one was lost before it committed, record what is owed from
+        the first batch with a loss on and abort the rest of the sink's work of
+        those batches. Of that first batch, the sink owes the whole batch when
+        none of its work committed, and only the lost tasks' share (their
+        Spark partitions) when the rest committed already (a transaction lost
+        in the middle of a commit); the later batches whole. The loss stops
+        the job (the commit reports it) only when part of a *later* batch
+        committed already, or an operator abandoned some of that work: writing
+        it again would then break the batches' order or restore what was given
+        up. Returns the sinks that now owe."""
         abandoned = self.ledger.abandoned_txns(cp.id)
+        owing: list[tuple[str, str]] = []
         for (p, sid), batches in shares.items():
             sink = self._sinks.sink(p, sid)
             work = [c for cs in batches.values() for c in cs]
-            if sink.commits_at_finish or not work or sink.cannot_have_lost(work):
+            if sink.commits_at_finish or not work:
                 continue  # a replace commits its whole backfill at once: no batch to owe
             try:
                 verdicts = sink.classify(work)
             except NotImplementedError:
-                continue  # the commit finds a loss out
+                continue  # the commit reports the loss
             lost = [
                 b for b, cs in batches.items() if any(verdicts.get(c["txn"]) == LOST for c in cs)
             ]
             if not lost:
                 continue
-            owed = [b for b in batches if b >= min(lost)]
-            work = [c for b in owed for c in batches[b]]
-            done = [c["txn"] for c in work if verdicts.get(c["txn"]) == COMMITTED]
+            first = min(lost)
+            later = [b for b in batches if b > first]
+            done_first = [c for c in batches[first] if verdicts.get(c["txn"]) == COMMITTED]
+            lost_first = [c for c in batches[first] if verdicts.get(c["txn"]) == LOST]
+            done_later = [
+                c["txn"] for b in later for c in batches[b] if verdicts.get(c["txn"]) == COMMITTED
+            ]
             given_up = [
                 t
-                for b in owed
+                for b in [first, *later]
                 for c in (self.ledger.pending_batch(p, b) or {}).get(sid, [])
                 if (t := c.get("txn")) in abandoned
             ]
-            if done or given_up:
+            if done_later or given_up:
                 log.error(
-                    "%s: transactions of batch(es) %s of %s were lost, and %s: writing them "
-                    "again would duplicate or restore that, so the loss stops the job",
+                    "%s: transactions of batch(es) %s of %s were lost (%s), and %s: writing "
+                    "them again would %s, so the loss stops the job",
                     sink.describe(),
                     lost,
                     p,
-                    f"{len(done)} of that work committed already ({done[:3]})"
-                    if done
-                    else f"an operator abandoned {len(given_up)} transaction(s) of it",
+                    ", ".join(c["txn"] for c in work if verdicts.get(c["txn"]) == LOST)[:300],
+                    f"{len(done_later)} transaction(s) of later batches committed already "
+                    f"({done_later[:3]})"
+                    if done_later
+                    else f"an operator abandoned {len(given_up)} transaction(s) of them",
+                    "put a batch after a later one" if done_later else "restore what was given up",
                 )
                 continue
-            self.ledger.record_owed(p, {b: {sid: count_rows(batches[b])} for b in owed})
-            alive = [c for c in work if verdicts.get(c["txn"]) == PREPARED]
+            owed = {first: {sid: count_rows(lost_first if done_first else batches[first])}}
+            owed.update({b: {sid: count_rows(batches[b])} for b in later})
+            parts = (
+                {first: {sid: sorted({TxnName.require(c["txn"]).partition for c in lost_first})}}
+                if done_first
+                else None
+            )
+            self.ledger.record_owed(p, owed, parts)
+            dropped = [b for b in later] + ([] if done_first else [first])
+            alive = [c for b in dropped for c in batches[b] if verdicts.get(c["txn"]) == PREPARED]
             if alive:
                 sink.abort(alive)
-            self._sinks.metrics.recovery_action("owe_lost", p, sid, len(work))
+            owing.append((p, sid))
+            self._sinks.metrics.recovery_action("owe_lost", p, sid, len(lost_first))
             log.warning(
                 "%s lost its transaction(s) of batch(es) %s of pipeline %s before they "
-                "committed (%s); batch(es) %s (%d row(s)) are owed to it: written again from "
-                "the source before any new batch",
+                "committed (%s); %s are owed to it: written again from the source before any "
+                "new batch of it commits",
                 sink.describe(),
                 lost,
                 p,
                 ", ".join(c["txn"] for c in work if verdicts.get(c["txn"]) == LOST)[:300],
-                owed,
-                count_rows(work),
+                ", ".join(
+                    f"batch {b} ({n[sid]} row(s)"
+                    + (f", Spark partition(s) {parts[b][sid]} only" if parts and b in parts else "")
+                    + ")"
+                    for b, n in sorted(owed.items())
+                ),
             )
+        return owing
 
     def repay(self, pipeline: str, batch_id: int, work: dict[str, list[Committable]]) -> None:
         """Commit ``work`` (sink id -> committables), the owed batch

@@ -30,7 +30,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from pyspark.sql import DataFrame, SparkSession
 
-from lifecycle import control, startup
+from lifecycle import control, replay, startup
 from lifecycle.binding import batch_handler
 from lifecycle.coordinator import Coordinator
 from lifecycle.errors import JobFailedError
@@ -463,6 +463,7 @@ class Job:
                 elif done_logic:  # one shared final checkpoint
                     coord.checkpoint("final", finished=[p.name for p in done_logic])
                     self._finished(done_logic)
+                self._pay_debts(coord)
                 consumed = [p.input_done_at for p in self._pipelines.values() if p.input_done_at]
                 return max(consumed) if consumed else None
             now = time.monotonic()
@@ -473,6 +474,7 @@ class Job:
                 last = now
                 coord.checkpoint("periodic", finished=[p.name for p in done_logic])
                 self._finished(done_logic)
+                self._pay_debts(coord)
 
     def _finished(self, pipelines: list[Pipeline]) -> None:
         """Their data is committed by the checkpoint just taken: FINISHED."""
@@ -480,6 +482,34 @@ class Job:
             p.state = PipelineState.FINISHED
             self._watch.pipeline_finished(p.name)
             log.info("pipeline %s finished: its data is committed", p.name)
+
+    def _pay_debts(self, coord: Coordinator) -> None:
+        """Recovery rule 5 during a run: the checkpoint just taken found work
+        lost in a target and recorded its batches as owed. Write them again
+        now, before any new batch of their pipeline is written: the owing
+        pipeline's query stops (its interrupted batch is aborted and replayed
+        by Spark, as in a drain), the owed batches are written again from their
+        source (:mod:`lifecycle.replay`), and the query starts again. A batch
+        the source no longer has stops the job with
+        :class:`~lifecycle.errors.BatchLostError`; the debt stays in the ledger
+        for the next start."""
+        owed = coord.ledger.owed()
+        for name in sorted(set(owed) & set(self._pipelines)):
+            p = self._pipelines[name]
+            live = p in self._live() and p.query is not None and p.query.isActive
+            log.warning(
+                "pipeline %s owes batch(es) %s to sinks that lost their work: writing them "
+                "again from the source now%s",
+                name,
+                sorted(owed[name]),
+                " (its query stops meanwhile)" if live else "",
+            )
+            if live:
+                p.stop_query(self.stop_grace)
+                coord.reset_pipeline(name)
+            replay.pay_owed(self.name, coord, self._pipelines, only=[name])
+            if live:
+                self._start(coord, p)
 
     def _drain(self, coord: Coordinator) -> None:
         """Unbounded pipelines end their input: stop, then run available-now."""

@@ -44,8 +44,8 @@ complete is rolled back; Spark replays it), ``abort_rerun`` (an earlier attempt
 of a batch Spark ran again), ``sweep_orphans`` (work no ledger entry owns:
 failed or speculative task attempts, earlier runs), ``skip_abandoned``
 (transactions an operator gave up with ``twophase abandon``), ``owe_lost``
-(a sink's work of a checkpoint from its first lost transaction on, owed and
-written again from the source: :mod:`lifecycle.replay`) and ``repay_owed``
+(transactions found lost in a target, at a start or during a run, whose
+batches are owed and written again from the source: :mod:`lifecycle.replay`) and ``repay_owed``
 (the transactions that wrote it again, committed).
 """
 

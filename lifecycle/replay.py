@@ -3,11 +3,14 @@
 
 A batch is *owed* to a sink when the sink's transactions of it were lost
 before they committed: Apache Kafka aborted them at ``transaction.timeout.ms``
-while the driver was down, someone rolled a prepared transaction back, a
-VACUUM removed staged files. The coordinator found it before committing any of
-that sink's share, committed the rest of the checkpoint and recorded the debt
-in the ledger. The job pays it at start, after recovery and before any query
-runs, one batch at a time in ascending order per pipeline:
+(a long pause, a slow commit of another sink, a driver that was down),
+someone rolled a prepared transaction back, a VACUUM removed staged files. The
+sink's commit reported the loss, the coordinator recorded the debt in the
+ledger and committed the rest of the checkpoint (rule 5 of
+:mod:`lifecycle.coordinator`). The job pays it at start, after recovery and
+before any query runs, and during a run right after the checkpoint that found
+the loss, with the owing pipeline's query stopped (:meth:`lifecycle.job.Job`'s
+run loop), one batch at a time in ascending order per pipeline:
 
 1. Work recorded as writing the batch again before a stop is settled first:
    committed where it is kept (then the debt is paid), aborted where part is
@@ -25,10 +28,15 @@ runs, one batch at a time in ascending order per pipeline:
 3. The pipeline's query runs on the copy with a once trigger: Spark re-runs
    batch ``b`` with exactly its recorded offsets (and its state, for a
    stateful query, while the state store keeps that version), then stops.
-   Its batch handler writes to the owing sinks only, checks that each got the
-   rows the lost work held, and has the coordinator record that work, commit it
-   and record the debt paid (:meth:`lifecycle.coordinator.Coordinator.repay`).
-   A crash in between leaves the recorded work for step 1.
+   Its batch handler writes to the owing sinks only (where a sink owes only
+   the lost tasks' share of the batch, because the rest of its work committed,
+   only those Spark partitions: a deterministic batch gives each partition the
+   same rows again), checks that each got the rows the lost work held, marks
+   the work as a repayment (:data:`sinks.base.REPAYS`: committed though the
+   sink holds the batch in part) and has the coordinator record that work,
+   commit it and record the debt paid
+   (:meth:`lifecycle.coordinator.Coordinator.repay`). A crash in between
+   leaves the recorded work for step 1.
 4. The copy is removed.
 
 When the source no longer has the batch (retention, a deleted file), or gives
@@ -42,7 +50,7 @@ next start.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from pyspark.sql import DataFrame
 
@@ -52,7 +60,7 @@ from lifecycle.errors import BatchLostError, JobFailedError
 from lifecycle.failures import cause_of, full_trace
 from lifecycle.pipeline import Pipeline
 from lifecycle.spark_log import SparkCommitLog
-from sinks.base import Committable, Sink
+from sinks.base import REPAYS, Committable, Sink
 
 log = logging.getLogger("lifecycle.replay")
 
@@ -60,14 +68,22 @@ _SPARK_TREES = ("sources", "state")
 """what of a Spark checkpoint a re-run batch reads besides its logs"""
 
 
-def pay_owed(job: str, coord: Coordinator, pipelines: dict[str, Pipeline]) -> None:
-    """Write every batch the ledger owes to sinks of ``pipelines`` again (module
-    docstring). Raises :class:`BatchLostError` when one cannot be."""
+def pay_owed(
+    job: str,
+    coord: Coordinator,
+    pipelines: dict[str, Pipeline],
+    only: Collection[str] | None = None,
+) -> None:
+    """Write every batch the ledger owes to sinks of ``pipelines`` (of the
+    pipelines ``only``, default all) again (module docstring). Raises
+    :class:`BatchLostError` when one cannot be."""
     owed = coord.ledger.owed()
     for name, p in pipelines.items():
-        if name not in owed:
+        if name not in owed and (only is None or name in only):
             p.store.delete(f"{p.location}/replay")  # a copy a crash left after its payment
     for name, batches in sorted(owed.items()):
+        if only is not None and name not in only:
+            continue
         if name not in pipelines:
             raise JobFailedError(
                 f"job {job!r}: the ledger owes batch(es) {sorted(batches)} of pipeline {name!r}, "
@@ -88,10 +104,12 @@ def _pay(job: str, coord: Coordinator, p: Pipeline, b: int, owing: dict[str, int
     if coord.finish_repay(p.name, b):  # written again before a stop: its commit finished
         log.info("batch %d of %s: written again before the last stop, now committed", b, p.name)
         return
+    parts = coord.ledger.owed_parts(p.name, b)
     held = {
         sid: n
         for sid, n in owing.items()
-        if (found := sinks[sid].progress(coord.scope(p.name, sid))).held_by(coord.incarnation)
+        if sid not in parts  # the rest of a partly owed batch is held: no proof of payment
+        and (found := sinks[sid].progress(coord.scope(p.name, sid))).held_by(coord.incarnation)
         and found.batch >= b
     }
     if held:
@@ -108,12 +126,18 @@ def _pay(job: str, coord: Coordinator, p: Pipeline, b: int, owing: dict[str, int
         b,
         p.name,
         offsets,
-        ", ".join(f"{sid} ({n} row(s))" for sid, n in sorted(owing.items())),
+        ", ".join(
+            f"{sid} ({n} row(s)"
+            + (f" of Spark partition(s) {parts[sid]}" if sid in parts else "")
+            + ")"
+            for sid, n in sorted(owing.items())
+        ),
     )
     location = f"{p.location}/replay"
     ran: list[int] = []
     failed: list[BaseException] = []  # a failure to commit, not to read the source
-    handler = _handler(coord, p, b, [sinks[sid] for sid in sorted(owing)], owing, ran, failed)
+    only = {sid: frozenset(parts[sid]) for sid in owing if sid in parts}
+    handler = _handler(coord, p, b, [sinks[sid] for sid in sorted(owing)], owing, only, ran, failed)
     try:
         _check_offsets(coord, p, b)
         p.store.delete(location)
@@ -157,6 +181,7 @@ def _handler(
     b: int,
     sinks: list[Sink],
     owing: dict[str, int],
+    only: dict[str, frozenset[int]],
     ran: list[int],
     failed: list[BaseException],
 ) -> Callable[[DataFrame, int], None]:
@@ -171,7 +196,12 @@ def _handler(
         try:
             for sink in precommit_order(sinks):
                 scope = coord.scope(p.name, sink.sink_id)
-                work[sink.sink_id] = precommit(df, sink, scope, coord.run, b, p.schema)
+                work[sink.sink_id] = precommit(
+                    df, sink, scope, coord.run, b, p.schema, only.get(sink.sink_id)
+                )
+            for cs in work.values():
+                for c in cs:
+                    c[REPAYS] = True  # commits though the sink may hold the batch in part
             got = {sid: sum(int(c.get("rows", 0)) for c in cs) for sid, cs in work.items()}
             other = {sid: (got[sid], n) for sid, n in owing.items() if got.get(sid) != n}
             if other:

@@ -169,6 +169,11 @@ class SinkWriter(abc.ABC):
         be used), so its prepared work is aborted now rather than by a later sweep."""
 
 
+REPAYS = "repays"
+"""The committable key the coordinator sets (to True) on work that writes an
+owed batch again (recovery rule 5, :mod:`lifecycle.replay`): see
+:meth:`Sink.commit`."""
+
 OrphanTest = Callable[[TxnName], bool]
 """Decides, for a lingering transaction found by a sink, whether to abort it."""
 
@@ -316,7 +321,15 @@ class Sink(abc.ABC):
         """Commit prepared work. Idempotent: committing twice is harmless.
 
         Retries transient failures; raises :class:`sinks.errors.TransactionLostError`
-        when prepared work is gone without having been committed."""
+        when prepared work is gone without having been committed, having
+        committed none of ``committables`` when the loss can be found before
+        (the coordinator then owes the lost batches: recovery rule 5).
+
+        A committable the coordinator marks ``REPAYS`` (its key set to True)
+        writes an owed batch again (rule 5): it commits even when the sink's
+        progress holds its batch already (its other tasks' work committed
+        before), where other work of a batch at or below the progress is a
+        replay and is aborted."""
 
     @abc.abstractmethod
     def abort(self, committables: Sequence[Committable]) -> None:
@@ -378,12 +391,6 @@ class Sink(abc.ABC):
         """``{txn: COMMITTED | PREPARED | LOST}`` for ``committables``, by the
         checks of the commit path, without committing anything."""
         raise NotImplementedError(f"{self.describe()} cannot classify its transactions")
-
-    def cannot_have_lost(self, committables: Sequence[Committable]) -> bool:
-        """Whether the target cannot have dropped any of ``committables`` by
-        itself yet (they are younger than its timeout), so recovery need not
-        :meth:`classify` them one by one; False (the default) when unknown."""
-        return False
 
     def evidence(self, committable: Committable) -> dict[str, Any]:
         """What the ledger keeps of a committed ``committable`` for an audit

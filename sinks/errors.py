@@ -24,8 +24,12 @@ class TransactionLostError(TwoPhaseError):
 
 
 REWRITE_ADVICE = (
-    "Nothing is dropped silently: the job's next start writes the batch again from its "
-    "source (unless part of it committed already; then `twophase abandon` decides)."
+    "Nothing is dropped silently: a Job writes the lost work again from its source by "
+    "itself (recovery rule 5), during the run or at its next start, and only the lost "
+    "tasks' share where the rest of the batch committed. It stops instead, and says "
+    "why, when the source no longer has the batch (`twophase abandon --owed` decides), "
+    "or when part of a later batch committed already or an operator abandoned part of "
+    "the work (`twophase abandon` decides)."
 )
 """What a :class:`TransactionLostError` message ends with."""
 

@@ -24,10 +24,11 @@ from lifecycle import (
     TaskFailedError,
 )
 from lifecycle.failures import cause_of
-from sinks import ConfigError, KafkaSink, PostgresSink, TransactionLostError, _faults
+from sinks import ConfigError, KafkaSink, PostgresSink, _faults
 from sinks.base import JobScope, WriteContext
+from sinks.errors import CommitError
 from tests.conftest import write_input
-from tests.pgcheck import job_prepared, rollback_prepared
+from tests.pgcheck import job_prepared
 from tests.sparkutil import INPUT_SCHEMA
 
 
@@ -110,18 +111,24 @@ def test_the_kinds_are_told_apart(spark, pg_dsn, tmp_path):  # type: ignore[no-u
         job.add_pipeline("load", df, [sinks[state]], bounded=True)
         return job
 
-    _faults.register("driver.before_commit", lambda: rollback_prepared(pg_dsn, "kinds"))
+    # another session holds a lock the sink's commit waits for, past its commit_timeout
+    locker = psycopg.connect(pg_dsn)
+    _faults.register(
+        "driver.before_commit",
+        lambda: locker.execute("LOCK TABLE twophase.progress IN ACCESS EXCLUSIVE MODE"),
+    )
     try:
         with pytest.raises(JobFailedError) as commit:
             make("lost").run()
     finally:
         _faults.clear()
+        locker.close()
     err = commit.value
     assert isinstance(err, CheckpointCommitError)
     assert not isinstance(err, PipelineFailedError | RecoveryRefusedError)
     assert err.checkpoint >= 1 and list(err.failed) == [f"load/{sink.sink_id}"]
-    assert "TransactionLostError" in err.cause
-    assert isinstance(err.__cause__, TransactionLostError)
+    assert "CommitError" in err.cause, err.cause
+    assert isinstance(err.__cause__, CommitError)
     assert f"checkpoint {err.checkpoint}" in str(err).splitlines()[0]
 
     make("ok").run()  # commits; then its Spark checkpoint vanishes

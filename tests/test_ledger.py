@@ -898,12 +898,27 @@ def _as_format_2(backend: LedgerBackend) -> None:
         conn.execute(sql.SQL("UPDATE {} SET format = 2").format(table))
 
 
-def test_a_format_2_ledger_opens_as_format_3_and_an_older_version_then_refuses_it(
+def test_a_partial_debt_names_the_spark_partitions_owed(ledger_factory: LedgerBackend) -> None:
+    """Format 4: a sink may owe only the lost tasks' share of a batch (the rest
+    of its work of it committed); the debt names their Spark partitions, and
+    reads back so after the ledger is opened again."""
+    led = ledger_factory.open()
+    led.record_owed("p", {1: {"s": 5, "t": 9}, 2: {"s": 7}}, {1: {"s": [3, 1]}})
+    led.close()
+    led = ledger_factory.open()
+    assert led.owed() == {"p": {1: {"s": 5, "t": 9}, 2: {"s": 7}}}
+    assert led.owed_parts("p", 1) == {"s": [1, 3]} and led.owed_parts("p", 2) == {}
+    led.close()
+    assert ledger_factory.read()["owed"]["p"]["1"]["s"] == {"rows": 5, "parts": [1, 3]}
+
+
+def test_a_format_2_ledger_opens_as_format_4_and_an_older_version_then_refuses_it(
     ledger_factory: LedgerBackend,
 ) -> None:
-    """Format 3 added the owed batches (recovery rule 5). A ledger of format 2
-    reads as owing nothing; opening it for writing makes it format 3, so a
-    version that knows only format 2 refuses it instead of skipping a debt."""
+    """Format 3 added the owed batches (recovery rule 5), format 4 the partial
+    ones. A ledger of format 2 reads as owing nothing; opening it for writing
+    makes it format 4, so a version that knows only format 2 refuses it
+    instead of skipping a debt."""
     led = ledger_factory.open()
     led.record_batch("p", 1, {"s": [_c("t1")]})
     led.close()
@@ -914,7 +929,7 @@ def test_a_format_2_ledger_opens_as_format_3_and_an_older_version_then_refuses_i
     led.record_owed("p", {1: {"s": 3}})
     led.close()
     doc = ledger_factory.read()
-    assert doc["format"] == FORMAT == 3 and doc["owed"] == {"p": {"1": {"s": {"rows": 3}}}}
+    assert doc["format"] == FORMAT == 4 and doc["owed"] == {"p": {"1": {"s": {"rows": 3}}}}
     assert 2 not in _formats_on_disk(ledger_factory)
     if ledger_factory.location is None:  # the last format-2 version itself refuses it
         old = tree_at(LAST_FORMAT_2, ledger_factory.state_dir.parent / "format2")
@@ -929,7 +944,7 @@ def test_a_format_2_ledger_opens_as_format_3_and_an_older_version_then_refuses_i
             capture_output=True,
             text=True,
         )
-        assert refused.returncode != 0 and "unknown ledger format 3" in refused.stderr, (
+        assert refused.returncode != 0 and "unknown ledger format 4" in refused.stderr, (
             refused.stderr[-2000:]
         )
 

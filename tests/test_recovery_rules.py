@@ -277,6 +277,13 @@ class LosingSink(RecordingSink):
     def lose(self, names: list[str]) -> None:
         self.prepared.difference_update(names)
 
+    def commit(self, committables: Sequence[Committable]) -> None:
+        """As the protocol asks: a loss found before committing commits none."""
+        lost = [c["txn"] for c in committables if self.classify([c])[c["txn"]] == LOST]
+        if lost:
+            raise TransactionLostError(f"{lost} lost")
+        super().commit(committables)
+
     def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
         return {
             c["txn"]: COMMITTED
@@ -341,9 +348,12 @@ def test_without_replay_a_loss_fails_the_commit(losing: World) -> None:
     assert losing.ledger.owed() == {} and losing.ledger.decided() is not None
 
 
-def test_part_of_the_loss_committed_already_is_not_owed(losing: World) -> None:
-    """Batch 0 committed in part before the crash, and its other transaction is
-    lost: writing it again would duplicate the committed part, so it stops."""
+def test_a_loss_after_part_of_its_batch_committed_owes_only_the_lost_share(
+    losing: World,
+) -> None:
+    """Batch 0 committed in part (a crash in the middle of its commit), and its
+    other transaction is lost: the committed part stays, and only the lost
+    task's Spark partition is owed, to be written again."""
     sink = losing.sink
     assert isinstance(sink, LosingSink)
     b0 = losing.register(0)
@@ -351,6 +361,23 @@ def test_part_of_the_loss_committed_already_is_not_owed(losing: World) -> None:
     losing.ledger.decide("periodic", {"p": 0}, [])
     sink.commit([{"txn": b0[0]}])
     sink.lose(b0[1:])
+    _replaying(losing).recover()
+    assert losing.ledger.owed() == {"p": {0: {"s": 1}}}
+    assert losing.ledger.owed_parts("p", 0) == {"s": [1]}
+    assert sink.committed == [b0[0]]
+
+
+def test_a_loss_after_a_later_batch_committed_stops_the_job(losing: World) -> None:
+    """Batch 0 is lost while batch 1 of the same sink committed already (a
+    ledger of an earlier version, which committed in another order): writing
+    batch 0 again would put it after batch 1, so the loss stops the job."""
+    sink = losing.sink
+    assert isinstance(sink, LosingSink)
+    b0, b1 = losing.register(0), losing.register(1)
+    losing.spark_completed(1)
+    losing.ledger.decide("periodic", {"p": 1}, [])
+    sink.commit([{"txn": n} for n in b1])
+    sink.lose(b0)
     with pytest.raises(CheckpointCommitError):
         _replaying(losing).recover()
     assert losing.ledger.owed() == {}

@@ -155,6 +155,14 @@ class StateLedger:
                 for p, bs in self._state.owed.items()
             }
 
+    def owed_parts(self, pipeline: str, batch_id: int) -> dict[str, list[int]]:
+        """Per sink id that owes only the lost tasks' share of batch ``batch_id``
+        of ``pipeline`` (its other tasks' work committed), the Spark partitions
+        it owes; a sink that owes the whole batch is not in it."""
+        with self._mutex:
+            sinks = self._state.owed.get(pipeline, {}).get(int(batch_id), {})
+            return {sid: list(d["parts"]) for sid, d in sinks.items() if "parts" in d}
+
     def owed_work(self, pipeline: str, batch_id: int) -> dict[str, list[Committable]]:
         """The work recorded as writing owed batch ``batch_id`` of ``pipeline``
         again, per sink id (only sinks that have such work)."""
@@ -269,14 +277,30 @@ class StateLedger:
             self._change({"op": "sinks", "s": payload})
             return True
 
-    def record_owed(self, pipeline: str, batches: dict[int, dict[str, int]]) -> None:
+    def record_owed(
+        self,
+        pipeline: str,
+        batches: dict[int, dict[str, int]],
+        parts: dict[int, dict[str, list[int]]] | None = None,
+    ) -> None:
         """Record that ``batches`` of ``pipeline`` (batch id -> sink id -> rows)
         are owed to those sinks: their work of them was lost before it committed
         (or follows lost work), and each batch is to be written to them again
-        from its source. One change, whatever the number of batches."""
+        from its source. ``parts`` (batch id -> sink id -> Spark partitions):
+        where a sink owes only the lost tasks' share of a batch, because the
+        rest of its work of it committed. One change, whatever the number of
+        batches."""
         owe = {str(b): dict(sinks) for b, sinks in batches.items() if sinks}
         if owe:
-            self._change({"op": "owe", "p": pipeline, "s": owe})
+            op: dict[str, Any] = {"op": "owe", "p": pipeline, "s": owe}
+            share = {
+                str(b): {sid: sorted(ks) for sid, ks in sinks.items()}
+                for b, sinks in (parts or {}).items()
+                if sinks
+            }
+            if share:
+                op["parts"] = share
+            self._change(op)
 
     def record_repaying(
         self, pipeline: str, batch_id: int, work: dict[str, list[Committable]]

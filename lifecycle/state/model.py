@@ -24,11 +24,13 @@ Operations::
     ``sinks s``                 the settings of every sink of the job (label -> the
                                 sink's non-secret ``settings()``), replacing the last ones
     ``limits history digests``  how many checkpoints and digests are kept
-    ``owe p s``                 batches of ``p`` are owed to sinks, ``s``: batch -> sink id
+    ``owe p s parts``           batches of ``p`` are owed to sinks, ``s``: batch -> sink id
                                 -> rows: the sinks' work of them was lost in the target
                                 before it committed (or follows lost work), so each batch
                                 is written to them again from its source
-                                (lifecycle.replay)
+                                (lifecycle.replay); ``parts`` (optional): batch -> sink
+                                id -> the Spark partitions owed, where only the lost
+                                tasks' share of a batch is owed (the rest committed)
     ``repaying p b s``          the work (sink id -> committables) that writes owed batch
                                 ``b`` of ``p`` again, recorded before it commits (owned:
                                 no sweep aborts it)
@@ -38,7 +40,11 @@ Operations::
 Format 3 added ``owe``, ``repaying`` and ``repaid`` (the ``owed`` field of the
 document: pipeline -> batch -> sink id -> ``{"rows", "work"}``); a
 format-2 document reads as one that owes nothing. A version that knows only
-format 2 refuses a format-3 ledger rather than skip what it owes.
+format 2 refuses a format-3 ledger rather than skip what it owes. Format 4
+added ``parts`` to a debt (``{"rows", "parts", "work"}``: only those Spark
+partitions of the batch are owed); a version that knows only format 3 refuses
+a format-4 ledger rather than write a whole batch again whose other tasks
+committed.
 """
 
 from __future__ import annotations
@@ -52,8 +58,8 @@ from typing import Any
 from sinks.base import Committable
 from sinks.naming import TxnName
 
-FORMAT = 3
-READABLE_FORMATS = (2, 3)
+FORMAT = 4
+READABLE_FORMATS = (2, 3, 4)
 """the document formats this version reads (and writes as :data:`FORMAT`)"""
 HISTORY = 50
 DIGEST_WINDOW = 1000
@@ -238,10 +244,15 @@ class LedgerState:
 
     def _owe(self, op: Op) -> None:
         batches = self.owed.setdefault(op["p"], {})
+        parts = op.get("parts") or {}
         for b, sinks in op["s"].items():
             owed = batches.setdefault(int(b), {})
             for sid, rows in sinks.items():
-                owed.setdefault(str(sid), {"rows": int(rows)})
+                debt: dict[str, Any] = {"rows": int(rows)}
+                share = (parts.get(str(b)) or {}).get(sid)
+                if share is not None:
+                    debt["parts"] = sorted(int(k) for k in share)
+                owed.setdefault(str(sid), debt)
 
     def _repaying(self, op: Op) -> None:
         owed = self.owed[op["p"]][int(op["b"])]

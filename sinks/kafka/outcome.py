@@ -1,24 +1,75 @@
-"""How did a transaction end? Ask the log, the way a consumer would.
+"""How did a transaction end? Ask the broker, then the log, never a clock.
 
-Used only when EndTxn does not give a clear answer: Apache Kafka refuses a
-commit of a fenced or expired transaction (PRODUCER_FENCED,
-INVALID_PRODUCER_ID_MAPPING, INVALID_TXN_STATE) whatever happened before, and
-tansu closes the connection instead of answering. The partition log is the
-authority: after a transaction's last data record, the first control batch of
-its producer id on that partition is its marker, COMMIT or ABORT; no marker
-yet means the transaction is still open.
+:func:`verdicts` (before a commit, and for ``Sink.classify``): the broker's
+transaction coordinator (DescribeTransactions) vouches for a transaction that
+is open or committed with its own producer id and epoch; for any other answer
+(its epoch bumped by a fence or by the broker's timeout, an abort, an id the
+broker forgot) the log decides.
+
+The log (:func:`txn_outcome`), also when EndTxn does not give a clear answer:
+Apache Kafka refuses a commit of a fenced or expired transaction
+(PRODUCER_FENCED, INVALID_PRODUCER_ID_MAPPING, INVALID_TXN_STATE) whatever
+happened before, and tansu closes the connection instead of answering. The
+partition log is the authority: after a transaction's last data record, the
+first control batch of its producer id on that partition is its marker, COMMIT
+or ABORT; no marker yet means the transaction is still open.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from sinks import base
 from sinks.kafka.wire import KafkaWire
 
 COMMITTED = "committed"
 ABORTED = "aborted"
 OPEN = "open"
 UNKNOWN = "unknown"  # the data or the marker is no longer in the log (retention, deleted topic)
+
+
+_OPEN_STATES = ("Ongoing", "PrepareCommit")
+"""coordinator states of a transaction a commit would still go through for"""
+_COMMITTED_STATE = "CompleteCommit"
+
+
+def verdicts(wire: KafkaWire, committables: Sequence[dict[str, Any]]) -> dict[str, str] | None:
+    """:data:`sinks.base.COMMITTED`, ``PREPARED`` or ``LOST`` for each of
+    ``committables`` (by name): what the broker says of its transactional id
+    when that speaks of the transaction's own producer id and epoch (Ongoing or
+    PrepareCommit: prepared; CompleteCommit: committed), else the log's
+    markers (:func:`verdict_of`). None on a broker that cannot describe
+    transactions (tansu, Kafka before 3.0)."""
+    ids = sorted({c["transactional_id"] for c in committables})
+    states = wire.describe_transactions(wire.find_coordinators(ids))
+    if states is None:
+        return None
+    found: dict[str, str] = {}
+    for c in committables:
+        state = states.get(c["transactional_id"])
+        own = (
+            state is not None
+            and state.producer_id == int(c["producer_id"])
+            and state.epoch == int(c["epoch"])
+        )
+        if own and state is not None and state.state in _OPEN_STATES:
+            found[c["txn"]] = base.PREPARED
+        elif own and state is not None and state.state == _COMMITTED_STATE:
+            found[c["txn"]] = base.COMMITTED
+        else:
+            found[c["txn"]] = verdict_of(wire, c)
+    return found
+
+
+def verdict_of(wire: KafkaWire, committable: dict[str, Any]) -> str:
+    """The log's :func:`txn_outcome` in :meth:`sinks.base.Sink.classify`'s terms:
+    COMMIT marker: committed; no marker yet: prepared; ABORT marker, or its
+    records gone: lost."""
+    verdict = txn_outcome(wire, committable)
+    if verdict == COMMITTED:
+        return base.COMMITTED
+    return base.PREPARED if verdict == OPEN else base.LOST
 
 
 def txn_outcome(wire: KafkaWire, committable: dict[str, Any]) -> str:

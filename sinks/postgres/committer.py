@@ -40,6 +40,7 @@ from sinks.base import (
     COMMITTED,
     LOST,
     PREPARED,
+    REPAYS,
     ClaimedScopes,
     Committable,
     JobScope,
@@ -107,15 +108,16 @@ class PreparedCommitter:
 
     def commit(self, committables: Sequence[Committable]) -> None:
         gids = [c["txn"] for c in committables]
+        repaying = {c["txn"] for c in committables if c.get(REPAYS)}  # never replays
         if gids:
             doing: list[str] = []  # the statement in flight, for a commit that hangs
             self._retry(
-                lambda: self._commit_once(gids, doing),
+                lambda: self._commit_once(gids, doing, repaying),
                 f"commit of {len(gids)} transaction(s) to",
                 in_flight=lambda: doing[-1] if doing else None,
             )
 
-    def _commit_once(self, gids: list[str], doing: list[str]) -> None:
+    def _commit_once(self, gids: list[str], doing: list[str], repaying: set[str]) -> None:
         with self.connect("twophase-commit") as conn:
             prepared = self.prepared(conn, gids)
             missing = [g for g in gids if g not in prepared]
@@ -123,7 +125,8 @@ class PreparedCommitter:
                 self.check_committed(conn, missing)
             replays: list[str] = []
             progress = self.progress()
-            for scope, names in self.claims.group(map(TxnName.require, prepared)).items():
+            ordinary = (g for g in prepared if g not in repaying)
+            for scope, names in self.claims.group(map(TxnName.require, ordinary)).items():
                 if scope.incarnation is None:
                     continue  # first-format work of a ledger that never claimed
                 progress.check_owner(conn, scope)
