@@ -192,6 +192,7 @@ def demo(args: argparse.Namespace) -> int:
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
 
+    from lifecycle.status import summary
     from lifecycle.testing import jars
     from lifecycle.testing.apache_kafka import ApacheKafka
     from lifecycle.testing.kafka_broker import KafkaBroker
@@ -260,7 +261,7 @@ def demo(args: argparse.Namespace) -> int:
         )
         status = _twophase("status", "--json", str(state))
         seen = json.loads(status.stdout)
-        print(f"twophase status: {seen['state']}, {seen['health']} (exit {status.returncode})")
+        print(f"twophase status: {summary(seen)}")  # e.g. DIED, failed (exit 4: ...)
 
         job = _start_job(work, dsn, bootstrap, log)
         print(f"run 2: restarted (pid {job.pid}); it recovers, then goes on")

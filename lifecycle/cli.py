@@ -41,10 +41,12 @@ commands need ``--ledger``.
 
 ``twophase status`` exits 0 when the job is healthy (running, or ended with
 nothing pending), 1 when it runs but is stuck (pending work or a decided
-checkpoint older than ``--stuck-after``), 2 when there is no ledger, 3 when it
-is not running and pending work waits for its next start, 4 when its last run
-failed (see :mod:`lifecycle.status`; ``--json`` prints that document, and
-``--raw`` the ledger's own).
+checkpoint older than ``--stuck-after``), 2 when there is no ledger (or its
+heartbeat was written by a newer twophase), 3 when it is not running (ended,
+or died) and pending work waits for its next start, 4 when its last run failed
+or died leaving nothing pending (see :mod:`lifecycle.status`; the text says
+``DIED`` for a driver gone without a word, ``--json`` prints the document,
+where that is ``lost``, and ``--raw`` the ledger's own).
 
 ``twophase stop`` exits 0 when the job stopped with its final (``--drain``) or
 savepoint checkpoint committed and nothing left undecided, 1 when it did not,

@@ -10,6 +10,11 @@ state (:data:`lifecycle.metrics.JOB_STATES`). When the run ends, a last write
 records how it ended (``finished``, ``stopped`` or ``failed``, with the error's
 first line).
 
+The file carries ``"schema": 1`` (:data:`SCHEMA`; one without is of 1 too).
+:func:`read` refuses a heartbeat of a later schema, which a newer twophase
+wrote (:class:`~sinks.versions.NewerVersionError`, naming the schema and the
+file), rather than judge it by rules it may no longer follow.
+
 A reader judges it with :func:`judge`: a heartbeat whose state is running (or
 recovering, draining...) and that was renewed within :data:`LAPSE_FACTOR`
 periods is alive; an older one means the driver died without a word (killed,
@@ -34,11 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from lifecycle.state.store_interface import StateStore
+from sinks.versions import check_version
 
 log = logging.getLogger("lifecycle.heartbeat")
 
 PATH = "control/heartbeat.json"
 """the heartbeat, in the job's state store"""
+SCHEMA = 1
+"""the schema of the heartbeat this version writes, and the newest it reads"""
 EVERY_S = 5.0
 """seconds between two renewals"""
 LAPSE_FACTOR = 3.0
@@ -62,7 +70,7 @@ class Heartbeat:
         self._every = every
         now = time.time()
         self._doc: dict[str, Any] = {
-            "schema": 1,
+            "schema": SCHEMA,
             **identity,
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -112,7 +120,8 @@ class Heartbeat:
 
 def read(store: StateStore) -> dict[str, Any] | None:
     """The last heartbeat written on ``store``, or None (no run yet, or a run of
-    a version that wrote none)."""
+    a version that wrote none). A heartbeat of a later :data:`SCHEMA` raises
+    :class:`~sinks.versions.NewerVersionError`."""
     data = store.read(PATH)
     if data is None:
         return None
@@ -120,7 +129,10 @@ def read(store: StateStore) -> dict[str, Any] | None:
         doc = json.loads(data)
     except ValueError:
         return None
-    return doc if isinstance(doc, dict) else None
+    if not isinstance(doc, dict):
+        return None
+    check_version(doc.get("schema"), SCHEMA, f"the heartbeat {store.uri(PATH)}")
+    return doc
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@
     ``job``, ``incarnation``, ``run``   the ledger's identity
     ``state``             ``running`` (also ``recovering``, ``draining``, ``stopping``
                           while alive), ``finished``, ``stopped``, ``failed``, ``lost``
-                          (the heartbeat lapsed: killed, or its host is down) or
-                          ``unknown`` (no heartbeat: never run by this version)
+                          (the driver died: its pid is gone, or the heartbeat lapsed:
+                          killed, or its host is down; the text names it ``DIED``)
+                          or ``unknown`` (no heartbeat: never run by this version)
     ``alive``, ``why``    whether the job runs now, and what says so
     ``heartbeat``         the heartbeat (pid, host, started_at, renewed_at, ended_at, error) or null
     ``health``, ``exit_code``   the verdict (below)
@@ -27,9 +28,15 @@ Verdicts and exit codes: 0 ``healthy`` (running, or ended with nothing
 pending), 1 ``stuck`` (running, but pending work or a decided checkpoint is
 older than ``stuck_after``), 2 ``not_found`` (no ledger), 3 ``pending`` (not
 running, and pre-committed work, a decided checkpoint or an owed batch waits
-for the next start), 4 ``failed`` (the last run ended with an error, or its driver died
-without a word and left nothing pending: ``lost``). A held ledger lock counts
-as running when there is no heartbeat, or when it lapsed.
+for the next start, whether the run ended or died), 4 ``failed`` (the last run
+ended with an error, or its driver died without a word and left nothing
+pending: ``lost``). So a dead job exits 3 when work waits for its next start,
+else 4. A held ledger lock counts as running when there is no heartbeat, or
+when it lapsed.
+
+The document's words are stable within ``twophase.status/1``; the text view
+names the state ``lost`` for what it means to an operator, ``DIED``
+(:func:`shown_state`), and says what its exit code means (:func:`summary`).
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ VERDICTS = {
     PENDING: "pending",
     FAILED: "failed",
 }
+SHOWN_STATES = {"lost": "died"}
+"""how the text names a state of the document (the others as they are)"""
 DEFAULT_STUCK_AFTER_S = 300.0
 """the default ``--stuck-after``: at least this, and at least 10 checkpoint intervals"""
 
@@ -115,6 +124,37 @@ def job_status(
     out["health"] = VERDICTS[code]
     out["exit_code"] = code
     return out
+
+
+def shown_state(state: str) -> str:
+    """The word people read for a document's ``state``: ``lost`` is ``died``
+    (the driver is gone without a word: killed, or its host is down)."""
+    return SHOWN_STATES.get(state, state)
+
+
+def meaning(status: Mapping[str, Any]) -> str:
+    """What the exit code of ``status`` means, in a few words."""
+    code = status["exit_code"]
+    if code == PENDING:
+        return "not running, and work waits for the next start"
+    if code == FAILED and status["state"] == "lost":
+        return "it died, and nothing waits for the next start: start it again"
+    if code == FAILED:
+        return "the last run ended with an error"
+    if code == STUCK:
+        return "running, but pending work is older than the threshold"
+    if code == NOT_FOUND:
+        return "no ledger"
+    return "running" if status.get("alive") else "nothing waits"
+
+
+def summary(status: Mapping[str, Any]) -> str:
+    """One line of ``status``: the state as people read it, the verdict, the
+    exit code and what it means (``DIED, failed (exit 4: ...)``)."""
+    return (
+        f"{shown_state(status['state']).upper()}, {status['health']} "
+        f"(exit {status['exit_code']}: {meaning(status)})"
+    )
 
 
 def not_found(where: str) -> dict[str, Any]:
@@ -219,8 +259,8 @@ def format_text(status: Mapping[str, Any], doc: Mapping[str, Any] | None = None)
     out = [
         f"job {status.get('job')}  incarnation {status.get('incarnation') or '-'}  "
         f"run {status.get('run')}",
-        f"state: {status['state'].upper()} ({status['why']})",
-        f"health: {status['health']} (exit {status['exit_code']})",
+        f"state: {shown_state(status['state']).upper()} ({status['why']})",
+        f"health: {status['health']} (exit {status['exit_code']}: {meaning(status)})",
     ]
     finished = [p for p, v in status["pipelines"].items() if v["finished"]]
     out.append(f"finished pipelines: {', '.join(finished) if finished else '-'}")

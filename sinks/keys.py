@@ -57,8 +57,10 @@ class NullKeyError(DataError):
 
 
 class NullValueError(DataError):
-    """A write (not a delete) of a Kafka changelog has a null value: it would be
-    a tombstone, which deletes the key, where the other sinks keep the row."""
+    """A Kafka record with a key would have a null value, a tombstone, where it
+    would delete the key: a write (not a delete) of a Kafka changelog, where the
+    other sinks keep the row, or an event written to a compacted topic
+    (``cleanup.policy`` with ``compact``). The message names the key."""
 
 
 class DuplicateKeyError(DataError):

@@ -17,7 +17,10 @@ unambiguous and the name is safe in SQL literals and file names.
 
 Names of the first format (``tp1.``, no incarnation) were written by versions
 before incarnations existed; they still parse (``incarnation`` is ``None``), so
-work prepared before an upgrade recovers after it.
+work prepared before an upgrade recovers after it. Every version that wrote
+the second format made its incarnation 12 lowercase hex digits (6 random
+bytes, since the format began), so a ``tp2.`` name with an incarnation of any
+other length is none of ours and does not parse.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ _ID = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
 _INCARNATION = re.compile(r"^[0-9a-f]{12}$")
 _NAME = re.compile(
     r"^tp(?P<format>[12])\.(?P<job>[A-Za-z0-9_-]+)\.(?P<pipeline>[A-Za-z0-9_-]+)"
-    r"\.(?P<sink>[A-Za-z0-9_-]+)(?:\.i(?P<inc>[0-9a-f]+))?"
+    r"\.(?P<sink>[A-Za-z0-9_-]+)(?:\.i(?P<inc>[0-9a-f]{12}))?"
     r"\.r(?P<run>\d+)\.b(?P<batch>\d+)\.p(?P<partition>\d+)\.a(?P<attempt>\d+)$"
 )
 

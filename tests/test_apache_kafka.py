@@ -174,6 +174,64 @@ def test_batches_fit_a_topic_whose_max_message_bytes_is_below_the_sinks_batch(
     assert committed_ids(log) == list(range(3000)) and log.n_open == 0
 
 
+def test_an_event_with_a_null_value_is_refused_on_a_compacted_topic_only(
+    twophase_apache_kafka: Any,
+) -> None:
+    """Events (a key, no ``order_by`` or ``delete_when``) whose ``value`` column
+    is null in a row: on a compacted topic the record would be a tombstone that
+    deletes its key, so the task fails with ``NullValueError`` naming the key and
+    the topic's policy (read at preflight), before anything of it commits; on a
+    topic that is not compacted the row is a record with its key and a null
+    value, as before."""
+    import pyarrow as pa
+
+    from sinks import KafkaSink
+    from sinks.keys import NullValueError
+    from tests.kafkacheck import read_settled
+    from tests.test_kafka_unit import SCHEMA, ctx, job_name, rows, write_task
+
+    bootstrap = twophase_apache_kafka.bootstrap
+    null = pa.record_batch([[7], pa.array([None], pa.string()), [0.5]], schema=SCHEMA)
+    for policy in ("compact", "compact,delete"):
+        topic = _topic(bootstrap, partitions=1, config={"cleanup.policy": policy})
+        sink = KafkaSink(bootstrap, topic, key="id", value="name", sink_id="k")
+        try:
+            sink.preflight(SCHEMA)
+            assert sink.topic_cleanup_policy == policy
+            w = sink.open_writer(ctx(job_name(), 0), SCHEMA)
+            try:
+                w.write(rows(0, 3))
+                with pytest.raises(NullValueError) as e:
+                    w.write(null)
+            finally:
+                w.close(failed=True)
+        finally:
+            sink.close()
+        msg = str(e.value)
+        assert "key {'id': 7}" in msg and f"cleanup.policy={policy}" in msg, msg
+        assert f"topic {topic!r} is compacted" in msg and "tombstone" in msg, msg
+        log = read_settled(bootstrap, topic)
+        assert log.committed == [] and log.n_open == 0
+
+    topic = _topic(bootstrap, partitions=1, config={"cleanup.policy": "delete"})
+    sink = KafkaSink(bootstrap, topic, key="id", value="name", sink_id="k")
+    try:
+        sink.preflight(SCHEMA)
+        assert sink.topic_cleanup_policy == "delete"
+        c = write_task(sink, ctx(job_name(), 0), [rows(0, 3), null])
+        assert c is not None
+        sink.commit([c])
+    finally:
+        sink.close()
+    log = read_settled(bootstrap, topic)
+    assert [(r.key, r.value) for r in log.committed] == [
+        (b"0", b"name-0"),
+        (b"1", b"name-1"),
+        (b"2", b"name-2"),
+        (b"7", None),
+    ]
+
+
 def test_a_compacted_changelog_reads_as_the_model_after_the_log_cleaner_ran(  # type: ignore[no-untyped-def]
     spark, twophase_apache_kafka, tmp_path: Path
 ):

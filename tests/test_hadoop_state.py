@@ -302,7 +302,7 @@ def test_a_killed_driver_restarts_elsewhere_with_its_state_on_viewfs_and_the_led
     # exit 3: the killed driver's heartbeat (read through Hadoop) names a pid that is
     # gone, and pending work waits for the next start
     assert status.returncode == 3, status.stdout + status.stderr
-    assert "state: LOST" in status.stdout, status.stdout
+    assert "state: DIED" in status.stdout, status.stdout
     assert f"job {run.job}" in status.stdout
     assert re.search(r"load: batches \d+\.\.2 ", status.stdout), status.stdout  # batch 2
 

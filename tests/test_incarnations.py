@@ -220,3 +220,23 @@ def test_staged_files_are_created_exclusively(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError):
         storage.open_output("part-a")
     assert (tmp_path / "part-a").read_bytes() == b"committed rows"
+
+
+def test_a_name_parses_only_with_an_incarnation_of_twelve_hex_digits() -> None:
+    """Every version that wrote ``tp2.`` names made the incarnation 12 lowercase
+    hex digits (``new_incarnation``): a name with any other length was written
+    by none, so it is not one of ours (``parse`` says None, ``require`` raises);
+    ``tp1.`` names, which have none, still parse."""
+    from lifecycle.state.protocol import new_incarnation
+    from sinks.naming import TxnName
+
+    for inc in ("0123456789ab", new_incarnation()):
+        text = f"tp2.j.p.s.i{inc}.r1.b2.p3.a4"
+        assert TxnName.parse(text) == TxnName("j", "p", "s", 1, 2, 3, 4, inc)
+        assert str(TxnName.require(text)) == text
+    for inc in ("0", "abc", "0123456789a", "0123456789abc", "0123456789ab0123456789ab"):
+        text = f"tp2.j.p.s.i{inc}.r1.b2.p3.a4"
+        assert TxnName.parse(text) is None, text
+        with pytest.raises(ValueError, match="not a transaction name of this project"):
+            TxnName.require(text)
+    assert TxnName.parse("tp1.j.p.s.r1.b2.p3.a4") == TxnName("j", "p", "s", 1, 2, 3, 4)

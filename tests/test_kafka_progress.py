@@ -21,10 +21,11 @@ from kafka import KafkaProducer
 from sinks.base import Committable, JobScope
 from sinks.kafka import KafkaSink
 from sinks.kafka.log import read_topic
-from sinks.kafka.progress import PARTITION, ProgressBook, claim_key
-from sinks.kafka.registry import DEFAULT_TOPIC, RegistryView
+from sinks.kafka.progress import PARTITION, ProgressBook, claim_key, progress_key
+from sinks.kafka.registry import DEFAULT_TOPIC, RegistryView, announcement
 from sinks.kafka.wire import KafkaWire
 from sinks.progress import IncarnationConflictError, SinkProgress
+from sinks.versions import NewerVersionError
 from tests.test_kafka_unit import (
     SCHEMA,
     committed_ids,
@@ -407,3 +408,107 @@ def test_a_start_over_after_a_missed_forget_leaves_the_new_progress_alone(
     _progress_is(new, scope(job, B), SinkProgress(owner=B, batch=0, previous=A))
     log = read_topic(bootstrap, topic)
     assert committed_ids(log) == sorted([*range(30, 40), *range(10)]) and log.n_aborted == 0
+
+
+# -- versions of the records (a downgrade) ----------------------------------------------
+
+
+def _registry() -> str:
+    """A registry topic of the test's own (preflight creates it): a record of a
+    newer version stops every sink of its target that reads the registry."""
+    return f"_twophase_reg_{job_name()}"
+
+
+def _append(bootstrap: str, registry: str, key: bytes, value: dict[str, Any]) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    try:
+        producer.send(registry, key=key, value=json.dumps(value).encode(), partition=PARTITION)
+        producer.flush()
+    finally:
+        producer.close()
+
+
+def _announce(bootstrap: str, registry: str, tid: str, value: dict[str, Any]) -> None:
+    """An announcement as a writer makes it: the first record of a transaction
+    (committed here)."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, transactional_id=tid)
+    try:
+        producer.init_transactions()
+        producer.begin_transaction()
+        producer.send(registry, key=tid.encode(), value=json.dumps(value).encode())
+        producer.commit_transaction()
+    finally:
+        producer.close()
+
+
+@pytest.mark.parametrize("kind", ["progress", "claim"])
+def test_a_progress_or_claim_record_of_a_newer_version_is_refused(
+    bootstrap: str, new_sink: Callable[..., KafkaSink], kind: str
+) -> None:
+    """A downgrade: the registry holds a progress (or claim) record of version 2,
+    which only a newer twophase writes. Reading it as version 1 could make a
+    wrong owner or a wrong committed batch; the sink refuses it instead, naming
+    the record, where it was read and its version. Records of version 1, and
+    those without a version (the first versions'), read as before."""
+    topic, registry, job = make_topic(bootstrap), _registry(), job_name()
+    sink = new_sink(topic, registry_topic=registry)
+    assert sink.claim(scope(job, A)) == SinkProgress(owner=A, batch=-1)  # version 1
+    commit_batch(sink, job, A, 0)  # a progress record of version 1 at batch 0
+    _progress_is(new_sink(topic, registry_topic=registry), scope(job, A), SinkProgress(A, 0))
+    older = {"kind": "progress", "topic": topic, "scope": f"{job}/p/k", "incarnation": A}
+    _append(bootstrap, registry, progress_key(topic, scope(job, A)), {**older, "batch": 1})
+    _progress_is(new_sink(topic, registry_topic=registry), scope(job, A), SinkProgress(A, 1))
+
+    newer: dict[str, Any] = {"kind": kind, "v": 2, "topic": topic, "scope": f"{job}/p/k"}
+    if kind == "progress":
+        key = progress_key(topic, scope(job, A))
+        newer.update(incarnation=A, batch=5)
+    else:
+        key = claim_key(topic, scope(job, B), "n-b")
+        newer.update(incarnation=B, start_over_from=None, nonce="n-b")
+    _append(bootstrap, registry, key, newer)
+    for reader in (sink, new_sink(topic, registry_topic=registry)):  # running, and a new start
+        with pytest.raises(NewerVersionError) as err:
+            reader.progress(scope(job, A))
+        message = str(err.value)
+        assert f"the record {key.decode()} (registry topic {registry}, partition 0" in message
+        assert "is of version 2, written by a newer version of twophase" in message
+        assert "reads versions up to 1" in message
+        assert (err.value.version, err.value.known) == (2, 1)
+    with pytest.raises(NewerVersionError):
+        new_sink(topic, registry_topic=registry).claim(scope(job, A))
+    # another target's sink reads the same registry: the record is not its
+    other = make_topic(bootstrap)
+    assert new_sink(other, registry_topic=registry).claim(scope(job, C)).owner == C
+
+
+def test_an_announcement_of_a_newer_version_is_refused_for_its_topic(
+    bootstrap: str, new_sink: Callable[..., KafkaSink]
+) -> None:
+    """A downgrade: the registry holds an announcement of version 3 for the
+    sink's topic (only a newer twophase writes one); the sink refuses it, naming
+    the transactional id, where it was read and its version, rather than sweep
+    or count it by the rules of version 2. One for another topic is not the
+    sink's and is left alone; version 2 and 1 announcements read as before."""
+    topic, registry, job = make_topic(bootstrap), _registry(), job_name()
+    sink = new_sink(topic, registry_topic=registry)
+    sink.claim(scope(job, A))
+    commit_batch(sink, job, A, 0, forget=False)  # version-2 announcements, committed
+    _progress_is(new_sink(topic, registry_topic=registry), scope(job, A), SinkProgress(A, 0))
+    v1 = str(ctx(job, 0, batch=1, incarnation=A).txn_name())  # the id names it
+    _announce(bootstrap, registry, v1, {"topic": topic, "v": 1})
+    _progress_is(new_sink(topic, registry_topic=registry), scope(job, A), SinkProgress(A, 1))
+    assert json.loads(announcement(topic, "x"))["v"] == 2
+
+    later = str(ctx(job, 0, batch=2, incarnation=A).txn_name())
+    _announce(bootstrap, registry, f"elsewhere.{later}", {"topic": "another", "v": 3})
+    _progress_is(new_sink(topic, registry_topic=registry), scope(job, A), SinkProgress(A, 1))
+    _announce(bootstrap, registry, later, {"topic": topic, "txn": later, "v": 3})
+    for reader in (sink, new_sink(topic, registry_topic=registry)):
+        with pytest.raises(NewerVersionError) as err:
+            reader.progress(scope(job, A))
+        message = str(err.value)
+        assert f"the announcement of transactional id {later} (registry topic {registry}" in message
+        assert "is of version 3" in message and "reads versions up to 2" in message
+    with pytest.raises(NewerVersionError):
+        sink.abort_lingering(scope(job, A), lambda n: True)

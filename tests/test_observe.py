@@ -259,6 +259,34 @@ def test_status_verdicts(doc: dict[str, Any], beat: dict[str, Any], state: str, 
     assert "state:" in status_view.format_text(found, ledger)
 
 
+def test_a_dead_job_reads_as_died_with_the_exit_code_its_pending_work_says() -> None:
+    """A driver gone without a word (killed, as the demo does): the text says
+    DIED, and the health line what the exit code means: 3 when work waits for
+    the next start, 4 when nothing does. The JSON keeps its word (``lost``,
+    ``twophase.status/1``). The getting-started page quotes the demo's line
+    for it as the command prints it."""
+    for doc, code in ((_doc(), 4), (_doc(pending_age=2), 3)):
+        found = status_view.job_status(doc, _beat(renewed_ago=60))
+        assert found["schema"] == "twophase.status/1" and found["state"] == "lost"
+        assert found["exit_code"] == code and not found["alive"]
+        text = status_view.format_text(found, doc)
+        assert "state: DIED (the heartbeat of pid 1 on elsewhere lapsed" in text, text
+        assert "LOST" not in text, text
+        assert f"health: {found['health']} (exit {code}: " in text, text
+    died = status_view.job_status(_doc(), _beat(renewed_ago=60))
+    line = status_view.summary(died)
+    assert (
+        line
+        == "DIED, failed (exit 4: it died, and nothing waits for the next start: start it again)"
+    )
+    waiting = status_view.job_status(_doc(pending_age=2), _beat(renewed_ago=60))
+    assert status_view.summary(waiting) == (
+        "DIED, pending (exit 3: not running, and work waits for the next start)"
+    )
+    page = (Path(__file__).resolve().parent.parent / "docs" / "getting-started.md").read_text()
+    assert f"`twophase status: {line}`" in " ".join(page.split()), "the page quotes another line"
+
+
 def test_status_stuck_after_is_the_operators_choice() -> None:
     assert status_view.job_status(_doc(pending_age=30), _beat(), stuck_after=10)["exit_code"] == 1
     assert status_view.job_status(_doc(pending_age=30), _beat(), stuck_after=60)["exit_code"] == 0
@@ -286,6 +314,45 @@ def test_a_held_lock_outweighs_a_lapsed_heartbeat() -> None:
     found = status_view.job_status(_doc(pending_age=2), lapsed, locked=True)
     assert found["state"] == "running" and found["exit_code"] == 0
     assert "holds the ledger's lock" in found["why"] and "lapsed" in found["why"]
+
+
+def test_a_heartbeat_of_a_newer_schema_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A downgrade: the heartbeat was written by a newer twophase (schema 2),
+    whose states and rules this one may not know; ``twophase status`` refuses it
+    (exit 2, naming the schema and the file) rather than judge it. This
+    version's heartbeat (schema 1) and one without a schema (the first
+    versions') read as before."""
+    from lifecycle.state.file_ledger import FileLedger
+    from sinks.versions import NewerVersionError
+
+    state = tmp_path / "state"
+    led = FileLedger(state / "ledger", "j")
+    led.close()
+    store = LocalStore(state)
+    beat = heartbeat.Heartbeat(store, {"job": "j"}, lambda: "running", every=60)
+    beat.start()
+    beat.end("finished")
+    written = heartbeat.read(store)
+    assert written is not None and written["schema"] == heartbeat.SCHEMA == 1
+    assert twophase(["status", str(state)]) == 0
+    assert "state: FINISHED" in capsys.readouterr().out
+    path = state / heartbeat.PATH
+    del written["schema"]
+    path.write_text(json.dumps(written))
+    assert heartbeat.read(store) == written
+    assert twophase(["status", str(state)]) == 0
+    capsys.readouterr()
+
+    path.write_text(json.dumps({**written, "schema": 2, "state": "hibernating"}))
+    with pytest.raises(NewerVersionError) as err:
+        heartbeat.read(store)
+    assert (err.value.version, err.value.known) == (2, 1)
+    assert twophase(["status", str(state)]) == 2
+    said = capsys.readouterr().err
+    assert f"the heartbeat {path} is of version 2, written by a newer version" in said, said
+    assert "reads versions up to 1" in said, said
 
 
 def test_status_of_no_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -114,18 +114,40 @@ def broker_max_timeout(wire: KafkaWire) -> int | None:
     return min(found) if found else None
 
 
-def topic_max_message_bytes(wire: KafkaWire, topic: str) -> int | None:
-    """The topic's ``max.message.bytes`` (its own, or the brokers' default), the
-    largest record batch it takes; None when the broker does not say (tansu
-    answers DescribeConfigs with no entries)."""
+def topic_config(wire: KafkaWire, topic: str) -> dict[str, str]:
+    """The topic's configuration (its own values, or the brokers' defaults) by
+    name; empty when the broker does not say (tansu answers DescribeConfigs
+    with no entries)."""
     try:
         res = wire.admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
     except Exception as e:
         log.debug("DescribeConfigs of topic %s failed: %r", topic, e)
-        return None
-    entry = res.get("topic", {}).get(topic, {}).get("max.message.bytes")
-    value = entry.get("value") if entry else None
+        return {}
+    entries = res.get("topic", {}).get(topic, {})
+    return {
+        name: str(entry["value"])
+        for name, entry in entries.items()
+        if isinstance(entry, dict) and entry.get("value") is not None
+    }
+
+
+def max_message_bytes(config: dict[str, str]) -> int | None:
+    """A topic's ``max.message.bytes`` (:func:`topic_config`), the largest
+    record batch it takes; None when the broker did not say."""
+    value = config.get("max.message.bytes")
     return int(value) if value is not None else None
+
+
+def cleanup_policy(config: dict[str, str]) -> str | None:
+    """A topic's ``cleanup.policy`` (:func:`topic_config`): ``delete``,
+    ``compact`` or both (``compact,delete``); None when the broker did not say."""
+    return config.get("cleanup.policy")
+
+
+def is_compacted(policy: str | None) -> bool:
+    """Whether a topic of ``cleanup.policy`` ``policy`` is compacted (keeps the
+    last record per key, and a tombstone deletes the key)."""
+    return policy is not None and "compact" in (p.strip() for p in policy.split(","))
 
 
 _PASSING = (

@@ -35,6 +35,9 @@ class ClusterFacts:
 
     topic_max_bytes: int | None
     """the topic's ``max.message.bytes``, None when the broker does not say"""
+    topic_cleanup_policy: str | None
+    """the topic's ``cleanup.policy`` (``delete``, ``compact`` or both), None
+    when the broker does not say"""
     pooled_ids: bool
     """the broker describes transactions (DescribeTransactions): pool the ids"""
 
@@ -118,7 +121,9 @@ def check_cluster(
         except checks.TransactionalIdDenied as e:
             acl = [a for a in needs if a.resource == "transactional-id"]
             raise access.denied(where, acl, producer_config) from e
+        config = checks.topic_config(wire, topic)
         return ClusterFacts(
-            topic_max_bytes=checks.topic_max_message_bytes(wire, topic),
+            topic_max_bytes=checks.max_message_bytes(config),
+            topic_cleanup_policy=checks.cleanup_policy(config),
             pooled_ids=wire.api_version(DescribeTransactionsRequest) >= 0,
         )

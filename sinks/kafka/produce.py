@@ -56,6 +56,7 @@ import kafka.errors as Errors
 from kafka.future import Future
 from kafka.protocol.producer import AddPartitionsToTxnRequest, ProduceRequest
 
+from sinks.errors import TwoPhaseError
 from sinks.kafka.records import EncodedBatch
 from sinks.kafka.wire import TRANSIENT, KafkaWire
 
@@ -137,8 +138,23 @@ class ProduceError(Errors.KafkaError):  # type: ignore[misc]  # kafka-python has
     """A produce the attempt cannot recover from (fenced, refused, timed out)."""
 
 
-class OpenTransactionError(ProduceError):
-    """A pooled transactional id still holds another attempt's open transaction."""
+class OpenTransactionError(ProduceError, TwoPhaseError):
+    """A pooled transactional id still holds another attempt's open transaction.
+
+    The attempt fails rather than abort that transaction. What follows is
+    Spark's: on a cluster (``spark.task.maxFailures``, 4 by default) the task
+    runs again under its next attempt number, hence another id; under
+    ``local[N]`` a task has one try, so the batch fails and the job with it
+    (``TaskFailedError``, whose cause is this whole message). The failed batch
+    is not lost: the next run writes it again. The other attempt's transaction
+    ends first: the failed run's settling, else the next run's recovery, ends
+    the announced ones no ledger entry owns, and Kafka aborts any other at its
+    ``transaction_timeout_ms``."""
+
+    def __str__(self) -> str:
+        # the message alone: kafka-python's KafkaError puts the class name first,
+        # which a traceback (and the job's one-line cause) prints already
+        return Exception.__str__(self)
 
 
 class TxnProducer:
@@ -192,7 +208,8 @@ class TxnProducer:
         first: an id whose transaction is open belongs to another attempt (one of
         an earlier lease that began late), whose prepared work an InitProducerId
         would abort, so :class:`OpenTransactionError` fails this attempt instead
-        (Spark's retry takes another id)."""
+        (a retry of the task takes another id; where Spark does not retry, the
+        job fails and its next run writes the batch again)."""
         deadline = time.monotonic() + self.request_timeout_ms / 1000 * 2
         while True:
             if guard:  # again before every attempt: the id's state may have changed
@@ -225,8 +242,13 @@ class TxnProducer:
                 raise OpenTransactionError(
                     f"Kafka transactional id {self.transactional_id} holds an open transaction "
                     f"(producer id {found.producer_id}, epoch {found.epoch}) of another task "
-                    "attempt: this attempt refuses to abort it and fails (Spark retries the "
-                    "task with another id)"
+                    "attempt, which this attempt refuses to abort: it fails. On a cluster Spark "
+                    "runs the task again under its next attempt number, hence another id (up "
+                    "to spark.task.maxFailures, 4 by default); under local[N] a task has one "
+                    "try (local[N,F]: F), so the batch fails and the job stops: run the job "
+                    "again, and it writes the batch again once that transaction has ended (its "
+                    "recovery ends those the registry shows; Kafka aborts any other after "
+                    f"transaction_timeout_ms={self.transaction_timeout_ms})"
                 )
             self._retry_or_raise(Errors.ConcurrentTransactionsError, deadline, "InitProducerId")
 

@@ -20,6 +20,11 @@ the same name writing different topics never meet.
   announcements it replaces, so at every instant one of the two says the batch
   committed. Compaction keeps the latest per key, and each incarnation writes
   only its own key, with a batch that never goes down.
+* **Versions**: claim and progress records carry ``"v": 1`` (one without
+  is of version 1 too). One of this sink's target with a later version (a newer
+  twophase wrote it) is refused where it is read
+  (:class:`~sinks.versions.NewerVersionError`, naming its key, version and
+  offset), never replayed as if it were of version 1.
 * **Claims** (non-transactional, acks=all, all on partition 0 so the log orders
   them): key ``claim/<topic>/<job>/<pipeline>/<sink>/<incarnation>/<nonce>``,
   value ``{"kind": "claim", "topic", "scope", "incarnation",
@@ -55,6 +60,7 @@ from sinks.kafka.registry import COMMITTED, RegistryView, announced_name
 from sinks.kafka.wire import KafkaWire
 from sinks.naming import TxnName, scope_prefix
 from sinks.progress import SinkProgress, conflict, may_claim
+from sinks.versions import check_version
 
 PARTITION = 0
 """The registry partition of every claim and progress record (partition 0 exists
@@ -62,6 +68,8 @@ however many partitions the registry has, and adding partitions never moves it).
 
 _CLAIM = "claim"
 _PROGRESS = "progress"
+RECORD_VERSION = 1
+"""the version of the claim and progress records this one writes, and the newest it reads"""
 
 
 @dataclass
@@ -74,10 +82,14 @@ class _Claims:
 class ProgressBook:
     """Replays the claims and progress records of one target topic (pure, no I/O).
 
-    Fed by :class:`~sinks.kafka.registry.RegistryView` in log order."""
+    Fed by :class:`~sinks.kafka.registry.RegistryView` in log order; a record
+    of ``target`` whose version is later than :data:`RECORD_VERSION` raises
+    :class:`~sinks.versions.NewerVersionError` (``registry``: the topic read,
+    for its message)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, registry: str | None = None) -> None:
         self.target = target
+        self.registry = registry
         self._claims: dict[str, _Claims] = {}
         self._settled: dict[tuple[str, str], int] = {}  # (scope key, incarnation) -> batch
 
@@ -85,9 +97,11 @@ class ProgressBook:
         self._claims.clear()
         self._settled.clear()
 
-    def apply(self, partition: int, key: str, value: bytes) -> None:
+    def apply(self, partition: int, key: str, value: bytes, offset: int | None = None) -> None:
         if partition != PARTITION or not key.startswith((_CLAIM + "/", _PROGRESS + "/")):
             return
+        if key.split("/", 2)[1] == self.target:  # the target topic is in the key
+            self._check_version(key, value, offset)
         try:
             rec: dict[str, Any] = json.loads(value)
             kind, scope, inc = rec["kind"], str(rec["scope"]), rec["incarnation"]
@@ -101,6 +115,17 @@ class ProgressBook:
             self._settled[at] = max(self._settled.get(at, -1), batch)
         elif kind == _CLAIM:
             self._claim(scope, inc, rec.get("start_over_from"), str(rec.get("nonce")))
+
+    def _check_version(self, key: str, value: bytes, offset: int | None) -> None:
+        try:
+            marker = json.loads(value).get("v")
+        except (ValueError, AttributeError):
+            return  # not one of ours
+        where = f"registry topic {self.registry}, " if self.registry else ""
+        at = f", offset {offset}" if offset is not None else ""
+        check_version(
+            marker, RECORD_VERSION, f"the record {key} ({where}partition {PARTITION}{at})"
+        )
 
     def _claim(self, scope: str, inc: str, start_over_from: str | None, nonce: str) -> None:
         state = self._claims.setdefault(scope, _Claims())
@@ -140,8 +165,8 @@ class ProgressStore:
         self.target = target
         self.id_prefix = id_prefix
         self.where = where
-        self.book = ProgressBook(target)
-        self.view = RegistryView(registry, self.book)
+        self.book = ProgressBook(target, registry)
+        self.view = RegistryView(registry, self.book, target)
         self.claims = ClaimedScopes()
 
     # -- reading ----------------------------------------------------------------------
@@ -199,7 +224,7 @@ class ProgressStore:
             return found
         value = {
             "kind": _CLAIM,
-            "v": 1,
+            "v": RECORD_VERSION,
             "topic": self.target,
             "scope": scope.key(),
             "incarnation": ours,
@@ -257,7 +282,7 @@ class ProgressStore:
         batch = max(batch, self.settled(scope))
         value = {
             "kind": _PROGRESS,
-            "v": 1,
+            "v": RECORD_VERSION,
             "topic": self.target,
             "scope": scope.key(),
             "incarnation": scope.incarnation,

@@ -11,7 +11,10 @@ announces its transactional id before it writes any data, in a small topic
   (JSON): the target topic and the transaction's name (its batch, partition,
   attempt, run and incarnation), which a pooled id (:mod:`sinks.kafka.pool`)
   does not tell. Announcements of version 1 have no ``txn``: their id is the
-  name (after ``transactional_id_prefix``).
+  name (after ``transactional_id_prefix``). One of a later version (a newer
+  twophase wrote it) for the sink's target topic, or naming no topic, is
+  refused when the view reads it (:class:`~sinks.versions.NewerVersionError`),
+  never taken for one of these; those of other topics are not the sink's.
 * The announcement is the first record of the writer's own transaction and is
   flushed before any data record is sent, so an id whose transaction holds
   data is always in the registry (an announcement is visible to a raw,
@@ -53,11 +56,15 @@ from kafka import KafkaProducer
 
 from sinks.kafka.wire import KafkaWire
 from sinks.naming import TxnName
+from sinks.versions import check_version
 
 log = logging.getLogger("sinks.kafka")
 
 DEFAULT_TOPIC = "_twophase_kafka_txns"
 TOPIC_CONFIG = {"cleanup.policy": "compact", "segment.ms": "3600000"}
+
+ANNOUNCEMENT_VERSION = 2
+"""the version of the announcements this one writes, and the newest it reads"""
 
 OPEN = "open"
 COMMITTED = "committed"
@@ -67,7 +74,7 @@ ABORTED = "aborted"
 def announcement(topic: str, txn: str) -> bytes:
     """The value of a registry record announcing a transactional id that writes
     transaction ``txn`` into ``topic``."""
-    return json.dumps({"topic": topic, "txn": txn, "v": 2}).encode()
+    return json.dumps({"topic": topic, "txn": txn, "v": ANNOUNCEMENT_VERSION}).encode()
 
 
 @dataclass
@@ -103,19 +110,28 @@ def announced_name(tid: str, a: Announcement, id_prefix: str) -> TxnName | None:
 
 class RecordHandler(Protocol):
     """Receives the registry's non-transactional records with a value, in log
-    order per partition (claims and progress records)."""
+    order per partition (claims and progress records), with the offset each was
+    read at (None: a record the driver applies as it writes it)."""
 
-    def apply(self, partition: int, key: str, value: bytes) -> None: ...
+    def apply(self, partition: int, key: str, value: bytes, offset: int | None = None) -> None: ...
 
     def reset(self) -> None: ...
 
 
 class RegistryView:
-    """Driver-side, incrementally refreshed view of one registry topic."""
+    """Driver-side, incrementally refreshed view of one registry topic.
 
-    def __init__(self, topic: str, handler: RecordHandler | None = None) -> None:
+    ``target``: the topic of the sink the view serves; an announcement of a
+    later version than :data:`ANNOUNCEMENT_VERSION` is refused when it names
+    ``target`` (or no topic, or the view serves every topic: ``None``), and the
+    refresh that meets it raises, every time, before it reads past it."""
+
+    def __init__(
+        self, topic: str, handler: RecordHandler | None = None, target: str | None = None
+    ) -> None:
         self.topic = topic
         self._handler = handler
+        self._target = target
         self._next: dict[int, int] = {}
         self._live: dict[str, Announcement] = {}
         self._pending: dict[tuple[int, int], set[str]] = {}  # (partition, pid) -> open ids
@@ -180,20 +196,29 @@ class RegistryView:
             if record.value is None:
                 self._discard(key)
             elif batch.is_transactional:
+                at = (partition, record.offset)
                 self._announce(
-                    key, bytes(record.value), partition, batch.producer_id, batch.producer_epoch
+                    key, bytes(record.value), at, batch.producer_id, batch.producer_epoch
                 )
             elif self._handler is not None:
-                self._handler.apply(partition, key, bytes(record.value))
+                self._handler.apply(partition, key, bytes(record.value), record.offset)
 
     def _announce(
-        self, tid: str, value: bytes, partition: int, producer_id: int, epoch: int
+        self, tid: str, value: bytes, at: tuple[int, int], producer_id: int, epoch: int
     ) -> None:
+        partition, offset = at
         try:
             doc = json.loads(value)
-            topic, txn = doc.get("topic"), doc.get("txn")
+            topic, txn, version = doc.get("topic"), doc.get("txn"), doc.get("v")
         except (ValueError, AttributeError):
-            topic = txn = None
+            topic = txn = version = None
+        if self._target is None or topic == self._target or not isinstance(topic, str):
+            check_version(
+                version,
+                ANNOUNCEMENT_VERSION,
+                f"the announcement of transactional id {tid} (registry topic {self.topic}, "
+                f"partition {partition}, offset {offset})",
+            )
         self._discard(tid)  # a reused id: its previous transaction ended
         self._live[tid] = Announcement(
             topic if isinstance(topic, str) else None,

@@ -49,6 +49,7 @@ from kafka.partitioner.default import murmur2
 from sinks.base import Committable, SinkWriter, WriteContext
 from sinks.errors import RecordTooLargeError, UnconfirmedWriteError
 from sinks.kafka import encode, partitioner, records
+from sinks.kafka.checks import is_compacted
 from sinks.kafka.produce import ProducerOptions, TxnProducer
 from sinks.kafka.registry import announcement
 from sinks.kafka.wire import KafkaWire
@@ -84,6 +85,8 @@ class WriterSettings:
     transaction_timeout_ms: int
     topic_max_bytes: int | None = None
     """the topic's ``max.message.bytes`` read at preflight (None: unknown)"""
+    topic_cleanup_policy: str | None = None
+    """the topic's ``cleanup.policy`` read at preflight (None: unknown)"""
 
 
 class KafkaWriter(SinkWriter):
@@ -180,7 +183,7 @@ class KafkaWriter(SinkWriter):
         if tombstones is not None:
             values = pc.if_else(tombstones, pa.scalar(None, values.type), values)
         elif cfg.value and values.null_count:
-            self._check_nulls(keys, values)
+            self._check_nulls(batch, keys, values)
         headers = [(name, encode.to_binary(batch.column(name))) for name in cfg.headers]
         self._check_sizes(keys, values, headers)
         producer = self._producer or self._begin()
@@ -239,14 +242,32 @@ class KafkaWriter(SinkWriter):
                 "write needs a value (mark deletes with delete_when, or fill the value)"
             )
 
-    def _check_nulls(self, keys: pa.Array | None, values: pa.Array) -> None:
+    def _check_nulls(self, batch: pa.RecordBatch, keys: pa.Array | None, values: pa.Array) -> None:
+        """An event (no changelog rules) with a null value: refused without a key
+        (a Kafka record needs a key or a value); with a key it is a tombstone,
+        refused on a compacted topic (it would delete the key there) and
+        written as it is elsewhere (a legal record, which deletes nothing)."""
+        cfg = self._settings
         both = pc.is_null(values) if keys is None else pc.and_(pc.is_null(keys), pc.is_null(values))
         hits = np.flatnonzero(both.to_numpy(zero_copy_only=False))
         if len(hits):
             raise ValueError(
-                f"{self._settings.where}: a row (number {self._rows + int(hits[0])} of this "
-                f"task) has a null value column {self._settings.value!r} and no key; a Kafka "
+                f"{cfg.where}: a row (number {self._rows + int(hits[0])} of this "
+                f"task) has a null value column {cfg.value!r} and no key; a Kafka "
                 "record needs a key or a value (a null value with a key is a tombstone)"
+            )
+        if keys is None or cfg.key is None or not is_compacted(cfg.topic_cleanup_policy):
+            return
+        hits = np.flatnonzero(pc.is_null(values).to_numpy(zero_copy_only=False))
+        if len(hits):
+            row = int(hits[0])
+            key = {cfg.key: batch.column(cfg.key)[row].as_py()}
+            raise NullValueError(
+                f"{cfg.where}: the row of key {key} (number {self._rows + row} of this task) "
+                f"has a null value column {cfg.value!r}; topic {cfg.topic!r} is compacted "
+                f"(cleanup.policy={cfg.topic_cleanup_policy}), where a record with a key and a "
+                "null value is a tombstone that deletes the key. Fill the value or filter the "
+                "row out; to delete keys on purpose, write a changelog (order_by or delete_when)"
             )
 
     def _batch_limit(self) -> int:
