@@ -8,15 +8,20 @@ the orphans, and ``KafkaSink.settled`` releases the lanes. What they show:
 * the transaction coordinator's count of the job's ids (ListTransactions)
   stays flat over many batches, where one id per transaction grows with each;
 * a late attempt (a zombie of an earlier lease) on an id whose transaction is
-  prepared refuses to begin instead of aborting it;
-* an orphan in a lane a batch holds now is ended with its own producer id and
-  epoch, and the batch's own transaction on the same id commits;
+  prepared refuses to begin instead of aborting it; in a job whose Spark tries
+  each task a set number of times (``local[N,F]``), attempts that all meet
+  such zombies fail the batch and the job, and the next run writes the batch;
+* an orphan in a lane a batch holds now is fenced at its own producer id and
+  epoch, and the batch's own transaction on the same id commits (the attempts
+  that live on after the driver ended their transactions:
+  ``tests/test_kafka_zombies.py``);
 * a lane whose ids the registry shows open is not leased again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -59,9 +64,15 @@ def _ctx(scope: JobScope, batch: int, partition: int, lane: int | None, attempt:
 
 
 def _task(
-    sink: KafkaSink, scope: JobScope, batch: int, partition: int, lane: int | None, n: int = 5
+    sink: KafkaSink,
+    scope: JobScope,
+    batch: int,
+    partition: int,
+    lane: int | None,
+    n: int = 5,
+    attempt: int = 0,
 ) -> Committable:
-    w = sink.open_writer(_ctx(scope, batch, partition, lane), SCHEMA)
+    w = sink.open_writer(_ctx(scope, batch, partition, lane, attempt), SCHEMA)
     w.write(rows(1000 * batch + 100 * partition, n))
     c = w.prepare()
     w.close()
@@ -122,14 +133,82 @@ def test_a_late_attempt_never_aborts_a_prepared_transaction_of_its_id(
     prepared = _task(sink, scope, 0, 0, lane)
     # the same lane, partition and attempt number: a zombie of an earlier lease
     zombie = sink.open_writer(_ctx(scope, 0, 0, lane), SCHEMA)
-    with pytest.raises(OpenTransactionError, match="holds an open transaction"):
+    with pytest.raises(OpenTransactionError, match=r"^Kafka transactional id .* holds an open "):
         zombie.write(rows(500, 5))
     zombie.close(failed=True)
     _checkpoint(sink, scope, 0, [prepared])
     assert committed_ids(read_settled(bootstrap, topic)) == list(range(5))
 
 
-def test_an_orphan_in_a_leased_lane_is_ended_by_its_own_epoch(
+def test_attempts_that_all_meet_open_transactions_fail_the_job_and_the_next_run_writes(  # type: ignore[no-untyped-def]
+    spark, bootstrap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """What ``OpenTransactionError`` says happens, through a job. Zombies (task
+    attempts of an earlier lease that began late) hold open transactions on
+    every id batch 0 may take: its lane, partitions 0 and 1, attempt numbers 0
+    and 1, the two tries the test session's ``local[2,2]`` gives a task (under
+    ``local[N]`` it gets one). Each attempt refuses to abort them and fails,
+    so the batch fails and the job stops with ``TaskFailedError``, saying what
+    to do. The zombies' transactions end (the failed run's settling sweeps
+    them, else the next run's recovery does), the next run writes batch 0
+    again, and every row is committed once."""
+    from lifecycle import Job, TaskFailedError
+    from tests.conftest import write_input
+    from tests.kafkacheck import assert_exactly_once
+    from tests.sparkutil import INPUT_SCHEMA
+
+    topic = make_topic(bootstrap)
+    n = write_input(tmp_path / "in", files=1, rows_per_file=20)
+    job = job_name()
+    zombies: list[Any] = []
+    lease = KafkaSink.lease
+
+    def lease_held_by_zombies(sink: KafkaSink, scope: JobScope, batch: int) -> int | None:
+        lane = lease(sink, scope, batch)
+        for partition in (0, 1):
+            for attempt in (0, 1):
+                ctx = WriteContext(scope, 1, batch, partition, 9000 + attempt, attempt, lane)
+                zombie = sink.open_writer(ctx, SCHEMA)
+                zombie.write(rows(900 + 10 * partition + attempt, 1))  # open, never prepared
+                zombies.append(zombie)
+        return lane
+
+    def run() -> Any:
+        sink = KafkaSink(bootstrap, topic, key="id", sink_id="k", commit_timeout=30)
+        j = Job(spark, job, tmp_path / "state", checkpoint_interval=0)
+        df = spark.readStream.schema(INPUT_SCHEMA).json(str(tmp_path / "in"))
+        j.add_pipeline("load", df, [sink], bounded=True)
+        try:
+            return j.run(handle_signals=False)
+        finally:
+            sink.close()
+
+    monkeypatch.setattr(KafkaSink, "lease", lease_held_by_zombies)
+    try:
+        with pytest.raises(TaskFailedError) as failed:
+            run()
+    finally:
+        monkeypatch.undo()
+    assert len(zombies) == 4
+    message = str(failed.value)
+    assert failed.value.batch == 0 and "holds an open transaction" in message, message
+    assert "a task failed: OpenTransactionError: Kafka transactional id tp3." in message, message
+    assert "which this attempt refuses to abort: it fails" in message, message
+    assert "up to spark.task.maxFailures, 4 by default" in message, message
+    assert "under local[N] a task has one try (local[N,F]: F), so the batch fails" in message
+    assert "run the job again, and it writes the batch again once that transaction" in message
+    assert "Kafka aborts any other after transaction_timeout_ms=900000)" in message, message
+    assert "Spark retries the task with another id" not in message, message
+    first = read_topic(bootstrap, topic)
+    assert first.committed == [] and len(first.aborted) + first.n_open == 4  # the zombies'
+
+    assert run().committed
+    assert_exactly_once(bootstrap, topic, n)  # the zombies' transactions were aborted
+    for zombie in zombies:
+        zombie.close()  # its transaction is gone: the abort fails, and is only logged
+
+
+def test_an_orphan_in_a_leased_lane_is_fenced_at_its_own_epoch(
     bootstrap: str, new_sink: Callable[..., KafkaSink]
 ) -> None:
     topic = make_topic(bootstrap)
@@ -147,7 +226,7 @@ def test_an_orphan_in_a_leased_lane_is_ended_by_its_own_epoch(
     zombie.prepare()  # flushed, never committed; its process "dies" here
     swept = sink.abort_lingering(scope, lambda n: n.batch_id <= 0)
     assert swept == [str(late.txn_name())]
-    # batch 1's task on the same id begins and commits: the orphan was ended by
+    # batch 1's task on the same id begins and commits: the orphan was fenced at
     # its own epoch, nothing of it is readable, and batch 1's rows are
     done = [_task(sink, scope, 1, 0, lane)]
     _checkpoint(sink, scope, 1, done)

@@ -17,10 +17,15 @@ writes data (:mod:`sinks.kafka.registry`); the sweep reads the registry
 incrementally, asks ``is_orphan`` about each id announced for this topic under
 ``scope.own_prefixes()`` (this incarnation's, and first-format names: never
 another incarnation's, unless the coordinator passes that incarnation's scope
-after a start-over), fences the orphans and tombstones them once the registry
-shows them aborted. Limits: ``registry_topic=None`` disables the sweep (Apache
-Kafka then aborts orphans only after ``transaction.timeout.ms``; until then
-they hold back read_committed consumers) and the memory of progress below;
+after a start-over), ends the orphans and tombstones them once the registry
+shows them aborted. An orphan is ended by a fence: a pooled id while batches
+run only at the transaction's known producer id and epoch
+(:func:`sinks.kafka.txn.fence_own`: a later lease may hold the id; the bumped
+epoch stops a zombie of the attempt from opening a transaction no registry
+entry names), any other id, and every id at recovery, blindly. Limits:
+``registry_topic=None`` disables the sweep (Apache Kafka then aborts orphans
+only after ``transaction.timeout.ms``; until then they hold back
+read_committed consumers) and the memory of progress below;
 every transactional id leaves coordinator state for
 ``transactional.id.expiration.ms`` (7 days by default): with the pool, lanes
 x partitions x attempts of them; without it, one per task and batch.
@@ -57,7 +62,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,6 +69,7 @@ from sinks import _faults, base
 from sinks._parallel import slices
 from sinks._retry import retry_transient
 from sinks.base import Committable, JobScope, LingeringTxn, OrphanTest
+from sinks.errors import REWRITE_ADVICE, TransactionLostError
 from sinks.kafka import outcome, txn, txn_age
 from sinks.kafka.connections import DriverConnections
 from sinks.kafka.pool import IdPool, lane_of
@@ -114,8 +119,17 @@ class KafkaCommitter:
     # -- commit ---------------------------------------------------------------------------
 
     def commit(self, committables: Sequence[Committable]) -> None:
-        """EndTxn(commit) for every transaction of ``committables``; replays of
-        batches this sink holds committed are fenced instead, and tombstoned."""
+        """EndTxn(commit) for every transaction of ``committables``, batch by
+        batch in ascending order; replays of batches this sink holds committed
+        are fenced instead, and tombstoned.
+
+        Before the first EndTxn, every transaction is checked with the broker
+        (:meth:`_check_alive`): when one is gone, none is committed and
+        :class:`TransactionLostError` names the lost ones (the coordinator then
+        owes their batches, rule 5). One can still be lost between that check
+        and its EndTxn (it reaches its timeout in between): the commit then
+        raises having committed part of the batch, and never any of a later
+        batch, so that only the lost tasks' share is owed."""
         pending = {c["transactional_id"]: c for c in committables}
         if not pending:
             return
@@ -124,6 +138,7 @@ class KafkaCommitter:
         replayed: list[str] = []
         done = itertools.count(1)
         failed = False  # an attempt failed: the broker may have died inside an EndTxn
+        checked = False
 
         def attempt() -> None:
             nonlocal failed
@@ -134,8 +149,13 @@ class KafkaCommitter:
                 raise
 
         def commit_pending() -> None:
+            nonlocal checked
             with self.conns.wire() as wire:
-                replays = self.store.replays(wire, pending) if self.store else []
+                if not checked:  # a retry goes on where the last attempt stopped
+                    self._check_alive(wire, list(pending.values()))
+                    checked = True
+                ordinary = {t: c for t, c in pending.items() if not c.get(base.REPAYS)}
+                replays = self.store.replays(wire, ordinary) if self.store else []
                 if replays:
                     log.warning(
                         "%s: %d transaction(s) re-write batches this sink holds committed "
@@ -148,8 +168,10 @@ class KafkaCommitter:
                     for tid in replays:
                         del pending[tid]
                     replayed.extend(replays)
-                parts = slices(sorted(pending), most=self.commit_connections)
-                self.conns.each(wire, parts, commit_part, "commit")
+                for batch in sorted({_batch_of(c) for c in pending.values()}):
+                    ids = sorted(t for t, c in pending.items() if _batch_of(c) == batch)
+                    parts = slices(ids, most=self.commit_connections)
+                    self.conns.each(wire, parts, commit_part, "commit")
 
         def commit_part(wire: KafkaWire, part: list[str]) -> None:
             coordinators = wire.find_coordinators(part)
@@ -174,76 +196,82 @@ class KafkaCommitter:
         )
         self._tombstone(replayed)
 
-    def cannot_have_lost(self, committables: Sequence[Committable]) -> bool:
-        """True when every transaction opened (``opened_at``, the executor's
-        clock) less than ``transaction_timeout_ms`` minus a minute ago: the
-        broker cannot have aborted any at its timeout yet. Reading the log for
-        each (:meth:`classify`) costs a read per partition and transaction."""
-        opened = [c.get("opened_at") for c in committables]
-        if not opened or any(t is None for t in opened):
-            return False
-        margin_s = 60.0  # clock skew between executors and driver, the abort sweep's period
-        oldest = min(float(t) for t in opened if t is not None)
-        return time.time() - oldest < self.transaction_timeout_ms / 1000 - margin_s
+    def _check_alive(self, wire: KafkaWire, committables: list[Committable]) -> None:
+        """Raise :class:`TransactionLostError`, naming every lost transaction,
+        when one of ``committables`` ended without a commit: asked of the
+        broker (DescribeTransactions: open or committed with the transaction's
+        own producer id and epoch), then, for the ones it does not vouch for,
+        of the log (:mod:`sinks.kafka.outcome`), never of a clock. On a broker
+        that cannot describe transactions (tansu), EndTxn's refusal is
+        settled from the log instead, one transaction at a time."""
+        verdicts = outcome.verdicts(wire, committables)
+        if verdicts is None:
+            return
+        lost = [c for c in committables if verdicts[c["txn"]] == base.LOST]
+        if not lost:
+            return
+        raise TransactionLostError(
+            f"{self.where}: {len(lost)} of the {len(committables)} Kafka transaction(s) to "
+            "commit ended without a commit (the broker aborted them at transaction_timeout_ms="
+            f"{self.transaction_timeout_ms}, or another producer used their transactional "
+            "id): "
+            + ", ".join(f"{c['txn']} ({c.get('rows', '?')} rows)" for c in lost[:5])
+            + (" ..." if len(lost) > 5 else "")
+            + ". None of the transactions was committed. "
+            + REWRITE_ADVICE
+        )
 
     def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
-        """From the log, as the commit settles a refused EndTxn
-        (:mod:`sinks.kafka.outcome`): COMMIT marker: committed; no marker yet:
-        prepared; ABORT marker, or its records gone: lost."""
-        found: dict[str, str] = {}
+        """COMMITTED, PREPARED or LOST for each of ``committables``: the broker,
+        then the log (:func:`sinks.kafka.outcome.verdicts`); on a broker that
+        cannot describe transactions, the log alone."""
 
-        def read() -> None:
+        def read() -> dict[str, str]:
             with self.conns.wire() as wire:
-                for c in committables:
-                    if c["txn"] not in found:
-                        verdict = outcome.txn_outcome(wire, c)
-                        found[c["txn"]] = (
-                            base.COMMITTED
-                            if verdict == outcome.COMMITTED
-                            else base.PREPARED
-                            if verdict == outcome.OPEN
-                            else base.LOST
-                        )
+                found = outcome.verdicts(wire, committables)
+                if found is None:
+                    found = {c["txn"]: outcome.verdict_of(wire, c) for c in committables}
+                return found
 
-        retry_transient(
+        return retry_transient(
             read,
             what=f"check of {len(committables)} transaction(s) in {self.where}",
             transient=TRANSIENT,
             deadline=self.commit_timeout,
         )
-        return found
 
     # -- abort and sweep --------------------------------------------------------------------
 
     def _fence(self, wire: KafkaWire, transactional_ids: list[str]) -> None:
         txn.fence(wire, transactional_ids, self.transaction_timeout_ms)
 
-    def _not_to_fence(self, transactional_id: str, scope: JobScope) -> bool:
+    def _at_known_epoch(self, transactional_id: str, scope: JobScope) -> bool:
         """Whether ``transactional_id`` is a pooled id that a task of this run may
-        hold now: it is ended by its transaction's own epoch, never fenced."""
+        hold now: it is fenced only at its transaction's own producer id and
+        epoch (:func:`sinks.kafka.txn.fence_own`), never blindly."""
         return lane_of(transactional_id, self.id_prefix) is not None and self.pool.leasing(scope)
 
     def abort(self, committables: Sequence[Committable]) -> None:
-        """End every transaction of ``committables``: a pooled id by its own
-        producer id and epoch, any other by a fence; then tombstone them."""
+        """End every transaction of ``committables``: a pooled id by a fence at
+        its own producer id and epoch, any other by a blind fence; then
+        tombstone them."""
         ids = sorted({c["transactional_id"] for c in committables})
         if not ids:
             return
-        # a pooled id is ended by its own producer id and epoch (sinks/kafka/pool.py)
-        own = {
-            c["transactional_id"]: (int(c["producer_id"]), int(c["epoch"]))
-            for c in committables
-            for n in [TxnName.require(c["txn"])]
-            if self._not_to_fence(
-                c["transactional_id"], JobScope(n.job, n.pipeline, n.sink_id, n.incarnation)
-            )
-        }
+        # a pooled id is fenced at its own producer id and epoch (sinks/kafka/pool.py)
+        own: dict[str, tuple[int, int]] = {}
+        for c in committables:
+            n = TxnName.require(c["txn"])
+            scope = JobScope(n.job, n.pipeline, n.sink_id, n.incarnation)
+            if self._at_known_epoch(c["transactional_id"], scope):
+                own[c["transactional_id"]] = (int(c["producer_id"]), int(c["epoch"]))
+                self.pool.remember(scope, [c["transactional_id"]], self.id_prefix)
         legacy = [t for t in ids if t not in own]
         parts = slices(legacy, most=self.commit_connections)  # fence() empties them as it goes
 
         def attempt() -> None:
             with self.conns.wire() as wire:
-                txn.abort_own(wire, own)
+                txn.fence_own(wire, own, self.transaction_timeout_ms)  # empties it as it goes
                 self.conns.each(wire, [p for p in parts if p], self._fence, "abort")
 
         retry_transient(
@@ -319,17 +347,19 @@ class KafkaCommitter:
         def sweep() -> tuple[list[TxnName], dict[str, Announcement]]:
             with self.conns.wire() as wire:
                 announced = self._announced(wire, scope.own_prefixes())
+                self.pool.remember(scope, announced, self.id_prefix)  # lanes ask the broker
                 orphans = {t: n for t, (n, _) in announced.items() if is_orphan(n)}
                 orphans_named.update(orphans)
                 # (an orphan that ended already needs no fence: its writer aborted it, or
                 # the broker did at its timeout, bumping the epoch)
                 ending = [t for t in sorted(orphans) if announced[t][1].state == OPEN]
                 # a pooled id may be leased to a batch in flight (now, or by the time
-                # a fence lands): end the orphan's own transaction (its producer id
-                # and epoch), never fence the id
-                pooled = [t for t in ending if self._not_to_fence(t, scope)]
+                # a fence lands): fence it only at the orphan's own producer id and
+                # epoch, which also stops a zombie of the orphan (sinks/kafka/pool.py)
+                pooled = [t for t in ending if self._at_known_epoch(t, scope)]
                 if pooled:
-                    txn.abort_own(wire, {t: announced[t][1].own_epoch() for t in pooled})
+                    own = {t: announced[t][1].own_epoch() for t in pooled}
+                    txn.fence_own(wire, own, self.transaction_timeout_ms)
                 fenced = [t for t in ending if t not in pooled]
                 if fenced:
                     self._fence(wire, list(fenced))  # fenced twice after a retry: harmless
@@ -401,3 +431,7 @@ class KafkaCommitter:
             )
             return
         self.store.view.forget(ids)
+
+
+def _batch_of(committable: Committable) -> int:
+    return TxnName.require(committable["txn"]).batch_id

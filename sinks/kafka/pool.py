@@ -27,11 +27,17 @@ numbers Spark reaches.
 **An id returns to the pool only after its transaction ended.** A lane is
 released (:meth:`IdPool.release`) once its batch is settled (its checkpoint
 committed it, or it was aborted, and the sweep that follows aborted the batch's
-orphans: ``Sink.settled``) *and* the registry shows no transaction of the
-lane's ids still open or committed without its tombstone. Until then a new
-batch takes another lane (a new one if none is free). At a start every lane is
-free: recovery settles every transaction of earlier runs before the first
-batch (commit, abort, sweep).
+orphans: ``Sink.settled``), the registry shows no transaction of the lane's
+ids still open or committed without its tombstone, *and* the broker shows none
+open: DescribeTransactions of every id the pool has seen in the lane (in
+announcements, committables aborted, the registry), one request per
+coordinator, asked only for the lanes about to be released. The registry alone
+would not do: a transaction a zombie opened after the driver ended its
+attempt's (below) was never announced. A lane found open stays leased, and the
+next checkpoint's settle asks again. Until then a new batch takes another lane
+(a new one if none is free). At a start every lane is free: recovery settles
+every transaction of earlier runs before the first batch (commit, abort,
+sweep).
 
 **Why the announcement carries the name.** The registry is keyed by
 transactional id, so a reused id's announcement replaces the previous one (which
@@ -39,7 +45,7 @@ ended), and a batch can no longer be read from an id: each announcement carries
 its transaction's name (batch, partition, attempt, run, incarnation).
 
 **Who may bump an id's epoch.** InitProducerId on an id aborts whatever
-transaction is open on it, so:
+transaction is open on it, whatever epoch the request names, so:
 
 * a task's own InitProducerId runs only on an id of its lane, which no other
   batch holds; before it (before every attempt of it), the writer asks
@@ -49,12 +55,26 @@ transaction is open on it, so:
   InitProducerId in flight. Ids are pooled only on a broker that answers
   DescribeTransactions (Kafka 3.0 and later; not tansu): elsewhere every
   transaction has an id of its own, as before;
-* once batches run, the driver never fences a pooled id: it ends an orphan
-  (an announced transaction no ledger entry owns) and aborts a batch with
-  EndTxn(abort) and the transaction's own producer id and epoch, which cannot
-  touch a newer transaction of the id (a wrong epoch is refused). Recovery, at
-  a start before the first lease, fences them as it fences every id: nothing
-  of this run holds one yet, and the bumped epoch stops zombies of the last.
+* once batches run, the driver fences a pooled id only at a known epoch
+  (:func:`sinks.kafka.txn.fence_own`): to end an orphan (an announced
+  transaction no ledger entry owns) or abort a batch, it asks
+  DescribeTransactions and sends InitProducerId with the transaction's own
+  producer id and epoch only while the id is at that epoch; a newer epoch (a
+  later lease's transaction) is left alone. The bump is the point: an
+  EndTxn(abort) with that epoch would end the transaction without it, and a
+  zombie of the attempt (a speculative copy, a task Spark gave up on) would go
+  on to open another transaction with the same epoch, never announced, that
+  no sweep finds. Once fenced, its AddPartitionsToTxn and its produce are
+  refused. The window left: the transaction ends between the
+  DescribeTransactions and the InitProducerId (its attempt aborts it, or the
+  broker at its timeout) and a writer begins another on the id in between,
+  which the InitProducerId then aborts, as a timeout would. Writers refuse an
+  open id and a lane is leased again only once the broker shows none of its
+  ids open, so that writer can only be a later lease's, on a lane whose orphan
+  began after its release (an attempt of an earlier lease that started late).
+  Recovery, at a start before the first lease, fences pooled ids blindly as it
+  fences every id: nothing of this run holds one yet, and the bumped epoch
+  stops zombies of the last.
 
 A release waits for the tombstones of the lane's ids too: a tombstone written
 after a new announcement of the id would hide that one from the sweep.
@@ -70,7 +90,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from sinks.base import JobScope
@@ -114,6 +134,7 @@ class IdPool:
         self._leases: dict[tuple[str, int], _Lease] = {}  # (scope key, lane) -> lease
         self._lanes: dict[str, int] = {}  # scope key -> lanes ever made
         self._leasing: set[str] = set()  # scope keys that leased since the last reset
+        self._seen: dict[tuple[str, int], set[str]] = {}  # (scope key, lane) -> pooled ids
 
     def lease(self, scope: JobScope, batch: int, busy: Iterable[int] = ()) -> int:
         """A lane for ``batch`` of ``scope``: the lowest lane neither leased nor
@@ -137,10 +158,39 @@ class IdPool:
                 if k == key and held.batch <= through_batch:
                     held.settled = True
 
+    def remember(self, scope: JobScope, transactional_ids: Iterable[str], id_prefix: str) -> None:
+        """Note the pooled ids of ``scope`` among ``transactional_ids`` (others are
+        ignored), by lane: :meth:`seen` names them before their lane is released."""
+        prefix = pool_prefix(id_prefix, scope)
+        key = scope.key()
+        with self._lock:
+            for tid in transactional_ids:
+                lane = lane_of(tid, id_prefix) if tid.startswith(prefix) else None
+                if lane is not None:
+                    self._seen.setdefault((key, lane), set()).add(tid)
+
+    def seen(self, scope: JobScope, lanes: Iterable[int]) -> Mapping[str, int]:
+        """``{transactional id: lane}`` of every id :meth:`remember` noted in
+        ``lanes`` of ``scope``."""
+        key = scope.key()
+        with self._lock:
+            return {tid: lane for lane in lanes for tid in self._seen.get((key, lane), ())}
+
+    def releasable(self, scope: JobScope, busy: Iterable[int]) -> list[int]:
+        """The lanes :meth:`release` would return to the pool now."""
+        key = scope.key()
+        busy = set(busy)
+        with self._lock:
+            return sorted(
+                lane
+                for (k, lane), held in self._leases.items()
+                if k == key and held.settled and lane not in busy
+            )
+
     def release(self, scope: JobScope, busy: Iterable[int]) -> list[int]:
         """Return to the pool every settled lane of ``scope`` not in ``busy``
-        (lanes whose ids the registry shows open or not yet tombstoned); the
-        lanes released."""
+        (lanes whose ids the registry shows open or not yet tombstoned, or the
+        broker open); the lanes released."""
         key = scope.key()
         busy = set(busy)
         with self._lock:
@@ -154,12 +204,14 @@ class IdPool:
             return done
 
     def reset(self, scope: JobScope) -> None:
-        """Forget ``scope``'s leases (a job starts: nothing of an earlier run
-        is in flight once recovery has run)."""
+        """Forget ``scope``'s leases and the ids seen in them (a job starts:
+        nothing of an earlier run is in flight once recovery has run)."""
         key = scope.key()
         with self._lock:
             for k, lane in [k for k in self._leases if k[0] == key]:
                 del self._leases[(k, lane)]
+            for k, lane in [k for k in self._seen if k[0] == key]:
+                del self._seen[(k, lane)]
             self._leasing.discard(key)
 
     def leasing(self, scope: JobScope) -> bool:

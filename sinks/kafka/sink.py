@@ -67,7 +67,7 @@ from sinks.base import (
 )
 from sinks.errors import ConfigError
 from sinks.kafka import audit as kafka_audit
-from sinks.kafka import checks, txn_age
+from sinks.kafka import checks, txn, txn_age
 from sinks.kafka.committer import REGISTRY_TIMEOUT_S, KafkaCommitter
 from sinks.kafka.connections import DriverConnections
 from sinks.kafka.pool import IdPool, lane_of, pool_prefix, pooled_id
@@ -198,6 +198,7 @@ class KafkaSink(Sink):
         self._checkpoint_interval_s = 0.0
         self.registry_topic = registry_topic
         self.topic_max_bytes: int | None = None  # the topic's max.message.bytes (preflight)
+        self.topic_cleanup_policy: str | None = None  # the topic's cleanup.policy (preflight)
         self.pooled_ids = False  # the broker describes transactions (preflight): pool the ids
         self.flush_timeout = flush_timeout
         self.connect_timeout = connect_timeout
@@ -367,8 +368,10 @@ class KafkaSink(Sink):
             replication_factor=self.replication_factor,
             transaction_timeout_ms=self.transaction_timeout_ms,
         )
-        # the writers size their record batches to it (they run on executors: pickled)
+        # the writers size their record batches to it, and refuse a tombstone of an
+        # event on a compacted topic (they run on executors: pickled)
         self.topic_max_bytes = facts.topic_max_bytes
+        self.topic_cleanup_policy = facts.topic_cleanup_policy
         self.pooled_ids = facts.pooled_ids
 
     @property
@@ -457,6 +460,7 @@ class KafkaSink(Sink):
             registry_topic=self.registry_topic,
             transaction_timeout_ms=self.transaction_timeout_ms,
             topic_max_bytes=self.topic_max_bytes,
+            topic_cleanup_policy=self.topic_cleanup_policy,
         )
 
     # -- progress and claims (sinks.kafka.progress) --------------------------------------
@@ -512,9 +516,6 @@ class KafkaSink(Sink):
         (:meth:`~sinks.kafka.committer.KafkaCommitter.commit`)."""
         self._committer.commit(committables)
 
-    def cannot_have_lost(self, committables: Sequence[Committable]) -> bool:
-        return self._committer.cannot_have_lost(committables)
-
     def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
         return self._committer.classify(committables)
 
@@ -550,26 +551,58 @@ class KafkaSink(Sink):
         return self._pool.lease(scope, batch_id, self._busy_lanes(scope))
 
     def settled(self, scope: JobScope, through_batch: int) -> None:
-        """Release the lanes of settled batches whose ids the registry shows ended."""
+        """Release the lanes of settled batches once their ids have ended: the
+        registry (as last read) shows none of them, and the broker none open
+        (DescribeTransactions of every id the pool has seen in the lanes about
+        to be released: a transaction a zombie opened after the driver ended
+        its attempt's was never announced). A lane found open, or that could
+        not be asked about, stays leased; the next checkpoint's settle asks
+        again."""
         self._pool.settle(scope, through_batch)
-        released = self._pool.release(scope, self._busy_lanes(scope))
+        busy = self._busy_lanes(scope)
+        seen = self._pool.seen(scope, self._pool.releasable(scope, busy))
+        if seen:
+            try:
+                with self._conns.wire() as wire:
+                    still_open = txn.open_ids(wire, seen) or {}
+            except Exception as e:
+                log.warning(
+                    "%s: could not ask the broker whether lanes %s of %s hold open "
+                    "transactions (%r); they stay leased until a later settle",
+                    self.describe(),
+                    sorted(set(seen.values())),
+                    scope,
+                    e,
+                )
+                busy |= set(seen.values())
+            else:
+                if still_open:
+                    ongoing = any(s.state == "Ongoing" for s in still_open.values())
+                    log.log(
+                        logging.WARNING if ongoing else logging.INFO,
+                        "%s: lanes %s of %s stay leased: the broker shows open transactions "
+                        "on their ids: %s",
+                        self.describe(),
+                        sorted({seen[t] for t in still_open}),
+                        scope,
+                        sorted(still_open.items())[:5],
+                    )
+                busy |= {seen[t] for t in still_open}
+        released = self._pool.release(scope, busy)
         if released:
             log.debug("%s: lanes %s of %s back in the pool", self.describe(), released, scope)
 
     def _busy_lanes(self, scope: JobScope) -> set[int]:
         """Lanes of ``scope`` with an id the registry (as last read) still shows:
         its transaction open, or ended and not yet tombstoned (a tombstone
-        written after a new announcement of the id would hide that one)."""
+        written after a new announcement of the id would hide that one). The
+        pool remembers those ids (:meth:`settled` asks the broker about them)."""
         if self._store is None:
             return set()
         prefix = pool_prefix(self.id_prefix, scope)
-        return {
-            lane
-            for tid in self._store.view.live()
-            if tid.startswith(prefix)
-            for lane in [lane_of(tid, self.id_prefix)]
-            if lane is not None
-        }
+        live = [tid for tid in self._store.view.live() if tid.startswith(prefix)]
+        self._pool.remember(scope, live, self.id_prefix)
+        return {lane for tid in live for lane in [lane_of(tid, self.id_prefix)] if lane is not None}
 
     def pool_size(self, scope: JobScope) -> int:
         """How many lanes of pooled ids ``scope`` has used in this run."""

@@ -36,20 +36,51 @@ there the check waits a moment at most. Limit: the first attempt of a commit
 
 Fence: InitProducerId with the transaction's id bumps its epoch, which aborts
 the open transaction and fences any zombie still writing with it. Fencing what
-is already aborted or committed is harmless.
+is already aborted or committed is harmless. Two kinds:
+
+* :func:`fence`, blind (producer id and epoch -1): ends whatever is open on the
+  id, so only where no task of this run can hold the id (every id of the
+  first name formats; a pooled id at recovery, before the first lease);
+* :func:`fence_own`, at the known epoch, for a pooled id while batches run
+  (:mod:`sinks.kafka.pool`): it ends the transaction of one (producer id,
+  epoch), and the zombie that wrote it, and leaves a newer epoch's alone.
+  Not EndTxn(abort) with that epoch (:func:`abort_own`, kept for a broker
+  that cannot describe transactions): under the classic protocol the sink
+  speaks (EndTxn v3, InitProducerId v4), that ends the transaction without
+  bumping the epoch, so a zombie still writing with it opens a new
+  transaction on its next AddPartitionsToTxn, one the registry never hears of
+  (it announces once, when it begins).
+
+What Apache Kafka 4.2 (transactions version 1 and 2 alike) answers
+InitProducerId with an expected producer id and epoch, by the id's state:
+Ongoing (whatever its epoch): the coordinator bumps the epoch, writes the ABORT
+markers with the bumped one, and answers CONCURRENT_TRANSACTIONS; from then on
+the partitions refuse a produce at the old epoch (INVALID_PRODUCER_EPOCH) and
+the coordinator its AddPartitionsToTxn (PRODUCER_FENCED). CompleteCommit,
+CompleteAbort (and Empty) at the expected epoch: the epoch is bumped (NONE)
+and no marker written; the coordinator refuses the old epoch as above, and a
+partition refuses it only by asking the coordinator (partition verification,
+on by default since Kafka 3.6). Limit: on a broker without it, a zombie whose
+transaction had already ended at that epoch (by an EndTxn) may still append
+to a partition it wrote before, a transaction the coordinator does not know.
+Asked again, the same request answers NONE with the epoch it gave after a
+Complete* state; after an Ongoing one, PRODUCER_FENCED under transactions
+version 1 and NONE (the id then Empty) under version 2. Another producer id:
+PRODUCER_FENCED.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import kafka.errors as Errors
 
 from sinks.errors import REWRITE_ADVICE, TransactionLostError
 from sinks.kafka import outcome
-from sinks.kafka.wire import KafkaWire
+from sinks.kafka.wire import KafkaWire, TxnState
 
 log = logging.getLogger("sinks.kafka")
 
@@ -125,8 +156,10 @@ _ENDED = (
 def abort_own(wire: KafkaWire, transactions: dict[str, tuple[int, int]]) -> None:
     """End each transaction itself: EndTxn(abort) with its own producer id and
     epoch (``{transactional id: (producer id, epoch)}``), which cannot touch a
-    newer transaction of a reused id (a wrong epoch is refused), where
-    InitProducerId on the id would abort whatever is open on it. A broker that
+    newer transaction of a reused id (a wrong epoch is refused). It does not
+    bump the epoch, so a zombie of that epoch may begin another transaction
+    (module docstring): only for a broker that cannot describe transactions,
+    where :func:`fence_own` cannot tell what it would fence. A broker that
     closes the connection instead (tansu, for a wrong epoch) is left to the
     registry's marker: an orphan still open there is tried again by the next
     sweep."""
@@ -144,6 +177,116 @@ def abort_own(wire: KafkaWire, transactions: dict[str, tuple[int, int]]) -> None
         if issubclass(error, Errors.RetriableError):
             raise error(f"EndTxn(abort) of {tid}")
         log.warning("EndTxn(abort) of %s (epoch %s) answered %s", tid, epoch, error)
+
+
+OPEN_STATES = frozenset({"Ongoing", "PrepareCommit", "PrepareAbort", "PrepareEpochFence"})
+"""states of a transactional id whose transaction has not ended"""
+
+_FENCE = "fence"
+_WAIT = "wait"
+_DONE = "done"
+
+_FENCED = (
+    Errors.ProducerFencedError,  # another producer id, or a newer epoch than the expected one
+    Errors.InvalidProducerEpochError,
+    Errors.InvalidProducerIdMappingError,
+)
+"""InitProducerId answers to an expected (producer id, epoch) that is no longer
+the id's: that epoch's transaction ended, and so did its producer"""
+
+
+def fence_own(wire: KafkaWire, transactions: dict[str, tuple[int, int]], timeout_ms: int) -> None:
+    """End each transaction and fence its producer at its known epoch
+    (``{transactional id: (producer id, epoch)}``): DescribeTransactions (one
+    request per coordinator), then, by what it tells of each id:
+
+    * another producer id, or a higher epoch: a newer epoch exists, so the
+      transaction of this one ended and its producer is fenced: nothing to do
+      (never touching the newer one: a later lease's);
+    * PrepareCommit, PrepareAbort: ending; asked again shortly;
+    * that producer id and epoch, Ongoing (the transaction, or one its zombie
+      began after an EndTxn), Empty, CompleteCommit or CompleteAbort:
+      InitProducerId with that producer id and epoch, which bumps it (module
+      docstring); CONCURRENT_TRANSACTIONS (an Ongoing one being aborted) is
+      asked again and then shows the bumped epoch; PRODUCER_FENCED,
+      INVALID_PRODUCER_EPOCH: ended already.
+
+    Apache Kafka fences an Ongoing transaction whatever the epoch the request
+    expects, hence the DescribeTransactions first. The window left: the
+    transaction ends between the two requests and a writer begins another on
+    the id, which the InitProducerId then aborts. Lanes keep writers off such
+    an id (:mod:`sinks.kafka.pool`, "Who may bump an id's epoch": a writer
+    refuses an open id, a lane is leased again only once the broker shows
+    none of its ids open).
+
+    On a broker that cannot describe transactions (tansu) this is
+    :func:`abort_own`. Ids are removed from ``transactions`` as they are done,
+    so a retry goes on where a transient error stopped it."""
+    if not transactions:
+        return
+    coordinators = wire.find_coordinators(list(transactions))
+    pause, waited = 0.005, 0.0
+    while transactions:
+        states = wire.describe_transactions({t: coordinators[t] for t in transactions})
+        if states is None:
+            abort_own(wire, transactions)
+            transactions.clear()
+            return
+        moves = {t: _fence_move(t, states[t], *transactions[t]) for t in transactions}
+        for tid in [t for t, move in moves.items() if move == _DONE]:
+            del transactions[tid]
+        fencing = sorted(t for t, move in moves.items() if move == _FENCE)
+        if fencing:
+            answers = wire.init_producer_ids(
+                coordinators, fencing, timeout_ms, {t: transactions[t] for t in fencing}
+            )
+            for tid, error in sorted(answers.items()):
+                if error is Errors.NoError or error in _FENCED:
+                    del transactions[tid]
+                elif error is not Errors.ConcurrentTransactionsError:
+                    raise error(f"InitProducerId (fence at epoch {transactions[tid][1]}) of {tid}")
+        if transactions:
+            if waited > 30:
+                tid = min(transactions)
+                raise Errors.ConcurrentTransactionsError(f"fence of {tid}: still ending")
+            time.sleep(pause)
+            waited += pause
+            pause = min(pause * 2, 0.25)
+
+
+def _fence_move(tid: str, state: TxnState | None, producer_id: int, epoch: int) -> str:
+    """What :func:`fence_own` does next about ``tid``, which its coordinator
+    describes as ``state`` (None: unknown, expired), to end the transaction of
+    (``producer_id``, ``epoch``)."""
+    if state is None or state.producer_id != producer_id or state.epoch > epoch:
+        return _DONE
+    if state.epoch < epoch:
+        log.warning(
+            "Kafka transactional id %s (producer id %s) is at epoch %s, below its "
+            "transaction's %s: left alone",
+            tid,
+            producer_id,
+            state.epoch,
+            epoch,
+        )
+        return _DONE
+    if state.state in ("PrepareCommit", "PrepareAbort", "PrepareEpochFence"):
+        return _WAIT
+    return _FENCE
+
+
+def open_ids(wire: KafkaWire, transactional_ids: Iterable[str]) -> dict[str, TxnState] | None:
+    """Those of ``transactional_ids`` whose coordinator shows a transaction that
+    has not ended (:data:`OPEN_STATES`), whatever its epoch, with their state:
+    one FindCoordinator and one DescribeTransactions per coordinator. None on a
+    broker that cannot describe transactions."""
+    ids = sorted(set(transactional_ids))
+    if not ids:
+        return {}
+    states = wire.describe_transactions(wire.find_coordinators(ids))
+    if states is None:
+        return None
+    return {t: s for t, s in states.items() if s is not None and s.state in OPEN_STATES}
 
 
 def fence(wire: KafkaWire, transactional_ids: list[str], timeout_ms: int) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,29 @@ _COORDINATOR_NOT_READY = (
 # NOT_COORDINATOR, CONCURRENT_TRANSACTIONS, a node not ready...; UnknownBrokerIdError:
 # a broker not yet in our metadata (looked up again on the next attempt).
 TRANSIENT: tuple[type[BaseException], ...] = (Errors.RetriableError, Errors.UnknownBrokerIdError)
+
+
+def _init_producer_id(
+    transactional_id: str | None, timeout_ms: int, expected: tuple[int, int] | None
+) -> Any:
+    """An InitProducerId request; with ``expected`` (producer id, epoch) at
+    version 3 or above (the first that carries them), never silently without."""
+    if expected is None:
+        return InitProducerIdRequest(
+            transactional_id=transactional_id,
+            transaction_timeout_ms=timeout_ms,
+            producer_id=-1,
+            producer_epoch=-1,
+            max_version=_INIT_PID_MAX_VERSION,
+        )
+    return InitProducerIdRequest(
+        transactional_id=transactional_id,
+        transaction_timeout_ms=timeout_ms,
+        producer_id=expected[0],
+        producer_epoch=expected[1],
+        min_version=3,
+        max_version=_INIT_PID_MAX_VERSION,
+    )
 
 
 def client_config(producer_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -259,51 +282,59 @@ class KafkaWire:
         return Errors.for_code(response.error_code)
 
     def init_producer_id(
-        self, coordinator: Any, transactional_id: str | None, transaction_timeout_ms: int
+        self,
+        coordinator: Any,
+        transactional_id: str | None,
+        transaction_timeout_ms: int,
+        expected: tuple[int, int] | None = None,
     ) -> tuple[type[Errors.KafkaError], int, int]:
         """InitProducerId for ``transactional_id``: bumps its epoch, which fences
         any producer still using it and aborts its open transaction. Without a
         transactional id (``coordinator`` None: any broker): a fresh producer id
         for an idempotent producer.
 
+        ``expected`` (producer id, epoch): the id's producer id and epoch as the
+        caller knows them (InitProducerId v3+; refused by an older broker).
+        Apache Kafka answers PRODUCER_FENCED when the producer id is another,
+        and, for an id whose transaction ended (Empty, CompleteCommit,
+        CompleteAbort), also when the epoch is neither the current one nor the
+        one just before it (a retry); an id whose transaction is Ongoing is
+        fenced whatever the epoch (:func:`sinks.kafka.txn.fence_own`).
+
         Returns (error class, producer id, new epoch)."""
         response = self.send(
-            InitProducerIdRequest(
-                transactional_id=transactional_id,
-                transaction_timeout_ms=transaction_timeout_ms,
-                producer_id=-1,
-                producer_epoch=-1,
-                max_version=_INIT_PID_MAX_VERSION,
-            ),
-            coordinator,
+            _init_producer_id(transactional_id, transaction_timeout_ms, expected), coordinator
         )
         return Errors.for_code(response.error_code), response.producer_id, response.producer_epoch
 
     def init_producer_ids(
-        self, coordinators: dict[str, Any], transactional_ids: list[str], timeout_ms: int
+        self,
+        coordinators: dict[str, Any],
+        transactional_ids: list[str],
+        timeout_ms: int,
+        expected: Mapping[str, tuple[int, int]] | None = None,
     ) -> dict[str, type[Errors.KafkaError]]:
         """:meth:`init_producer_id` for each of ``transactional_ids``, a few at a
         time (sent without waiting, then their answers collected: kafka-python
         keeps at most 5 requests in flight per connection): the error class of
-        each."""
+        each. ``expected``: per id, its producer id and epoch as the caller knows
+        them (see :meth:`init_producer_id`)."""
         errors: dict[str, type[Errors.KafkaError]] = {}
         for start in range(0, len(transactional_ids), _IN_FLIGHT):
             part = transactional_ids[start : start + _IN_FLIGHT]
-            errors.update(self._init_producer_ids(coordinators, part, timeout_ms))
+            errors.update(self._init_producer_ids(coordinators, part, timeout_ms, expected or {}))
         return errors
 
     def _init_producer_ids(
-        self, coordinators: dict[str, Any], transactional_ids: list[str], timeout_ms: int
+        self,
+        coordinators: dict[str, Any],
+        transactional_ids: list[str],
+        timeout_ms: int,
+        expected: Mapping[str, tuple[int, int]],
     ) -> dict[str, type[Errors.KafkaError]]:
         sent: dict[str, tuple[Any, threading.Event]] = {}
         for tid in transactional_ids:
-            request = InitProducerIdRequest(
-                transactional_id=tid,
-                transaction_timeout_ms=timeout_ms,
-                producer_id=-1,
-                producer_epoch=-1,
-                max_version=_INIT_PID_MAX_VERSION,
-            )
+            request = _init_producer_id(tid, timeout_ms, expected.get(tid))
             answered = threading.Event()
             future = self.submit(request, coordinators[tid])
             future.add_both(lambda _, done=answered: done.set())
@@ -334,6 +365,38 @@ class KafkaWire:
                 raise error(f"DescribeTransactions of {transactional_id}")
             return TxnState(t.transaction_state, t.producer_id, t.producer_epoch)
         return None
+
+    def describe_transactions(
+        self, coordinators: dict[str, Any]
+    ) -> dict[str, TxnState | None] | None:
+        """DescribeTransactions of every id of ``coordinators`` (``{transactional
+        id: coordinator node id}``, as :meth:`find_coordinators` gives), one
+        request per coordinator: each id's state, producer id and epoch, None
+        for an id the broker does not know (never used, or expired). None as a
+        whole when the broker does not implement the request (tansu, Kafka
+        before 3.0)."""
+        if self.api_version(DescribeTransactionsRequest) < 0:
+            return None
+        by_node: dict[Any, list[str]] = {}
+        for tid, node in coordinators.items():
+            by_node.setdefault(node, []).append(tid)
+        found: dict[str, TxnState | None] = {}
+        for node, ids in by_node.items():
+            response = self.send(DescribeTransactionsRequest(transactional_ids=ids), node)
+            for t in response.transaction_states:
+                error = Errors.for_code(t.error_code)
+                if error is Errors.TransactionalIdNotFoundError:
+                    found[t.transactional_id] = None
+                elif error is not Errors.NoError:
+                    raise error(f"DescribeTransactions of {t.transactional_id}")
+                else:
+                    found[t.transactional_id] = TxnState(
+                        t.transaction_state, t.producer_id, t.producer_epoch
+                    )
+        missing = sorted(set(coordinators) - set(found))
+        if missing:
+            raise Errors.KafkaError(f"DescribeTransactions answered nothing for {missing[:3]}")
+        return found
 
     def list_transactions(self) -> list[str]:
         """Every transactional id the brokers' transaction coordinators hold
