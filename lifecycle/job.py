@@ -507,6 +507,12 @@ class Job:
             if live:
                 p.stop_query(self.stop_grace)
                 coord.reset_pipeline(name)
+            owing = {sid for sinks in owed[name].values() for sid in sinks}
+            for sink in p.sinks:
+                if sink.sink_id in owing:
+                    # as a start would: the loss may be a change of the target (a
+                    # constraint added to a Delta table) the writers must know of
+                    sink.preflight(p.schema)
             replay.pay_owed(self.name, coord, self._pipelines, only=[name])
             if live:
                 self._start(coord, p)
