@@ -215,7 +215,16 @@ class KafkaCommitter:
             "commit ended without a commit (the broker aborted them at transaction_timeout_ms="
             f"{self.transaction_timeout_ms}, or another producer used their transactional "
             "id): "
-            + ", ".join(f"{c['txn']} ({c.get('rows', '?')} rows)" for c in lost[:5])
+            + ", ".join(
+                f"{c['txn']} ("
+                + (
+                    f"transactional id {c['transactional_id']}, "
+                    if c["transactional_id"] != c["txn"]
+                    else ""
+                )
+                + f"{c.get('rows', '?')} rows)"
+                for c in lost[:5]
+            )
             + (" ..." if len(lost) > 5 else "")
             + ". None of the transactions was committed. "
             + REWRITE_ADVICE
