@@ -19,6 +19,7 @@ from pathlib import Path
 import psycopg
 import pyarrow as pa
 import pytest
+from psycopg import sql
 
 from lifecycle.coordinator import Coordinator
 from lifecycle.errors import CheckpointCommitError
@@ -27,7 +28,7 @@ from lifecycle.ledger import FileLedger
 from lifecycle.spark_log import SparkCommitLog
 from sinks import KafkaSink, PostgresSink, _faults
 from sinks._parallel import slices
-from sinks.base import Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
+from sinks.base import REPAYS, Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
 from sinks.errors import ConfigError, TransactionLostError
 from sinks.kafka.log import read_topic
 from sinks.naming import TxnName
@@ -234,6 +235,36 @@ def test_postgres_a_lost_transaction_fails_the_commit_and_the_rest_commits_after
     assert job_prepared(pg_dsn, job) == []
     with psycopg.connect(pg_dsn) as c:
         assert c.execute("SELECT count(*) FROM t").fetchone() == (15,)
+
+
+@pytest.mark.parametrize("repays", [True, False], ids=["repayment", "replay"])
+def test_postgres_work_that_repays_a_batch_commits_though_the_sink_holds_it(
+    pg_sink: PostgresSink, pg_dsn: str, repays: bool
+) -> None:
+    """A transaction of batch 0 is lost in the middle of its commit: the rest
+    committed, and the sink's progress holds batch 0. The lost task's share
+    written again is marked a repayment (``REPAYS``, rule 5) and commits;
+    the same work unmarked is a replay of a batch the sink holds, and is
+    rolled back."""
+    job = f"par{uuid.uuid4().hex[:6]}"
+    cs = _prepare_pg(pg_sink, job, 2)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(cs[1]["txn"])))
+    pg_sink.commit(cs[:1])
+    pg_sink.forget(cs[:1])
+    scope = JobScope(job, "p", pg_sink.sink_id, "0123456789ab")
+    w = pg_sink.open_writer(WriteContext(scope, 2, 0, 1, 99), SCHEMA)  # run 2, partition 1
+    w.write(pa.RecordBatch.from_pydict({"id": [1]}, schema=SCHEMA))
+    again = w.prepare()
+    w.close()
+    assert again is not None
+    if repays:
+        again[REPAYS] = True
+    pg_sink.commit([again])
+    assert job_prepared(pg_dsn, job) == []
+    with psycopg.connect(pg_dsn) as c:
+        ids = [r[0] for r in c.execute("SELECT id FROM t ORDER BY id")]
+    assert ids == ([0, 1] if repays else [0])
 
 
 # -- Kafka: EndTxn over several connections -----------------------------------------------
