@@ -21,7 +21,9 @@ ledgers of several jobs share the tables, one ledger per job name::
                            recorded non-secret settings (JSONB), as the
                            ``twophase`` commands rebuild it
     ``owed``               one row per batch owed to sinks whose work of it was lost
-                           (format 3): sink id -> ``{"rows", "work"}`` (JSONB)
+                           (format 3): sink id -> ``{"rows", "work"}`` (JSONB), and
+                           since format 4 ``"parts"`` where only some Spark
+                           partitions of the batch are owed
 
 Deleting a job's ``ledgers`` row deletes its whole ledger (foreign keys cascade).
 """
