@@ -40,7 +40,7 @@ from sinks.base import Committable, JobScope
 from sinks.kafka import txn
 from sinks.kafka.pool import lane_of
 from sinks.kafka.produce import ProduceError, TxnProducer
-from sinks.kafka.wire import KafkaWire, TxnState
+from sinks.kafka.wire import OPEN_STATES, KafkaWire, TxnState
 from tests.kafkacheck import assert_exactly_once, assert_nothing_open, read_settled
 from tests.test_apache_kafka import _transaction_version
 from tests.test_kafka_pool import _checkpoint, _ctx, _task
@@ -122,7 +122,7 @@ def _open(bootstrap: str, transactional_ids: list[str]) -> dict[str, TxnState]:
     with KafkaWire(bootstrap) as wire:
         found = wire.describe_transactions(wire.find_coordinators(transactional_ids))
     assert found is not None
-    return {t: s for t, s in found.items() if s is not None and s.state in txn.OPEN_STATES}
+    return {t: s for t, s in found.items() if s is not None and s.state in OPEN_STATES}
 
 
 @pytest.mark.parametrize("where", ["new-partition", "old-partition"])

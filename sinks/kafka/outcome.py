@@ -29,7 +29,7 @@ OPEN = "open"
 UNKNOWN = "unknown"  # the data or the marker is no longer in the log (retention, deleted topic)
 
 
-_OPEN_STATES = ("Ongoing", "PrepareCommit")
+_COMMITTABLE_STATES = ("Ongoing", "PrepareCommit")
 """coordinator states of a transaction a commit would still go through for"""
 _COMMITTED_STATE = "CompleteCommit"
 
@@ -53,7 +53,7 @@ def verdicts(wire: KafkaWire, committables: Sequence[dict[str, Any]]) -> dict[st
             and state.producer_id == int(c["producer_id"])
             and state.epoch == int(c["epoch"])
         )
-        if own and state is not None and state.state in _OPEN_STATES:
+        if own and state is not None and state.state in _COMMITTABLE_STATES:
             found[c["txn"]] = base.PREPARED
         elif own and state is not None and state.state == _COMMITTED_STATE:
             found[c["txn"]] = base.COMMITTED

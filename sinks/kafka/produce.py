@@ -58,12 +58,10 @@ from kafka.protocol.producer import AddPartitionsToTxnRequest, ProduceRequest
 
 from sinks.errors import TwoPhaseError
 from sinks.kafka.records import EncodedBatch
-from sinks.kafka.wire import TRANSIENT, KafkaWire
+from sinks.kafka.wire import OPEN_STATES, TRANSIENT, KafkaWire
 
 log = logging.getLogger("sinks.kafka")
 
-_OPEN_STATES = ("Ongoing", "PrepareCommit", "PrepareAbort", "PrepareEpochFence")
-"""coordinator states of a transaction that has not ended"""
 _PRODUCE_MAX_VERSION = 11  # v12 adds partitions implicitly (transactions v2): not for us
 _ADD_PARTITIONS_MAX_VERSION = 3
 _SEQUENCE_WRAP = 1 << 31
@@ -236,7 +234,7 @@ class TxnProducer:
             except TRANSIENT as e:
                 self._retry_or_raise(type(e), deadline, "DescribeTransactions")
                 continue
-            if found is None or found.state not in _OPEN_STATES:
+            if found is None or found.state not in OPEN_STATES:
                 return
             if found.state == "Ongoing":
                 raise OpenTransactionError(

@@ -80,7 +80,7 @@ import kafka.errors as Errors
 
 from sinks.errors import REWRITE_ADVICE, TransactionLostError
 from sinks.kafka import outcome
-from sinks.kafka.wire import KafkaWire, TxnState
+from sinks.kafka.wire import OPEN_STATES, KafkaWire, TxnState
 
 log = logging.getLogger("sinks.kafka")
 
@@ -179,9 +179,6 @@ def abort_own(wire: KafkaWire, transactions: dict[str, tuple[int, int]]) -> None
         log.warning("EndTxn(abort) of %s (epoch %s) answered %s", tid, epoch, error)
 
 
-OPEN_STATES = frozenset({"Ongoing", "PrepareCommit", "PrepareAbort", "PrepareEpochFence"})
-"""states of a transactional id whose transaction has not ended"""
-
 _FENCE = "fence"
 _WAIT = "wait"
 _DONE = "done"
@@ -277,7 +274,7 @@ def _fence_move(tid: str, state: TxnState | None, producer_id: int, epoch: int) 
 
 def open_ids(wire: KafkaWire, transactional_ids: Iterable[str]) -> dict[str, TxnState] | None:
     """Those of ``transactional_ids`` whose coordinator shows a transaction that
-    has not ended (:data:`OPEN_STATES`), whatever its epoch, with their state:
+    has not ended (:data:`sinks.kafka.wire.OPEN_STATES`), whatever its epoch, with their state:
     one FindCoordinator and one DescribeTransactions per coordinator. None on a
     broker that cannot describe transactions."""
     ids = sorted(set(transactional_ids))

@@ -118,6 +118,10 @@ class TxnState:
     epoch: int
 
 
+OPEN_STATES = frozenset({"Ongoing", "PrepareCommit", "PrepareAbort", "PrepareEpochFence"})
+"""the :attr:`TxnState.state` of a transaction that has not ended"""
+
+
 @dataclass(frozen=True)
 class RawPartition:
     """One Fetch answer for a partition: raw record bytes and offsets."""
