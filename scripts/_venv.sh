@@ -32,8 +32,10 @@ if ! .venv/bin/python -c 'import sinks, lifecycle, pytest' >/dev/null 2>&1 \
     touch .venv/.installed
 fi
 # The JVM artifacts (lifecycle/testing/jars.py: delta-spark, Spark's Kafka source,
-# the Apache Kafka broker, the PostgreSQL JDBC driver), fetched once with Maven into
-# $TWOPHASE_JARS (default ~/.cache/twophase/jars); offline once cached.
+# the Apache Kafka broker, the PostgreSQL JDBC driver, Hadoop's HDFS minicluster,
+# S3Proxy, Hadoop's S3A with the AWS SDK bundle: about 900 MB in all),
+# fetched once with Maven into $TWOPHASE_JARS (default ~/.cache/twophase/jars);
+# offline once cached.
 if command -v mvn >/dev/null 2>&1; then
     if ! .venv/bin/python -m lifecycle.testing.jars fetch > .venv/jars.log 2>&1; then
         tail -n 30 .venv/jars.log >&2

@@ -47,14 +47,20 @@ SPECULATION_ENV = "TWOPHASE_TEST_SPECULATION"
 speculates in local mode)"""
 
 
-def make_spark(app: str, master: str = "local[2,2]", jvm_packages: bool = False) -> SparkSession:
+def make_spark(
+    app: str,
+    master: str = "local[2,2]",
+    jvm_packages: bool = False,
+    conf: dict[str, str] | None = None,
+) -> SparkSession:
     """A local session (``local[N,F]`` lets a failed task be retried F times),
     or, in a job ``spark-submit`` started on a cluster, that cluster's session.
 
     ``jvm_packages`` adds delta-spark and Spark's Kafka source to a local session
     when their jars are cached: the tests' own session reads with them; a job
     process asks for them only when it reads Kafka, since they cost each JVM
-    start about 1.5 s here."""
+    start about 1.5 s here. ``conf``: more settings (S3A's, a classpath), set
+    last."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = SparkSession.builder
@@ -81,6 +87,8 @@ def make_spark(app: str, master: str = "local[2,2]", jvm_packages: bool = False)
         # A local session gets delta-spark and Spark's Kafka source when their jars are
         # cached (lifecycle/testing/jars.py); spark-submit's driver JVM is started already.
         builder = _with_jvm_packages(builder)
+    for k, v in (conf or {}).items():
+        builder = builder.config(k, v)
     return (
         builder.appName(app)
         .config("spark.ui.enabled", "false")

@@ -14,7 +14,9 @@ and registers the pytest plugin (:mod:`lifecycle.testing.plugin`: fixtures
 * :mod:`lifecycle.testing.apache_kafka`: ``ApacheKafka``, the broker users run
   (from jars :mod:`lifecycle.testing.jars` fetches), with
   :mod:`lifecycle.testing.kafka_security`'s ``SecureListener`` for SASL_SSL
-  and ACLs.
+  and ACLs;
+* :mod:`lifecycle.testing.hdfs`: ``MiniHdfs``, a NameNode and a DataNode
+  (Hadoop's minicluster, from jars too) for a ``state_dir`` on ``hdfs://``.
 
 Names are imported lazily (this package is imported with the plugin in every
 pytest run; Spark, psycopg and the clients load only when used).

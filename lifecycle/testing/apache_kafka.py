@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import base64
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -41,7 +40,7 @@ from typing import Any
 
 from lifecycle.testing import jars
 from lifecycle.testing.kafka_security import ADMIN, SecureListener
-from lifecycle.testing.services import ProcessService, free_port, serve
+from lifecycle.testing.services import ProcessService, free_port, java, serve
 
 KafkaJarsMissing = jars.JarsMissingError
 
@@ -66,13 +65,7 @@ class ApacheKafkaError(RuntimeError):
 
 
 def _java() -> str:
-    home = os.environ.get("JAVA_HOME")
-    if home and (Path(home) / "bin" / "java").exists():
-        return str(Path(home) / "bin" / "java")
-    found = shutil.which("java")
-    if found is None:
-        raise ApacheKafkaError("Apache Kafka needs Java (17 or later): java is not on PATH")
-    return found
+    return java("Apache Kafka", ApacheKafkaError)
 
 
 class ApacheKafka(ProcessService):

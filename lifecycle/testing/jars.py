@@ -12,6 +12,14 @@ The wheel ships no jar. What needs one:
 * ``kafka-broker``: the Apache Kafka broker (``kafka_2.13`` with its runtime
   dependencies), run by Java in KRaft mode;
 * ``jdbc``: the PostgreSQL JDBC driver (the benchmarks' JDBC baselines).
+* ``hdfs``: Hadoop's minicluster (``hadoop-client-minicluster``, with the
+  shaded Hadoop client it runs on, and ``slf4j-simple`` for its log), a
+  NameNode and a DataNode in one JVM outside Spark (:mod:`lifecycle.testing.hdfs`).
+* ``s3proxy``: S3Proxy (``org.gaul:s3proxy`` with its runtime dependencies), an
+  S3 server run by Java outside Spark (:mod:`lifecycle.testing.s3proxy`);
+* ``s3a``: Hadoop's S3A for Spark (``hadoop-aws`` of the Hadoop release the
+  installed pyspark ships, :func:`hadoop_version`, with the AWS SDK bundle it
+  declares: about 690 MB), for sessions that read or write ``s3a://``.
 
 Versions follow the installed pyspark where the artifact is built per Spark
 line (:func:`artifacts`). The cache is ``$TWOPHASE_JARS`` or
@@ -49,7 +57,16 @@ package accepts pyspark 4.0.1 to 4.2.0; Maven has ``delta-spark_<line>_2.13``
 for these lines only)"""
 KAFKA_VERSION = "4.2.0"
 """the Apache Kafka broker the suite runs (``docker-compose.yml`` has the same)"""
+HADOOP_MINICLUSTER_VERSION = "3.5.0"
+"""HDFS of the tests (Hadoop's minicluster, :mod:`lifecycle.testing.hdfs`): the
+Hadoop release whose client pyspark 4.2.0 ships (``hadoop-client-api-3.5.0``)"""
+SLF4J_SIMPLE_VERSION = "1.7.36"
+"""the log binding of the minicluster's JVM (the slf4j-api 1.7.36 it depends on)"""
 POSTGRES_JDBC_VERSION = "42.7.4"
+S3PROXY_VERSION = "2.9.0"
+"""S3Proxy, the S3 server of the tests and the kit (:mod:`lifecycle.testing.s3proxy`):
+2.9.0 is the first to honour ``If-None-Match``/``If-Match`` on PUT (2.6.0 ignores
+them and overwrites), on which delta-rs's commits and the sink's markers rely"""
 
 JARS_ENV = "TWOPHASE_JARS"
 """where the cache is (a directory); default ``~/.cache/twophase/jars``"""
@@ -85,6 +102,25 @@ def spark_line(version: str | None = None) -> str:
     return ".".join((version or spark_version()).split(".")[:2])
 
 
+def hadoop_version() -> str | None:
+    """The Hadoop client version the installed pyspark ships (``3.5.0`` for
+    pyspark 4.2.0), read from its ``hadoop-client-api`` jar: ``hadoop-aws``
+    must match it exactly (S3A is built against one Hadoop release). None
+    for a pyspark without jars (``pyspark-client``): no ``s3a`` set then."""
+    import pyspark
+
+    found = sorted((Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar"))
+    m = re.match(r"^hadoop-client-api-(.+)\.jar$", found[-1].name) if found else None
+    return m.group(1) if m else None
+
+
+def _s3a() -> dict[str, list[Artifact]]:
+    """The ``s3a`` set (``hadoop-aws`` of :func:`hadoop_version`), when pyspark
+    ships a Hadoop client."""
+    hadoop = hadoop_version()
+    return {"s3a": [Artifact("org.apache.hadoop", "hadoop-aws", hadoop)]} if hadoop else {}
+
+
 def artifacts(spark: str | None = None) -> dict[str, list[Artifact]]:
     """Every set of jars, for pyspark ``spark`` (default: the installed one)."""
     spark = spark or spark_version()
@@ -96,10 +132,16 @@ def artifacts(spark: str | None = None) -> dict[str, list[Artifact]]:
         "spark-kafka": [Artifact("org.apache.spark", "spark-sql-kafka-0-10_2.13", spark)],
         "kafka-broker": [Artifact("org.apache.kafka", "kafka_2.13", KAFKA_VERSION)],
         "jdbc": [Artifact("org.postgresql", "postgresql", POSTGRES_JDBC_VERSION, False)],
+        "hdfs": [
+            Artifact("org.apache.hadoop", "hadoop-client-minicluster", HADOOP_MINICLUSTER_VERSION),
+            Artifact("org.slf4j", "slf4j-simple", SLF4J_SIMPLE_VERSION, False),
+        ],
+        "s3proxy": [Artifact("org.gaul", "s3proxy", S3PROXY_VERSION)],
+        **_s3a(),
     }
 
 
-SPARK_HOSTED = frozenset({"delta", "spark-kafka"})
+SPARK_HOSTED = frozenset({"delta", "spark-kafka", "s3a"})
 """sets that run inside Spark: a dependency Spark ships itself is left out,
 so that Spark's own version stays the one on the classpath"""
 
@@ -160,7 +202,8 @@ REQUIRE_ENV = "TWOPHASE_REQUIRE_JARS"
 
 def not_built_for_this_spark(name: str, spark: str | None = None) -> str | None:
     """Why set ``name`` cannot exist for pyspark ``spark`` (default: the
-    installed one), or None: delta-spark is built for :data:`DELTA_SPARK_LINES`."""
+    installed one), or None: delta-spark is built for :data:`DELTA_SPARK_LINES`,
+    and ``s3a`` matches the Hadoop client pyspark ships (:func:`hadoop_version`)."""
     spark = spark or spark_version()
     if name == "delta" and spark_line(spark) not in DELTA_SPARK_LINES:
         return (
@@ -170,6 +213,8 @@ def not_built_for_this_spark(name: str, spark: str | None = None) -> str | None:
             "DeltaSink commits through deltalake here (tables with features only delta-spark "
             "commits are refused, saying so)"
         )
+    if name == "s3a" and hadoop_version() is None:
+        return "the installed pyspark ships no Hadoop client (hadoop-client-api) for S3A to match"
     return None
 
 

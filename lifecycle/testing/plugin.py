@@ -32,6 +32,20 @@ Fixtures:
     ``twophase_kafka_topic(partitions=3)`` creates a fresh topic, returns its name.
 ``twophase_delta_table``
     The path of a fresh (not yet created) Delta table directory.
+``twophase_hdfs`` (session)
+    HDFS, a NameNode and a DataNode on loopback
+    (:class:`~lifecycle.testing.hdfs.MiniHdfs`, Hadoop's minicluster from the
+    jars :mod:`lifecycle.testing.jars` fetches; skipped, saying how to fetch
+    them, when they are missing): its ``uri`` is ``hdfs://127.0.0.1:PORT``, a
+    ``state_dir`` goes under it (``f"{twophase_hdfs.uri}/jobs/orders"``).
+``twophase_s3`` (session)
+    An S3 server on loopback (:class:`~lifecycle.testing.s3proxy.S3Proxy`:
+    S3Proxy from the jars :mod:`lifecycle.testing.jars` fetches, objects in a
+    temporary directory; skipped, saying how to fetch them, when they are
+    missing): ``endpoint``, ``access_key``, ``secret_key``, ``region``,
+    ``storage_options()`` for ``DeltaSink`` and ``spark_conf()`` for S3A.
+``twophase_s3_bucket``
+    The name of a fresh, empty bucket on that server, emptied and deleted afterwards.
 ``twophase_spark`` (session)
     A local SparkSession (two cores, no UI, 4 shuffle partitions) whose Python
     workers run this interpreter.
@@ -169,6 +183,20 @@ def twophase_apache_kafka() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def twophase_hdfs() -> Iterator[Any]:
+    from lifecycle.testing import jars
+    from lifecycle.testing.hdfs import MiniHdfs
+
+    jars.require("hdfs")
+    hdfs = MiniHdfs()
+    hdfs.start()
+    try:
+        yield hdfs
+    finally:
+        hdfs.cleanup()
+
+
+@pytest.fixture(scope="session")
 def twophase_kafka(request: pytest.FixtureRequest) -> Iterator[str]:
     given = os.environ.get(KAFKA_ENV)
     if given:
@@ -242,6 +270,30 @@ def twophase_delta_table(tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / f"delta-{uuid.uuid4().hex[:8]}"
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def twophase_s3() -> Iterator[Any]:
+    from lifecycle.testing import jars
+    from lifecycle.testing.s3proxy import S3Proxy
+
+    jars.require("s3proxy")
+    server = S3Proxy()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def twophase_s3_bucket(twophase_s3: Any) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    twophase_s3.create_bucket(name)
+    try:
+        yield name
+    finally:
+        twophase_s3.delete_bucket(name)
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ context manager, and running one as a program until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -14,6 +15,18 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, TypeVar
+
+
+def java(needed_by: str, error: type[Exception] = RuntimeError) -> str:
+    """The ``java`` to run a JVM service with: ``$JAVA_HOME/bin/java``, else the
+    one on PATH; ``error`` (naming ``needed_by``) when there is none."""
+    home = os.environ.get("JAVA_HOME")
+    if home and (Path(home) / "bin" / "java").exists():
+        return str(Path(home) / "bin" / "java")
+    found = shutil.which("java")
+    if found is None:
+        raise error(f"{needed_by} needs Java (17 or later): java is not on PATH")
+    return found
 
 
 def free_port() -> int:

@@ -12,13 +12,15 @@ from lifecycle import JobResult, configure_logging
 from tests.sparkutil import make_spark
 
 
-def start_driver(job: str, jvm_packages: bool = False) -> SparkSession:
+def start_driver(
+    job: str, jvm_packages: bool = False, conf: dict[str, str] | None = None
+) -> SparkSession:
     """Logging, the driver pid for executor-side faults, and a SparkSession
     (``jvm_packages``: with Spark's Kafka source and delta-spark, for a job that
-    reads Kafka)."""
+    reads Kafka; ``conf``: more settings of the session)."""
     os.environ["TWOPHASE_DRIVER_PID"] = str(os.getpid())
     configure_logging()
-    spark = make_spark(f"job-{job}", jvm_packages=jvm_packages)
+    spark = make_spark(f"job-{job}", jvm_packages=jvm_packages, conf=conf)
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 

@@ -1,0 +1,162 @@
+"""End to end on S3: a bounded job writes ``DeltaSink("s3://bucket/orders")`` on
+the tests' S3 server (S3Proxy, ``lifecycle/testing/s3proxy.py``), and
+delta-spark reads the table back through Hadoop's S3A (``s3a://``), the way a
+Spark user of the table reads it in production.
+
+The job and the read run in one driver process of their own
+(``tests/jobs/s3_delta_job.py``): its session needs S3A's jars on the driver's
+classpath, which the suite's session (one SparkContext per process) was started
+without. This process then checks the table from the store itself: deltalake
+reads every row once, the versions are the sink's (creation, claim, one per
+checkpoint), delta-spark's reads of versions 0, 1 and 2 (time travel) match
+deltalake's, and no staged file or marker is left in the bucket
+(``lifecycle.testing.verify``'s Delta checks take local tables only, hence
+:func:`leftovers`).
+
+In the slow tier the job's ``state_dir`` is on ``s3a://`` as well (Spark's
+checkpoints through S3A, the ledger in a local directory), on an S3Proxy whose
+store keeps S3A's directory markers (``transient``: its filesystem stores do
+not, see docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import pytest
+from deltalake import DeltaTable
+
+from lifecycle.testing import jars
+from lifecycle.testing.verify import assert_keys_once
+from tests.conftest import write_input
+from tests.procs import run_job
+from tests.tiers import SLOW
+
+LOG = "_delta_log/"
+STAGED = "_twophase/"
+
+
+def keys(server: Any, bucket: str, prefix: str) -> list[str]:
+    """Every key of the bucket under ``prefix`` (relative to it)."""
+    out: list[str] = []
+    pages = server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    for page in pages:
+        out += [o["Key"].removeprefix(prefix) for o in page.get("Contents", [])]
+    return sorted(out)
+
+
+def leftovers(server: Any, bucket: str, table: str) -> list[str]:
+    """What the sink left in an S3 table: data files no version of the log
+    ever added, and anything under ``_twophase/`` (markers, change files,
+    Spark's staging) -- :func:`lifecycle.testing.verify.staged_delta` for a
+    table in a bucket."""
+    prefix = f"{table}/"
+    c = server.client()
+    added: set[str] = set()
+    everything = keys(server, bucket, prefix)
+    for key in everything:
+        if key.startswith(LOG) and key.endswith(".json"):
+            body = c.get_object(Bucket=bucket, Key=prefix + key)["Body"].read().decode()
+            for line in body.splitlines():
+                add = json.loads(line).get("add") if line.strip() else None
+                if add:
+                    added.add(unquote(add["path"]))
+    return [k for k in everything if not k.startswith(LOG) and k not in added]
+
+
+@pytest.fixture
+def s3_jars() -> None:
+    jars.require("delta")
+    jars.require("s3a")
+
+
+def run(server: Any, bucket: str, tmp_path: Path, state: str, n_files: int = 3) -> dict[str, Any]:
+    """Run the job (``state``: ``"local"`` or ``"s3"``); return what it printed."""
+    n = write_input(tmp_path / "in", files=n_files, rows_per_file=100)
+    state_args = (
+        ["--state", f"s3a://{bucket}/state", "--ledger", str(tmp_path / "ledger")]
+        if state == "s3"
+        else ["--state", str(tmp_path / "state")]
+    )
+    job = run_job(
+        "s3_delta_job.py",
+        [
+            "--input",
+            str(tmp_path / "in"),
+            *state_args,
+            "--table",
+            f"s3://{bucket}/orders",
+            "--endpoint",
+            server.endpoint,
+            "--access-key",
+            server.access_key,
+            "--secret-key",
+            server.secret_key,
+            "--region",
+            server.region,
+        ],
+        tmp_path / "job.log",
+        timeout=300,
+    )
+    assert job.proc.returncode == 0, job.tail()
+    result = job.result()
+    assert result["committed"] and result["rows"] == {"load/orders": n}, result
+    read = json.loads(job.output().rsplit("READ ", 1)[1].splitlines()[0])
+    print(f"seconds of the driver: {read['seconds']}")
+    return {"n": n, "result": result, "read": read}
+
+
+def check_table(server: Any, bucket: str, got: dict[str, Any]) -> None:
+    """Every row once, the sink's versions, delta-spark's reads (latest and
+    time travel) equal deltalake's, nothing staged left."""
+    n, read = got["n"], got["read"]
+    uri = f"s3://{bucket}/orders"
+    options = server.storage_options()
+
+    def rows(version: int | None = None) -> list[list[Any]]:
+        t = DeltaTable(uri, storage_options=options, version=version).to_pyarrow_table()
+        return sorted(
+            list(r)
+            for r in zip(*(t.column(c).to_pylist() for c in ("id", "name", "amount")), strict=True)
+        )
+
+    latest = rows()
+    assert_keys_once(f"Delta table {uri}", [r[0] for r in latest], range(n))
+    assert latest == [[i, f"name-{i}", i * 0.5] for i in range(n)]
+    # delta-spark through S3A: the same rows, and time travel to versions 0, 1, 2
+    assert read["latest"] == latest
+    assert read["versions"]["0"] == [] and read["versions"]["1"] == []  # creation, claim
+    assert read["versions"]["2"] == rows(2) and len(rows(2)) == 100  # the first checkpoint
+    # the sink's versions: creation, its claim, then one per checkpoint (a batch each)
+    history = sorted(DeltaTable(uri, storage_options=options).history(), key=lambda h: h["version"])
+    assert [h["operation"] for h in history] == ["CREATE TABLE"] + ["WRITE"] * (1 + n // 100)
+    assert [h.get("twophaseBatch") for h in history[2:]] == list(range(n // 100)), history
+    assert keys(server, bucket, "orders/" + STAGED) == []
+    assert leftovers(server, bucket, "orders") == []
+
+
+@pytest.mark.usefixtures("s3_jars")
+def test_a_job_writes_s3_and_delta_spark_reads_it_through_s3a(
+    twophase_s3: Any, twophase_s3_bucket: str, tmp_path: Path
+) -> None:
+    got = run(twophase_s3, twophase_s3_bucket, tmp_path, "local")
+    check_table(twophase_s3, twophase_s3_bucket, got)
+
+
+@SLOW
+@pytest.mark.usefixtures("s3_jars")
+def test_a_job_with_its_state_on_s3a(tmp_path: Path) -> None:
+    """Spark's checkpoints and the job's control files through S3A, on a
+    store that keeps S3A's directory markers."""
+    from lifecycle.testing.s3proxy import S3Proxy
+
+    jars.require("s3proxy")
+    with S3Proxy(provider="transient") as server:
+        server.create_bucket("jobs")
+        got = run(server, "jobs", tmp_path, "s3")
+        check_table(server, "jobs", got)
+        state = keys(server, "jobs", "state/")
+        assert "pipelines/load/spark/commits/2" in state, state
