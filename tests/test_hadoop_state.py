@@ -1,11 +1,12 @@
 """A job whose ``state_dir`` is a Hadoop-compatible URI (invariant 9: state a
 restarted driver can reach), run as real driver processes.
 
-PySpark's bundled Hadoop client has no S3A or ABFS classes and no NameNode
-here, so the URIs are the ones it can prove: ``viewfs://`` mounted (in a
-``core-site.xml`` under ``HADOOP_CONF_DIR``, as a cluster configures it) onto a
-second directory that stands in for shared storage, and ``file://`` naming such
-a directory. The ledger is a file ledger in a local directory (``ledger=``),
+The URIs here are the ones PySpark's bundled Hadoop client proves without a
+store of its own: ``viewfs://`` mounted (in a ``core-site.xml`` under
+``HADOOP_CONF_DIR``, as a cluster configures it) onto a second directory that
+stands in for shared storage, and ``file://`` naming such a directory. A real
+NameNode (``hdfs://``) is in ``tests/test_hdfs_store.py``, S3 through S3A in
+``tests/test_delta_s3.py``. The ledger is a file ledger in a local directory (``ledger=``),
 or a PostgreSQL ledger (``ledger="postgresql://..."``, the test server's).
 
 * A bounded and an unbounded pipeline write Delta tables; ``twophase status``
