@@ -168,9 +168,11 @@ class KafkaCommitter:
                     for tid in replays:
                         del pending[tid]
                     replayed.extend(replays)
-                for batch in sorted({_batch_of(c) for c in pending.values()}):
-                    ids = sorted(t for t, c in pending.items() if _batch_of(c) == batch)
-                    parts = slices(ids, most=self.commit_connections)
+                by_batch: dict[int, list[str]] = {}
+                for tid, c in pending.items():
+                    by_batch.setdefault(_batch_of(c), []).append(tid)
+                for batch in sorted(by_batch):
+                    parts = slices(sorted(by_batch[batch]), most=self.commit_connections)
                     self.conns.each(wire, parts, commit_part, "commit")
 
         def commit_part(wire: KafkaWire, part: list[str]) -> None:
