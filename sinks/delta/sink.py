@@ -35,7 +35,7 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.delta import audit as delta_audit
-from sinks.delta import replace, table
+from sinks.delta import replace, store_errors, table
 from sinks.delta.changes import ChangeWriter
 from sinks.delta.committer import DeltaCommitter, app_id
 from sinks.delta.constraints import RowRules
@@ -293,7 +293,8 @@ class DeltaSink(Sink):
         except DeltaSchemaError as e:
             raise PreflightError(str(e)) from e
         except (DeltaError, OSError) as e:
-            raise PreflightError(f"cannot open {where}: {e}".strip()) from e
+            said = store_errors.explain(e, self.table_uri, self.storage_options)
+            raise PreflightError(f"cannot open {where}: {said}".strip()) from e
         self._row_rules = target.row_rules
         self._new_columns = target.new_columns
         self._layout = target.layout
