@@ -17,6 +17,10 @@ from sinks.errors import CommitError
 T = TypeVar("T")
 log = logging.getLogger("sinks.retry")
 
+STORE_OUTAGE = 120.0
+"""seconds a call to a file store (S3, HDFS) is tried again while the store
+throttles it or is unreachable (a restart), before the error is raised"""
+
 on_retry: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
     "twophase_on_retry", default=None
 )

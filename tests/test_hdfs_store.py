@@ -23,18 +23,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
 import pytest
-from py4j.java_gateway import is_instance_of
 from py4j.protocol import Py4JJavaError
 
 from lifecycle import Job, PipelineState, cli
@@ -217,37 +218,23 @@ def test_a_replace_killed_between_delete_and_rename(store: HadoopStore, view: Hd
     assert view.files() == []
 
 
-def after_restart(spark: Any, call: Callable[[], T]) -> T:
-    """``call()``, once more if it failed with a Java ``IOException``. The HDFS
-    client keeps an idle connection to the NameNode open for a while
-    (``ipc.client.connection.maxidletime``, 10 s), and the first call on a
-    connection the NameNode's restart closed fails with an ``EOFException``
-    (seen here after ``restart_namenode()``, which takes about 7 s; a crash
-    and ``start()`` took longer than the idle time): Hadoop's client does not
-    retry it by default. A second failure fails the test."""
-    try:
-        return call()
-    except Py4JJavaError as e:
-        if not is_instance_of(spark.sparkContext._gateway, e.java_exception, "java.io.IOException"):
-            raise
-    return call()
-
-
 def test_written_files_survive_a_namenode_restart_and_a_crash_of_hdfs(
     twophase_hdfs: Any, spark: Any, store: HadoopStore
 ) -> None:
     """Once ``write_atomic`` returned the content is durable: it is there after
     the NameNode restarted (the DataNode kept running) and after the whole
     HDFS JVM was SIGKILLed and started again on its storage; the same store
-    (the same client) goes on reading and writing, once its first call after
-    the restart is over (:func:`after_restart`)."""
+    (the same client) goes on reading and writing. The first call after a
+    restart fails in Hadoop's client (``EOFException`` on the connection the
+    restart closed): the store tries it again (``lifecycle/state/hadoop_store.py``,
+    "Retries"), so no call here fails."""
     store.write_atomic("control/heartbeat.json", b'{"n": 1}')
     twophase_hdfs.restart_namenode()
-    assert after_restart(spark, lambda: store.read("control/heartbeat.json")) == b'{"n": 1}'
+    assert store.read("control/heartbeat.json") == b'{"n": 1}'
     store.write_atomic("control/heartbeat.json", b'{"n": 2}')
     twophase_hdfs.kill()
     twophase_hdfs.start()
-    assert after_restart(spark, lambda: store.read("control/heartbeat.json")) == b'{"n": 2}'
+    assert store.read("control/heartbeat.json") == b'{"n": 2}'
     store.write_atomic("control/heartbeat.json", b'{"n": 3}')
     assert store.read("control/heartbeat.json") == b'{"n": 3}'
     assert store.list("control") == ["heartbeat.json"]
@@ -352,3 +339,32 @@ def test_a_killed_driver_restarts_from_its_state_on_hdfs(
     doc = read_ledger(None, run.ledger_location())
     assert doc is not None and doc["run"] == 2
     no_hdfs_paths(tmp_path, ROOT)
+
+
+def test_a_write_waits_out_the_namenode_stopped_and_started_again(
+    twophase_hdfs: Any, store: HadoopStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the NameNode down, a write and a read keep trying (each retry
+    logged) and succeed once it is back, 10 s later; nothing is written twice
+    and no ``.part`` or ``.tmp`` is left."""
+    store.write_atomic("ledger/entry.json", b"before")
+    twophase_hdfs.stop_namenode()
+    done: dict[str, Any] = {}
+
+    def write_then_read() -> None:
+        try:
+            store.write_atomic("ledger/entry.json", b"during")
+            done["read"] = store.read("ledger/entry.json")
+        except BaseException as e:
+            done["error"] = e
+
+    with caplog.at_level(logging.WARNING, logger="sinks.retry"):
+        worker = threading.Thread(target=write_then_read)
+        worker.start()
+        time.sleep(10)
+        assert worker.is_alive(), f"the write ended with the NameNode down: {done}"
+        twophase_hdfs.start_namenode()
+        worker.join(120)
+    assert done == {"read": b"during"}, done
+    assert any("state store: writing ledger/entry.json" in r.message for r in caplog.records)
+    assert store.list("ledger") == ["entry.json"]

@@ -30,16 +30,29 @@ one write is under way.
 
 Durability is the file system's: ``hsync`` then close (HDFS: on the
 datanodes' disks; an object store: the upload completes at close).
+
+**Retries.** Hadoop's HDFS client does not retry every call through a
+NameNode restart: the first call after one fails with ``EOFException``, and
+calls while it is down with ``ConnectException``. Each operation of the store
+is therefore tried again, whole, with backoff, for up to
+:data:`~sinks._retry.STORE_OUTAGE` seconds when it fails with an
+``IOException`` that can pass (:func:`_passes`: not a missing file, a refused
+permission or a name taken). Every operation is idempotent as a whole:
+:meth:`~HadoopStore.write_atomic` starts again from writing ``NAME.part``, and
+the steps above find ``NAME`` or ``NAME.tmp`` in whatever state an interrupted
+try left them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from py4j.java_gateway import is_instance_of
 from py4j.protocol import Py4JJavaError
 
 from lifecycle.state.store_interface import TMP, StateStore, check_rel, scheme_of
+from sinks._retry import STORE_OUTAGE, retry_transient
 from sinks.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,6 +60,23 @@ if TYPE_CHECKING:
 
 PART = ".part"
 """suffix of the file being written, never read"""
+
+T = TypeVar("T")
+
+_LASTING = (
+    "java.io.FileNotFoundException",
+    "java.nio.file.AccessDeniedException",
+    "org.apache.hadoop.security.AccessControlException",
+    "org.apache.hadoop.fs.FileAlreadyExistsException",
+    "org.apache.hadoop.fs.ParentNotDirectoryException",
+    "org.apache.hadoop.fs.UnsupportedFileSystemException",
+)
+"""``IOException``s that a retry cannot mend"""
+
+
+class _Passing(OSError):
+    """A store call failed with an ``IOException`` that can pass (a restart)."""
+
 
 _HINTS = {
     "s3a": "hadoop-aws (and its AWS SDK bundle)",
@@ -101,7 +131,30 @@ class HadoopStore(StateStore):
 
     # -- the interface -----------------------------------------------------------------
 
+    def _retried(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, tried again while it fails in a way that passes (module
+        docstring); :class:`~sinks.errors.CommitError` after
+        :data:`~sinks._retry.STORE_OUTAGE` seconds of that."""
+
+        def attempt() -> T:
+            try:
+                return fn()
+            except Py4JJavaError as e:
+                if _passes(self._gateway, e):
+                    raise _Passing(f"{what} {self.root}: {_java_message(e)}") from e
+                raise
+
+        return retry_transient(
+            attempt,
+            what=f"state store: {what} {self.root}",
+            transient=(_Passing,),
+            deadline=STORE_OUTAGE,
+        )
+
     def read(self, rel: str) -> bytes | None:
+        return self._retried(f"reading {rel} of", lambda: self._read_any(rel))
+
+    def _read_any(self, rel: str) -> bytes | None:
         for suffix in ("", TMP, ""):  # NAME.tmp: a replace caught by a crash (docstring)
             data = self._read(self._path(rel, suffix))
             if data is not None:
@@ -125,6 +178,9 @@ class HadoopStore(StateStore):
             stream.close()
 
     def write_atomic(self, rel: str, data: bytes) -> None:
+        self._retried(f"writing {rel} of", lambda: self._write_atomic(rel, data))
+
+    def _write_atomic(self, rel: str, data: bytes) -> None:
         path, part, tmp = self._path(rel), self._path(rel, PART), self._path(rel, TMP)
         out = self._fs.create(part, True)
         try:
@@ -145,7 +201,7 @@ class HadoopStore(StateStore):
         if not self._fs.rename(src, dst):
             raise OSError(f"state store: could not rename {src} to {dst}")
 
-    def list(self, rel_dir: str) -> list[str]:
+    def _list(self, rel_dir: str) -> list[str]:
         path = self._path(rel_dir)
         if not self._fs.exists(path):
             return []
@@ -158,18 +214,30 @@ class HadoopStore(StateStore):
         names = {s.getPath().getName() for s in statuses}
         return sorted(n for n in names if not n.endswith((TMP, PART)))
 
+    def list(self, rel_dir: str) -> list[str]:
+        return self._retried(f"listing {rel_dir} of", lambda: self._list(rel_dir))
+
     def delete(self, rel: str) -> None:
+        self._retried(f"deleting {rel} of", lambda: self._delete(rel))
+
+    def _delete(self, rel: str) -> None:
         self._fs.delete(self._path(rel), True)
         self._fs.delete(self._path(rel, TMP), False)
         self._fs.delete(self._path(rel, PART), False)
 
     def copy(self, rel: str, to: str) -> None:
+        self._retried(f"copying {rel} to {to} in", lambda: self._copy(rel, to))
+
+    def _copy(self, rel: str, to: str) -> None:
         fs_util = self._jvm.org.apache.hadoop.fs.FileUtil
         if not fs_util.copy(self._fs, self._path(rel), self._fs, self._path(to), False, self._conf):
             raise OSError(f"state store: could not copy {self.uri(rel)} to {self.uri(to)}")
 
     def exists(self, rel: str) -> bool:
-        return bool(self._fs.exists(self._path(rel)) or self._fs.exists(self._path(rel, TMP)))
+        return self._retried(
+            f"looking for {rel} in",
+            lambda: bool(self._fs.exists(self._path(rel)) or self._fs.exists(self._path(rel, TMP))),
+        )
 
 
 def standalone(root: str) -> HadoopStore:
@@ -193,6 +261,20 @@ def standalone(root: str) -> HadoopStore:
         if key.startswith(prefix):
             conf.set(key[len(prefix) :], value)
     return HadoopStore(root, jvm, conf, gateway)
+
+
+def _passes(gateway: Any, e: Py4JJavaError) -> bool:
+    """Whether the Java exception of ``e`` is an ``IOException`` a retry may
+    mend: not one of :data:`_LASTING`, nor a NameNode's answer naming one
+    (``RemoteException.getClassName``)."""
+    exc = e.java_exception
+    if not is_instance_of(gateway, exc, "java.io.IOException"):
+        return False
+    if any(is_instance_of(gateway, exc, name) for name in _LASTING):
+        return False
+    if is_instance_of(gateway, exc, "org.apache.hadoop.ipc.RemoteException"):
+        return str(exc.getClassName()) not in _LASTING
+    return True
 
 
 def _java_message(e: Py4JJavaError) -> str:

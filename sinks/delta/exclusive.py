@@ -7,12 +7,23 @@ extra ``twophase[s3]``): the store refuses it with 412 when the key exists, so
 of two writers of one name exactly one succeeds. Other object stores (Azure,
 GCS) get a check before the write, which is not atomic; the names carry the
 incarnation, run and task attempt, so a collision there needs a reused name.
+
+**Retries.** A PUT that fails for a reason that passes (the store throttles,
+``503 SlowDown``; a 5xx; the connection refused or cut while the server
+restarts) is tried again with backoff for up to :data:`~sinks._retry.STORE_OUTAGE` seconds
+(:func:`sinks._retry.retry_transient`), after boto3's own few quick attempts.
+The outcome of a PUT whose answer was lost is unknown, so a 412 after such a
+try is checked: when the object holds exactly the bytes written, the PUT was
+ours and succeeded; anything else is a name someone else holds
+(:class:`FileExistsError`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 from urllib.parse import urlparse
+
+from sinks._retry import STORE_OUTAGE, retry_transient
 
 _ENDPOINT_KEYS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT", "ENDPOINT_URL", "ENDPOINT")
 
@@ -62,14 +73,60 @@ class S3Exclusive:
         """Create ``rel`` (relative to the table) holding ``data``; raise
         :class:`FileExistsError` when it exists."""
         from botocore.exceptions import ClientError
+        from botocore.exceptions import ConnectionError as BotoConnectionError
 
         key = f"{self.prefix}/{rel}" if self.prefix else rel
-        try:
-            self._s3().put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*")
-        except ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412:
-                raise FileExistsError(f"s3://{self.bucket}/{key} exists already") from None
-            raise
+        unsure = False  # an earlier try may have written it and lost the answer
+
+        def put() -> None:
+            nonlocal unsure
+            try:
+                self._s3().put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*")
+            except ClientError as e:
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status == 412:
+                    if unsure and self._holds(key, data):
+                        return
+                    raise FileExistsError(f"s3://{self.bucket}/{key} exists already") from None
+                if _passing(e):
+                    unsure = True
+                    raise _StoreUnavailable(f"s3://{self.bucket}/{key}: {e}") from e
+                raise
+            except BotoConnectionError as e:
+                unsure = True
+                raise _StoreUnavailable(f"s3://{self.bucket}/{key}: {e}") from e
+
+        retry_transient(
+            put,
+            what=f"creating s3://{self.bucket}/{key}",
+            transient=(_StoreUnavailable,),
+            deadline=STORE_OUTAGE,
+        )
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        """Whether the object ``key`` holds exactly ``data``."""
+        body = self._s3().get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        return bool(body == data)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_client": None}
+
+
+class _StoreUnavailable(OSError):
+    """A request the store did not serve for a reason that passes."""
+
+
+_PASSING_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "InternalError",
+}
+
+
+def _passing(e: Any) -> bool:
+    """Whether the store's error answer ``e`` (a botocore ``ClientError``) passes:
+    throttling, a timeout, a server error."""
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+    return bool(status >= 500 or e.response.get("Error", {}).get("Code") in _PASSING_CODES)

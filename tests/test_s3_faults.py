@@ -1,0 +1,190 @@
+"""Faults of the S3 store under a real job: ``DeltaSink("s3://...")`` on S3Proxy.
+
+* **Throttling.** Every third request to the store is answered ``503 Slow
+  Down`` by a proxy in front of S3Proxy (:mod:`lifecycle.testing.s3faults`):
+  deltalake's object store, boto3 (the staging markers' conditional PUTs) and
+  Hadoop's S3A (delta-spark's read back) all go through it. The job finishes,
+  the table is exact, and the proxy did throttle.
+* **The server stopped in the middle of a commit, then started again.** The
+  driver stalls at a commit's fault point (``driver.before_commit``: before
+  the Delta version is written; ``driver.mid_commit``: after it, before the
+  staging markers are deleted); the test stops S3Proxy there and starts it
+  again 20 s later. Meanwhile the driver's commit meets a refused connection
+  (it retries: :func:`sinks._retry.retry_transient`) and so do the next
+  batch's tasks, whose staging markers are retried the same way
+  (:mod:`sinks.delta.exclusive`). The job rides it out: exit 0, every row
+  once, nothing staged left. Before those retries, the tasks failed within a
+  second and the job died (``TaskFailedError: ... EndpointConnectionError``).
+* **Credentials wrong or missing, or no such bucket**: refused at preflight,
+  naming the table and what the store said, without the secret.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from lifecycle.testing import jars
+from lifecycle.testing.s3faults import ThrottlingProxy
+from sinks import DeltaSink
+from sinks.errors import PreflightError
+from tests.conftest import write_input
+from tests.procs import JobProcess, wait_for
+from tests.test_delta_s3 import check_table, s3_jars  # noqa: F401 (a fixture)
+from tests.tiers import SLOW
+
+
+def job_args(endpoint: str, server: Any, bucket: str, tmp_path: Path) -> list[str]:
+    return [
+        "--input",
+        str(tmp_path / "in"),
+        "--state",
+        str(tmp_path / "state"),
+        "--table",
+        f"s3://{bucket}/orders",
+        "--endpoint",
+        endpoint,
+        "--access-key",
+        server.access_key,
+        "--secret-key",
+        server.secret_key,
+        "--region",
+        server.region,
+    ]
+
+
+def finished(job: JobProcess, n: int) -> dict[str, Any]:
+    assert job.proc.returncode == 0, job.tail()
+    result = job.result()
+    assert result["committed"] and result["rows"] == {"load/orders": n}, result
+    read = json.loads(job.output().rsplit("READ ", 1)[1].splitlines()[0])
+    return {"n": n, "result": result, "read": read}
+
+
+@pytest.mark.usefixtures("s3_jars")
+def test_a_job_rides_out_a_store_that_throttles_every_third_request(
+    twophase_s3: Any, twophase_s3_bucket: str, tmp_path: Path
+) -> None:
+    n = write_input(tmp_path / "in", files=3, rows_per_file=100)
+    with ThrottlingProxy(twophase_s3.endpoint, every=3) as proxy:
+        job = JobProcess(
+            "s3_delta_job.py",
+            job_args(proxy.endpoint, twophase_s3, twophase_s3_bucket, tmp_path),
+            tmp_path / "job.log",
+        )
+        job.wait(400)
+        print(f"throttled {proxy.throttled}, forwarded {proxy.forwarded}")
+        assert proxy.throttled >= 20, "the proxy throttled too little to show anything"
+    check_table(twophase_s3, twophase_s3_bucket, finished(job, n))
+
+
+@pytest.mark.crash
+@pytest.mark.usefixtures("s3_jars")
+@pytest.mark.parametrize(
+    "point",
+    [
+        pytest.param("driver.before_commit", id="before the version is written"),
+        pytest.param(
+            "driver.mid_commit.delta", id="after the version, before the cleanup", marks=SLOW
+        ),
+    ],
+)
+def test_a_job_rides_out_the_store_stopped_in_the_middle_of_a_commit(
+    twophase_s3: Any, twophase_s3_bucket: str, tmp_path: Path, point: str
+) -> None:
+    n = write_input(tmp_path / "in", files=3, rows_per_file=100)
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    job = JobProcess(
+        "s3_delta_job.py",
+        job_args(twophase_s3.endpoint, twophase_s3, twophase_s3_bucket, tmp_path),
+        tmp_path / "job.log",
+        fault=f"{point}@1+once=stall:3",
+        env={"TWOPHASE_FAULT_TOKENS": str(tokens)},
+    )
+    wait_for(lambda: any(tokens.iterdir()), 300, f"the driver reached {point}", job)
+    twophase_s3.stop()
+    time.sleep(20)
+    assert job.proc.poll() is None, "the job gave up while the store was down:\n" + job.tail()
+    twophase_s3.start()
+    job.wait(400)
+    log = job.output()
+    assert "retrying" in log, "nothing met the stopped store: the test shows nothing"
+    check_table(twophase_s3, twophase_s3_bucket, finished(job, n))
+
+
+SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])
+
+
+@pytest.mark.parametrize(
+    ("case", "said"),
+    [
+        ("wrong secret", "SignatureDoesNotMatch"),
+        ("unknown key", "InvalidAccessKeyId"),
+        ("no credentials", "no credentials"),
+        ("no such bucket", "NoSuchBucket"),
+    ],
+)
+def test_a_store_that_refuses_the_sink_is_refused_at_preflight_without_the_secret(
+    twophase_s3: Any, twophase_s3_bucket: str, case: str, said: str, monkeypatch: Any
+) -> None:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    options = twophase_s3.storage_options()
+    secret = "wrongsecret" + "9" * 29
+    bucket = twophase_s3_bucket
+    if case == "wrong secret":
+        options["AWS_SECRET_ACCESS_KEY"] = secret
+    elif case == "unknown key":
+        options["AWS_ACCESS_KEY_ID"] = "tpnosuchkey000"
+    elif case == "no credentials":
+        del options["AWS_ACCESS_KEY_ID"], options["AWS_SECRET_ACCESS_KEY"]
+    else:
+        bucket = "no-such-bucket"
+    uri = f"s3://{bucket}/orders"
+    began = time.monotonic()
+    with pytest.raises(PreflightError) as e:
+        DeltaSink(uri, storage_options=options).preflight(SCHEMA)
+    message = str(e.value)
+    print(message)
+    assert uri in message and said in message, message
+    assert "\x1b[" not in message, "terminal colour codes in the message"
+    for value in (secret, twophase_s3.secret_key):
+        assert value not in message
+    assert time.monotonic() - began < 30, "the refusal took as long as an outage's retries"
+
+
+def test_the_proxy_throttles_what_it_says(twophase_s3: Any, twophase_s3_bucket: str) -> None:
+    """The proxy's own check: a client with no retries sees the 503, and
+    ``paused()`` lets everything through."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+
+    jars.require("s3proxy")
+    with ThrottlingProxy(twophase_s3.endpoint, every=2) as proxy:
+        client = boto3.client(
+            "s3",
+            endpoint_url=proxy.endpoint,
+            aws_access_key_id=twophase_s3.access_key,
+            aws_secret_access_key=twophase_s3.secret_key,
+            region_name=twophase_s3.region,
+            config=Config(retries={"total_max_attempts": 1, "mode": "standard"}),
+        )
+        codes = []
+        for i in range(4):
+            try:
+                client.put_object(Bucket=twophase_s3_bucket, Key=f"k{i}", Body=b"x")
+                codes.append("ok")
+            except ClientError as e:
+                codes.append(e.response["Error"]["Code"])
+        assert codes == ["ok", "SlowDown", "ok", "SlowDown"]
+        with proxy.paused():
+            for i in range(4):
+                client.put_object(Bucket=twophase_s3_bucket, Key=f"p{i}", Body=b"x")
+        assert (proxy.throttled, proxy.forwarded) == (2, 6)
