@@ -109,33 +109,40 @@ def run(server: Any, bucket: str, tmp_path: Path, state: str, n_files: int = 3) 
     return {"n": n, "result": result, "read": read}
 
 
-def check_table(server: Any, bucket: str, got: dict[str, Any]) -> None:
-    """Every row once, the sink's versions, delta-spark's reads (latest and
-    time travel) equal deltalake's, nothing staged left."""
-    n, read = got["n"], got["read"]
+def rows_of(server: Any, uri: str, version: int | None = None) -> list[list[Any]]:
+    """The rows deltalake reads of the table at ``uri`` (at ``version``), sorted."""
+    t = DeltaTable(uri, storage_options=server.storage_options(), version=version)
+    data = t.to_pyarrow_table()
+    columns = (data.column(c).to_pylist() for c in ("id", "name", "amount"))
+    return sorted(list(r) for r in zip(*columns, strict=True))
+
+
+def check_log(server: Any, bucket: str, n: int) -> None:
+    """Every row once, the sink's versions, nothing staged left (deltalake
+    and the bucket's listing)."""
     uri = f"s3://{bucket}/orders"
-    options = server.storage_options()
-
-    def rows(version: int | None = None) -> list[list[Any]]:
-        t = DeltaTable(uri, storage_options=options, version=version).to_pyarrow_table()
-        return sorted(
-            list(r)
-            for r in zip(*(t.column(c).to_pylist() for c in ("id", "name", "amount")), strict=True)
-        )
-
-    latest = rows()
+    latest = rows_of(server, uri)
     assert_keys_once(f"Delta table {uri}", [r[0] for r in latest], range(n))
     assert latest == [[i, f"name-{i}", i * 0.5] for i in range(n)]
-    # delta-spark through S3A: the same rows, and time travel to versions 0, 1, 2
-    assert read["latest"] == latest
-    assert read["versions"]["0"] == [] and read["versions"]["1"] == []  # creation, claim
-    assert read["versions"]["2"] == rows(2) and len(rows(2)) == 100  # the first checkpoint
     # the sink's versions: creation, its claim, then one per checkpoint (a batch each)
-    history = sorted(DeltaTable(uri, storage_options=options).history(), key=lambda h: h["version"])
+    dt = DeltaTable(uri, storage_options=server.storage_options())
+    history = sorted(dt.history(), key=lambda h: h["version"])
     assert [h["operation"] for h in history] == ["CREATE TABLE"] + ["WRITE"] * (1 + n // 100)
     assert [h.get("twophaseBatch") for h in history[2:]] == list(range(n // 100)), history
     assert keys(server, bucket, "orders/" + STAGED) == []
     assert leftovers(server, bucket, "orders") == []
+
+
+def check_table(server: Any, bucket: str, got: dict[str, Any]) -> None:
+    """:func:`check_log`, and delta-spark's reads (latest and time travel)
+    equal deltalake's."""
+    n, read = got["n"], got["read"]
+    uri = f"s3://{bucket}/orders"
+    check_log(server, bucket, n)
+    assert read["latest"] == rows_of(server, uri)
+    assert read["versions"]["0"] == [] and read["versions"]["1"] == []  # creation, claim
+    assert read["versions"]["2"] == rows_of(server, uri, 2)  # the first checkpoint
+    assert len(read["versions"]["2"]) == 100
 
 
 @pytest.mark.usefixtures("s3_jars")

@@ -111,6 +111,7 @@ def remove_host(host: Path) -> None:
     raise AssertionError(f"{host} could not be deleted")
 
 
+@SLOW  # test_hdfs_store.py::test_a_job_with_its_state_on_hdfs: the same HadoopStore path
 def test_a_job_with_its_state_on_viewfs(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()

@@ -35,11 +35,13 @@ from sinks import DeltaSink
 from sinks.errors import PreflightError
 from tests.conftest import write_input
 from tests.procs import JobProcess, wait_for
-from tests.test_delta_s3 import check_table, s3_jars  # noqa: F401 (a fixture)
+from tests.test_delta_s3 import check_log, check_table, s3_jars  # noqa: F401 (a fixture)
 from tests.tiers import SLOW
 
 
 def job_args(endpoint: str, server: Any, bucket: str, tmp_path: Path) -> list[str]:
+    """The arguments of ``tests/jobs/s3_delta_job.py`` for a job into
+    ``s3://bucket/orders`` through ``endpoint``."""
     return [
         "--input",
         str(tmp_path / "in"),
@@ -59,13 +61,16 @@ def job_args(endpoint: str, server: Any, bucket: str, tmp_path: Path) -> list[st
 
 
 def finished(job: JobProcess, n: int) -> dict[str, Any]:
+    """What the job printed, once it exited 0 having committed all ``n`` rows."""
     assert job.proc.returncode == 0, job.tail()
     result = job.result()
     assert result["committed"] and result["rows"] == {"load/orders": n}, result
-    read = json.loads(job.output().rsplit("READ ", 1)[1].splitlines()[0])
+    out = job.output()
+    read = json.loads(out.rsplit("READ ", 1)[1].splitlines()[0]) if "READ " in out else None
     return {"n": n, "result": result, "read": read}
 
 
+@SLOW  # a minute; the throttling is retried by the clients (deltalake, boto3, S3A) alike
 @pytest.mark.usefixtures("s3_jars")
 def test_a_job_rides_out_a_store_that_throttles_every_third_request(
     twophase_s3: Any, twophase_s3_bucket: str, tmp_path: Path
@@ -84,7 +89,6 @@ def test_a_job_rides_out_a_store_that_throttles_every_third_request(
 
 
 @pytest.mark.crash
-@pytest.mark.usefixtures("s3_jars")
 @pytest.mark.parametrize(
     "point",
     [
@@ -102,7 +106,10 @@ def test_a_job_rides_out_the_store_stopped_in_the_middle_of_a_commit(
     tokens.mkdir()
     job = JobProcess(
         "s3_delta_job.py",
-        job_args(twophase_s3.endpoint, twophase_s3, twophase_s3_bucket, tmp_path),
+        [
+            *job_args(twophase_s3.endpoint, twophase_s3, twophase_s3_bucket, tmp_path),
+            "--no-read-back",
+        ],
         tmp_path / "job.log",
         fault=f"{point}@1+once=stall:3",
         env={"TWOPHASE_FAULT_TOKENS": str(tokens)},
@@ -115,7 +122,8 @@ def test_a_job_rides_out_the_store_stopped_in_the_middle_of_a_commit(
     job.wait(400)
     log = job.output()
     assert "retrying" in log, "nothing met the stopped store: the test shows nothing"
-    check_table(twophase_s3, twophase_s3_bucket, finished(job, n))
+    finished(job, n)
+    check_log(twophase_s3, twophase_s3_bucket, n)
 
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])

@@ -5,7 +5,8 @@ jars and S3A's (``hadoop-aws`` and the AWS SDK bundle, on the driver's
 classpath) and S3A's settings for the server.
 
 Prints ``READ {json}`` (what delta-spark read: the latest rows and the rows of
-the versions asked for with ``versionAsOf``; the seconds each part took), then
+the versions asked for with ``versionAsOf``; the seconds each part took;
+nothing with ``--no-read-back``, whose session has no S3A), then
 the ``RESULT`` line of :func:`tests.jobs._driver.finish`. Exit 0 only when the job committed.
 A ``--state`` URI (``s3a://...``) puts the job's state on the server too,
 with the ledger in the local ``--ledger`` directory.
@@ -57,12 +58,15 @@ def main() -> int:
     ap.add_argument("--secret-key", required=True)
     ap.add_argument("--region", default="us-east-1")
     ap.add_argument("--versions", default="0,1,2", help="versions to read back")
+    ap.add_argument("--no-read-back", action="store_true", help="no delta-spark read, no S3A")
     args = ap.parse_args()
     began = time.monotonic()
-    conf = s3a_conf(args.endpoint, args.access_key, args.secret_key, args.region)
-    # the AWS SDK bundle is ~690 MB: on the driver's classpath it is read in
-    # place (local mode runs the executors in the driver's JVM)
-    conf["spark.driver.extraClassPath"] = os.pathsep.join(str(p) for p in jars.jars("s3a"))
+    conf = {}
+    if not args.no_read_back:
+        conf = s3a_conf(args.endpoint, args.access_key, args.secret_key, args.region)
+        # the AWS SDK bundle is ~690 MB: on the driver's classpath it is read in
+        # place (local mode runs the executors in the driver's JVM)
+        conf["spark.driver.extraClassPath"] = os.pathsep.join(str(p) for p in jars.jars("s3a"))
     # C1 only: delta-spark's first read in a fresh JVM is mostly JIT work; this
     # halves the driver's CPU time (58 s -> 33 s here) for a run this short
     conf["spark.driver.extraJavaOptions"] = "-XX:TieredStopAtLevel=1"
@@ -83,6 +87,8 @@ def main() -> int:
     )
     result = job.run()
     ran = time.monotonic()
+    if args.no_read_back:
+        return finish(spark, result)
     uri = "s3a://" + args.table.removeprefix("s3://")
     versions = [int(v) for v in args.versions.split(",") if v]
     read = read_back(spark, uri, versions)
