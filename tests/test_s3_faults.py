@@ -16,12 +16,17 @@
   once, nothing staged left. Before those retries, the tasks failed within a
   second and the job died (``TaskFailedError: ... EndpointConnectionError``).
 * **Credentials wrong or missing, or no such bucket**: refused at preflight,
-  naming the table and what the store said, without the secret.
+  naming the table and what the store said, without the secret; a
+  ``state_dir`` on ``s3a://`` whose credentials the store refuses, likewise
+  (``twophase status``, the state store in a JVM of its own).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +39,7 @@ from lifecycle.testing.s3faults import ThrottlingProxy
 from sinks import DeltaSink
 from sinks.errors import PreflightError
 from tests.conftest import write_input
-from tests.procs import JobProcess, wait_for
+from tests.procs import ROOT, JobProcess, wait_for
 from tests.test_delta_s3 import check_log, check_table, s3_jars  # noqa: F401 (a fixture)
 from tests.tiers import SLOW
 
@@ -196,3 +201,46 @@ def test_the_proxy_throttles_what_it_says(twophase_s3: Any, twophase_s3_bucket: 
             for i in range(4):
                 client.put_object(Bucket=twophase_s3_bucket, Key=f"p{i}", Body=b"x")
         assert (proxy.throttled, proxy.forwarded) == (2, 6)
+
+
+@pytest.mark.usefixtures("s3_jars")
+@pytest.mark.parametrize(
+    ("case", "said"),
+    [
+        ("wrong secret", "403"),
+        ("no credentials", "No AWS credentials"),
+    ],
+)
+def test_a_state_dir_the_store_refuses_is_refused_by_name_without_the_secret(
+    twophase_s3: Any, twophase_s3_bucket: str, case: str, said: str
+) -> None:
+    """``twophase status s3a://...`` (the state store in a JVM of its own,
+    configured as a job's session would be, from ``PYSPARK_SUBMIT_ARGS``): a
+    one-line refusal that names the ``state_dir``, says what the store said
+    and what to check, and shows no secret; no Java stack trace."""
+    secret = "wrongsecret" + "7" * 29
+    conf = twophase_s3.spark_conf()
+    if case == "wrong secret":
+        conf["spark.hadoop.fs.s3a.secret.key"] = secret
+    else:
+        del conf["spark.hadoop.fs.s3a.access.key"], conf["spark.hadoop.fs.s3a.secret.key"]
+    submit = ["--driver-class-path", os.pathsep.join(str(p) for p in jars.jars("s3a"))]
+    for k, v in conf.items():
+        submit += ["--conf", f"{k}={v}"]
+    state = f"s3a://{twophase_s3_bucket}/state"
+    status = subprocess.run(
+        [sys.executable, "-m", "lifecycle.cli", "status", state],
+        env={**os.environ, "PYSPARK_SUBMIT_ARGS": " ".join([*submit, "pyspark-shell"])},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    out = status.stdout + status.stderr
+    assert status.returncode == 2, out
+    refusal = [line for line in out.splitlines() if line.startswith("twophase: ")]
+    assert len(refusal) == 1 and f"state_dir {state}: the file system refused" in refusal[0], out
+    assert said in refusal[0] and "fs.s3a.secret.key" in refusal[0], refusal
+    assert "Traceback" not in out and "\tat " not in out, out
+    for value in (secret, twophase_s3.secret_key):
+        assert value not in out

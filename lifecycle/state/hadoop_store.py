@@ -63,10 +63,16 @@ PART = ".part"
 
 T = TypeVar("T")
 
-_LASTING = (
-    "java.io.FileNotFoundException",
+_REFUSALS = (
     "java.nio.file.AccessDeniedException",
     "org.apache.hadoop.security.AccessControlException",
+    "org.apache.hadoop.fs.s3a.CredentialInitializationException",
+)
+"""the file system refused the credentials, or what they may do"""
+
+_LASTING = (
+    *_REFUSALS,
+    "java.io.FileNotFoundException",
     "org.apache.hadoop.fs.FileAlreadyExistsException",
     "org.apache.hadoop.fs.ParentNotDirectoryException",
     "org.apache.hadoop.fs.UnsupportedFileSystemException",
@@ -142,6 +148,14 @@ class HadoopStore(StateStore):
             except Py4JJavaError as e:
                 if _passes(self._gateway, e):
                     raise _Passing(f"{what} {self.root}: {_java_message(e)}") from e
+                if _named(self._gateway, e, _REFUSALS):
+                    raise ConfigError(
+                        f"state_dir {self.root}: the file system refused {what} it "
+                        f"({_java_message(e)}). Check the credentials it is given (for "
+                        "s3a: fs.s3a.access.key and fs.s3a.secret.key, or "
+                        "fs.s3a.aws.credentials.provider, as spark.hadoop.* settings or in "
+                        "core-site.xml) and what they may do there"
+                    ) from None
                 raise
 
         return retry_transient(
@@ -265,16 +279,22 @@ def standalone(root: str) -> HadoopStore:
 
 def _passes(gateway: Any, e: Py4JJavaError) -> bool:
     """Whether the Java exception of ``e`` is an ``IOException`` a retry may
-    mend: not one of :data:`_LASTING`, nor a NameNode's answer naming one
-    (``RemoteException.getClassName``)."""
+    mend: not one of :data:`_LASTING`."""
     exc = e.java_exception
-    if not is_instance_of(gateway, exc, "java.io.IOException"):
-        return False
-    if any(is_instance_of(gateway, exc, name) for name in _LASTING):
-        return False
+    return bool(is_instance_of(gateway, exc, "java.io.IOException")) and not _named(
+        gateway, e, _LASTING
+    )
+
+
+def _named(gateway: Any, e: Py4JJavaError, classes: tuple[str, ...]) -> bool:
+    """Whether the Java exception of ``e`` is one of ``classes``, or a
+    NameNode's answer naming one (``RemoteException.getClassName``)."""
+    exc = e.java_exception
+    if any(is_instance_of(gateway, exc, name) for name in classes):
+        return True
     if is_instance_of(gateway, exc, "org.apache.hadoop.ipc.RemoteException"):
-        return str(exc.getClassName()) not in _LASTING
-    return True
+        return str(exc.getClassName()) in classes
+    return False
 
 
 def _java_message(e: Py4JJavaError) -> str:
