@@ -19,7 +19,7 @@ from deltalake import DeltaTable, write_deltalake
 
 from lifecycle import Job, JobResult, TaskFailedError
 from lifecycle.testing import verify
-from sinks import ConfigError, DeltaSink, _faults
+from sinks import DeltaSink, _faults
 from tests import deltacheck
 from tests.changefeed import SCHEMA as FEED
 from tests.changefeed import write_feed
@@ -218,11 +218,6 @@ def test_keyed_rules_fail_the_batch_in_delta(spark, tmp_path):  # type: ignore[n
             "dup",
         )
     verify.assert_nothing_left_delta(uri)
-
-
-def test_keyed_delta_needs_a_table_spark_reaches() -> None:
-    with pytest.raises(ConfigError, match="local or shared-filesystem"):
-        DeltaSink("s3://bucket/t", key=["id"])
 
 
 def test_the_audit_checks_each_merge_version(spark, tmp_path, capsys):  # type: ignore[no-untyped-def]

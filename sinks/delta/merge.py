@@ -13,7 +13,9 @@ writes and deletes. The commit applies them to the table copy-on-write:
    changed, adds the rows the changes write, and stages the result with
    Spark's Parquet writer (:class:`~sinks.delta.spark_stage.SparkStage`: files
    named after a transaction of the sink's scope and the checkpoint's highest
-   batch, with their markers, so a sweep finds them after any crash);
+   batch, with their markers, so a sweep finds them after any crash); on an
+   object store the tasks read and stage with the sink's own store and writer
+   (:mod:`sinks.delta.task_io`), with no Hadoop file system and no rename;
 3. **commit** (driver, :func:`commit`): one Delta version removes the
    candidates and adds the staged files, with the app transaction
    ``txn(appId, highest batch)`` and ``max_commit_retries=0``. A version that
@@ -57,6 +59,7 @@ from sinks.delta.merge_rewrite import rewrite, winning_changes
 from sinks.delta.spark_stage import SparkStage
 from sinks.delta.spark_txn import SparkTxn, data_files
 from sinks.delta.storage import TableStorage, marker_path
+from sinks.delta.task_io import TaskStage
 from sinks.errors import REWRITE_ADVICE, TransactionLostError
 from sinks.keys import KeyedWrite
 from sinks.naming import TxnName
@@ -121,7 +124,11 @@ def commit(
     spark = SparkSession.builder.getOrCreate()
     staged: Committable | None = None
     planned_on = dt.version()
-    stager = SparkStage(storage, layout, where)
+    stager = (
+        SparkStage(storage, layout, where)
+        if storage.root is not None
+        else TaskStage(storage, layout, where)
+    )
     try:
         staged = rewrite(
             spark,

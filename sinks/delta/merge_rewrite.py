@@ -6,7 +6,9 @@ It reads the change files, keeping the last batch's row of each key
 candidates' rows whose key is not changed, adds the rows the changes write,
 and hands the result to a stager (:func:`rewrite`), which writes it with
 Spark's Parquet writer (:class:`~sinks.delta.spark_stage.SparkStage`). The
-commit of what it staged is :mod:`sinks.delta.merge`'s.
+commit of what it staged is :mod:`sinks.delta.merge`'s. On an object store
+the files are read, and the result staged, by the tasks themselves through the
+sink's store (:mod:`sinks.delta.task_io`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from sinks.delta.changes import DELETE_COLUMN, change_schema
 from sinks.delta.layout import Layout, quoted
 from sinks.delta.merge_plan import Candidate, Change
 from sinks.delta.storage import TableStorage
+from sinks.delta.task_io import read_files
 from sinks.keys import KeyedWrite
 
 if TYPE_CHECKING:
@@ -44,6 +47,16 @@ def _spark_schema(schema: pa.Schema) -> Any:
     from pyspark.sql.types import StructField, StructType
 
     return StructType([StructField(f.name, _spark_type(f.type), True) for f in schema])
+
+
+def _read(
+    spark: SparkSession, storage: TableStorage, paths: Sequence[str], schema: pa.Schema
+) -> DataFrame:
+    """The rows of the Parquet files ``paths``: Spark's reader on a local or
+    shared-filesystem table, the tasks' own on an object store."""
+    if storage.root is None:
+        return read_files(spark, storage, paths, schema)
+    return spark.read.schema(_spark_schema(schema)).parquet(*(storage.path(p) for p in paths))
 
 
 def as_stored(df: DataFrame, layout: Layout) -> DataFrame:
@@ -70,11 +83,11 @@ def winning_changes(
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    schema = _spark_schema(change_schema(layout))
+    schema = change_schema(layout)
     frames = []
     for batch in sorted({ch.batch for ch in changes}):
-        paths = [storage.path(ch.path) for ch in changes if ch.batch == batch]
-        frames.append(spark.read.schema(schema).parquet(*paths).withColumn(_BATCH, F.lit(batch)))
+        paths = [ch.path for ch in changes if ch.batch == batch]
+        frames.append(_read(spark, storage, paths, schema).withColumn(_BATCH, F.lit(batch)))
     # change files of an earlier version may hold "" in a partition key column
     df = as_stored(functools.reduce(lambda a, b: a.unionByName(b), frames), layout)
     if len(frames) == 1:
@@ -91,14 +104,13 @@ def _targets(
 
     if not candidates:
         return None
-    file_schema = _spark_schema(layout.file_schema)
     groups: dict[tuple[str | None, ...], list[str]] = {}
     for c in candidates:
         key = tuple(c.partition_values[p] for p in layout.partition_by)
-        groups.setdefault(key, []).append(storage.path(c.path))
+        groups.setdefault(key, []).append(c.path)
     frames = []
     for values, paths in groups.items():
-        df = spark.read.schema(file_schema).parquet(*paths)
+        df = _read(spark, storage, paths, layout.file_schema)
         for col, value in zip(layout.partition_by, values, strict=True):
             t = _spark_type(layout.schema.field(col).type)
             df = df.withColumn(col, F.lit(value).cast(t))

@@ -151,11 +151,6 @@ class DeltaSink(Sink):
         self.write_with = write_with
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
         self.rules = KeyedWrite.of(f"Delta table {self.table_uri}", key, order_by, delete_when)
-        if self.rules.keyed and root is None:
-            raise ConfigError(
-                f"DeltaSink(key=...) merges with Spark jobs that read and write the table's "
-                f"files directly, which needs a local or shared-filesystem table, not {uri}"
-            )
         if replace_where is not None and (self.rules.keyed or not replace_where.strip()):
             raise ConfigError(
                 "DeltaSink: replace_where replaces the partitions it matches with the "

@@ -9,7 +9,8 @@ the versions asked for with ``versionAsOf``; the seconds each part took;
 nothing with ``--no-read-back``, whose session has no S3A), then
 the ``RESULT`` line of :func:`tests.jobs._driver.finish`. Exit 0 only when the job committed.
 A ``--state`` URI (``s3a://...``) puts the job's state on the server too,
-with the ledger in the local ``--ledger`` directory.
+with the ledger in the local ``--ledger`` directory. ``--keyed``: a keyed
+sink (merge by ``id``; a row with a negative ``amount`` deletes its key).
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ def main() -> int:
     ap.add_argument("--region", default="us-east-1")
     ap.add_argument("--versions", default="0,1,2", help="versions to read back")
     ap.add_argument("--no-read-back", action="store_true", help="no delta-spark read, no S3A")
+    ap.add_argument(
+        "--keyed", action="store_true", help="merge by id; a negative amount deletes the key"
+    )
+    ap.add_argument("--partition-by", help="a column to partition the table by")
+    ap.add_argument("--replace-where", help="replace the slice this predicate names")
+    ap.add_argument("--sink-id", default="orders")
     args = ap.parse_args()
     began = time.monotonic()
     conf = {}
@@ -82,9 +89,21 @@ def main() -> int:
     df = spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).json(args.input)
     extra = {"ledger": args.ledger} if args.ledger else {}
     job = Job(spark, "s3delta", args.state, checkpoint_interval=0, **extra)
-    job.add_pipeline(
-        "load", df, [DeltaSink(args.table, storage_options=options, sink_id="orders")], bounded=True
+    keyed: dict[str, Any] = {}
+    if args.keyed:
+        from pyspark.sql import functions as F
+
+        df = df.withColumn("deleted", F.col("amount") < 0)
+        keyed = {"key": ["id"], "delete_when": "deleted"}
+    sink = DeltaSink(
+        args.table,
+        storage_options=options,
+        sink_id=args.sink_id,
+        partition_by=args.partition_by,
+        replace_where=args.replace_where,
+        **keyed,
     )
+    job.add_pipeline("load", df, [sink], bounded=True)
     result = job.run()
     ran = time.monotonic()
     if args.no_read_back:
