@@ -4,7 +4,7 @@ delta-spark reads the table back through Hadoop's S3A (``s3a://``), the way a
 Spark user of the table reads it in production.
 
 The job and the read run in one driver process of their own
-(``tests/jobs/s3_delta_job.py``): its session needs S3A's jars on the driver's
+(``tests/jobs/delta_store_job.py``): its session needs S3A's jars on the driver's
 classpath, which the suite's session (one SparkContext per process) was started
 without. This process then checks the table from the store itself: deltalake
 reads every row once, the versions are the sink's (creation, claim, one per
@@ -82,7 +82,7 @@ def run(server: Any, bucket: str, tmp_path: Path, state: str, n_files: int = 3) 
         else ["--state", str(tmp_path / "state")]
     )
     job = run_job(
-        "s3_delta_job.py",
+        "delta_store_job.py",
         [
             "--input",
             str(tmp_path / "in"),

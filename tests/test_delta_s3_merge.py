@@ -1,6 +1,6 @@
 """Keyed merges on S3: ``DeltaSink("s3://...", key=["id"])`` on S3Proxy.
 
-A bounded job (``tests/jobs/s3_delta_job.py --keyed``) reads three files,
+A bounded job (``tests/jobs/delta_store_job.py --keyed``) reads three files,
 one micro-batch each, that insert, update and delete keys: batch 0 writes
 ids 0-99, batch 1 rewrites ids 50-149, batch 2 rewrites ids 100-199 and
 deletes ids 0-9 (a negative amount). Every checkpoint commits one merge
@@ -90,7 +90,7 @@ def test_keyed_merges_on_s3_are_exact_and_delta_spark_reads_them(
     ]
     if partition_by:
         args += ["--partition-by", partition_by]
-    job = run_job("s3_delta_job.py", args, tmp_path / "job.log", timeout=400)
+    job = run_job("delta_store_job.py", args, tmp_path / "job.log", timeout=400)
     assert job.proc.returncode == 0, job.tail()
     result = job.result()
     assert result["committed"] and result["rows"] == {"load/orders": 310}, result
@@ -149,12 +149,12 @@ def test_a_driver_killed_with_a_merge_staged_on_s3_restarts_exact_and_sweeps_it(
         "--no-read-back",
     ]
     killed = run_job(
-        "s3_delta_job.py", args, tmp_path / "job.log", fault="driver.merge_staged@2=kill"
+        "delta_store_job.py", args, tmp_path / "job.log", fault="driver.merge_staged@2=kill"
     )
     assert killed.proc.returncode == -9, killed.tail()
     staged = keys(server, bucket, "orders/" + STAGED)
     assert staged, "the killed driver left nothing staged: the test shows nothing"
-    again = run_job("s3_delta_job.py", args, tmp_path / "job.log", timeout=400)
+    again = run_job("delta_store_job.py", args, tmp_path / "job.log", timeout=400)
     assert again.proc.returncode == 0, again.tail()
     assert rows_of(server, f"s3://{bucket}/orders") == expected()
     assert keys(server, bucket, "orders/" + STAGED) == []
@@ -198,7 +198,7 @@ def test_a_partition_replace_on_s3_replaces_its_slice_alone(
             "name",
             *extra,
         ]
-        job = run_job("s3_delta_job.py", args, tmp_path / f"{name}.log", timeout=400)
+        job = run_job("delta_store_job.py", args, tmp_path / f"{name}.log", timeout=400)
         assert job.proc.returncode == 0, job.tail()
         out = job.output()
         return dict(json.loads(out.rsplit("READ ", 1)[1].splitlines()[0])) if "READ " in out else {}

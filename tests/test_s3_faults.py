@@ -45,7 +45,7 @@ from tests.tiers import SLOW
 
 
 def job_args(endpoint: str, server: Any, bucket: str, tmp_path: Path) -> list[str]:
-    """The arguments of ``tests/jobs/s3_delta_job.py`` for a job into
+    """The arguments of ``tests/jobs/delta_store_job.py`` for a job into
     ``s3://bucket/orders`` through ``endpoint``."""
     return [
         "--input",
@@ -83,7 +83,7 @@ def test_a_job_rides_out_a_store_that_throttles_every_third_request(
     n = write_input(tmp_path / "in", files=3, rows_per_file=100)
     with ThrottlingProxy(twophase_s3.endpoint, every=3) as proxy:
         job = JobProcess(
-            "s3_delta_job.py",
+            "delta_store_job.py",
             job_args(proxy.endpoint, twophase_s3, twophase_s3_bucket, tmp_path),
             tmp_path / "job.log",
         )
@@ -110,7 +110,7 @@ def test_a_job_rides_out_the_store_stopped_in_the_middle_of_a_commit(
     tokens = tmp_path / "tokens"
     tokens.mkdir()
     job = JobProcess(
-        "s3_delta_job.py",
+        "delta_store_job.py",
         [
             *job_args(twophase_s3.endpoint, twophase_s3, twophase_s3_bucket, tmp_path),
             "--no-read-back",

@@ -1,16 +1,21 @@
-"""A bounded job from JSON files into ``DeltaSink("s3://...")`` on an S3 server
-(the tests' S3Proxy), then the table read back by delta-spark through Hadoop's
-S3A (``s3a://``), all in one driver process: its session has delta-spark's
-jars and S3A's (``hadoop-aws`` and the AWS SDK bundle, on the driver's
-classpath) and S3A's settings for the server.
+"""A bounded job from JSON files into a ``DeltaSink`` on a shared store, then
+the table read back by delta-spark, all in one driver process.
+
+* ``--table s3://bucket/path`` on an S3 server (the tests' S3Proxy, with
+  ``--endpoint`` and its keys): delta-spark reads it through Hadoop's S3A
+  (``s3a://``), so the session has S3A's jars (``hadoop-aws`` and the AWS SDK
+  bundle, on the driver's classpath) and settings for the server;
+* ``--table hdfs://host:port/path`` (the tests' MiniHdfs): deltalake writes
+  it through its own HDFS client, delta-spark reads it through the HDFS
+  client pyspark bundles.
 
 Prints ``READ {json}`` (what delta-spark read: the latest rows and the rows of
 the versions asked for with ``versionAsOf``; the seconds each part took;
-nothing with ``--no-read-back``, whose session has no S3A), then
-the ``RESULT`` line of :func:`tests.jobs._driver.finish`. Exit 0 only when the job committed.
-A ``--state`` URI (``s3a://...``) puts the job's state on the server too,
-with the ledger in the local ``--ledger`` directory. ``--keyed``: a keyed
-sink (merge by ``id``; a row with a negative ``amount`` deletes its key).
+nothing with ``--no-read-back``), then the ``RESULT`` line of
+:func:`tests.jobs._driver.finish`. Exit 0 only when the job committed. A
+``--state`` URI (``s3a://...``, ``hdfs://...``) puts the job's state on the
+store too, with the ledger in the local ``--ledger`` directory. ``--keyed``: a
+keyed sink (merge by ``id``; a row with a negative ``amount`` deletes its key).
 """
 
 from __future__ import annotations
@@ -53,10 +58,10 @@ def main() -> int:
     ap.add_argument("--input", required=True)
     ap.add_argument("--state", required=True)
     ap.add_argument("--ledger")
-    ap.add_argument("--table", required=True, help="s3://bucket/path")
-    ap.add_argument("--endpoint", required=True)
-    ap.add_argument("--access-key", required=True)
-    ap.add_argument("--secret-key", required=True)
+    ap.add_argument("--table", required=True, help="s3://bucket/path or hdfs://host:port/path")
+    ap.add_argument("--endpoint", help="the S3 server's (s3:// tables)")
+    ap.add_argument("--access-key")
+    ap.add_argument("--secret-key")
     ap.add_argument("--region", default="us-east-1")
     ap.add_argument("--versions", default="0,1,2", help="versions to read back")
     ap.add_argument("--no-read-back", action="store_true", help="no delta-spark read, no S3A")
@@ -68,8 +73,9 @@ def main() -> int:
     ap.add_argument("--sink-id", default="orders")
     args = ap.parse_args()
     began = time.monotonic()
+    s3 = args.table.startswith("s3://")
     conf = {}
-    if not args.no_read_back:
+    if s3 and not args.no_read_back:
         conf = s3a_conf(args.endpoint, args.access_key, args.secret_key, args.region)
         # the AWS SDK bundle is ~690 MB: on the driver's classpath it is read in
         # place (local mode runs the executors in the driver's JVM)
@@ -79,13 +85,17 @@ def main() -> int:
     conf["spark.driver.extraJavaOptions"] = "-XX:TieredStopAtLevel=1"
     spark = start_driver("s3delta", jvm_packages=True, conf=conf)
     spark_up = time.monotonic()
-    options = {
-        "AWS_ENDPOINT_URL": args.endpoint,
-        "AWS_ACCESS_KEY_ID": args.access_key,
-        "AWS_SECRET_ACCESS_KEY": args.secret_key,
-        "AWS_REGION": args.region,
-        "AWS_ALLOW_HTTP": "true",
-    }
+    options = (
+        {
+            "AWS_ENDPOINT_URL": args.endpoint,
+            "AWS_ACCESS_KEY_ID": args.access_key,
+            "AWS_SECRET_ACCESS_KEY": args.secret_key,
+            "AWS_REGION": args.region,
+            "AWS_ALLOW_HTTP": "true",
+        }
+        if s3
+        else {}
+    )
     df = spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).json(args.input)
     extra = {"ledger": args.ledger} if args.ledger else {}
     job = Job(spark, "s3delta", args.state, checkpoint_interval=0, **extra)
@@ -108,7 +118,7 @@ def main() -> int:
     ran = time.monotonic()
     if args.no_read_back:
         return finish(spark, result)
-    uri = "s3a://" + args.table.removeprefix("s3://")
+    uri = "s3a://" + args.table.removeprefix("s3://") if s3 else args.table
     versions = [int(v) for v in args.versions.split(",") if v]
     read = read_back(spark, uri, versions)
     read["seconds"] = {
