@@ -167,3 +167,56 @@ def test_a_job_with_its_state_on_s3a(tmp_path: Path) -> None:
         check_table(server, "jobs", got)
         state = keys(server, "jobs", "state/")
         assert "pipelines/load/spark/commits/2" in state, state
+
+
+@SLOW  # rule 5's in-run replay is the default run's (tests/test_lost_work.py, PostgreSQL)
+@pytest.mark.crash
+def test_staged_files_a_vacuum_removed_on_s3_are_written_again_from_the_source(
+    twophase_s3: Any, twophase_s3_bucket: str, tmp_path: Path
+) -> None:
+    """deltalake's full VACUUM with no retention, run on the S3 table while the
+    driver waits before the second checkpoint's commit, deletes the files the
+    sink staged for it (the log references none of them yet). The commit finds
+    them gone, commits nothing of them, and the run writes the batch again from
+    the source: every row once, nothing left staged, nothing owed."""
+    from lifecycle.ledger import read_ledger
+    from tests.procs import JobProcess, wait_for
+
+    server, bucket = twophase_s3, twophase_s3_bucket
+    n = write_input(tmp_path / "in", files=3, rows_per_file=100)
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    job = JobProcess(
+        "delta_store_job.py",
+        [
+            "--input",
+            str(tmp_path / "in"),
+            "--state",
+            str(tmp_path / "state"),
+            "--table",
+            f"s3://{bucket}/orders",
+            "--endpoint",
+            server.endpoint,
+            "--access-key",
+            server.access_key,
+            "--secret-key",
+            server.secret_key,
+            "--no-read-back",
+        ],
+        tmp_path / "job.log",
+        fault="driver.before_commit@1+once=stall:8",
+        env={"TWOPHASE_FAULT_TOKENS": str(tokens)},
+    )
+    wait_for(lambda: any(tokens.iterdir()), 300, "the driver reached its commit", job)
+    gone = DeltaTable(f"s3://{bucket}/orders", storage_options=server.storage_options()).vacuum(
+        retention_hours=0, dry_run=False, enforce_retention_duration=False, full=True
+    )
+    assert any(g.endswith(".parquet") for g in gone), f"the VACUUM removed no staged file: {gone}"
+    job.wait(400)
+    assert job.proc.returncode == 0, job.tail()
+    latest = rows_of(server, f"s3://{bucket}/orders")
+    assert latest == [[i, f"name-{i}", i * 0.5] for i in range(n)]
+    assert keys(server, bucket, "orders/" + STAGED) == []
+    assert leftovers(server, bucket, "orders") == []
+    doc = read_ledger(tmp_path / "state")
+    assert doc is not None and doc["owed"] == {} and doc["pending"] == {}
