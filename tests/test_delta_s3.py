@@ -22,6 +22,9 @@ not, see docs/testing.md).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -32,7 +35,7 @@ from deltalake import DeltaTable
 from lifecycle.testing import jars
 from lifecycle.testing.verify import assert_keys_once
 from tests.conftest import write_input
-from tests.procs import run_job
+from tests.procs import ROOT, run_job
 from tests.tiers import SLOW
 
 LOG = "_delta_log/"
@@ -220,3 +223,81 @@ def test_staged_files_a_vacuum_removed_on_s3_are_written_again_from_the_source(
     assert leftovers(server, bucket, "orders") == []
     doc = read_ledger(tmp_path / "state")
     assert doc is not None and doc["owed"] == {} and doc["pending"] == {}
+
+
+def _twophase(server: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    """``twophase ARGS`` in a process of its own whose JVM has S3A's jars and
+    settings for ``server`` (``PYSPARK_SUBMIT_ARGS``, as an operator's shell
+    would give them), and the table's credentials in the environment (the
+    state records neither the key id nor the secret)."""
+    submit = ["--driver-class-path", os.pathsep.join(str(p) for p in jars.jars("s3a"))]
+    for k, v in server.spark_conf().items():
+        submit += ["--conf", f"{k}={v}"]
+    env = {
+        **os.environ,
+        "PYSPARK_SUBMIT_ARGS": " ".join([*submit, "pyspark-shell"]),
+        "AWS_ACCESS_KEY_ID": server.access_key,
+        "AWS_SECRET_ACCESS_KEY": server.secret_key,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "lifecycle.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+
+
+@SLOW
+@pytest.mark.crash
+@pytest.mark.usefixtures("s3_jars")
+def test_a_killed_driver_restarts_elsewhere_from_its_state_on_s3a(tmp_path: Path) -> None:
+    """The job's state on ``s3a://`` (Spark's checkpoints, its control files),
+    its ledger in a local directory: the driver is SIGKILLed right after the
+    ledger recorded batch 1; ``twophase status`` reads the state from S3 and
+    says DIED; the job started again from another working directory finishes
+    exactly once, and ``twophase audit`` finds the table's records match the
+    ledger's."""
+    from lifecycle.testing.s3proxy import S3Proxy
+
+    jars.require("s3proxy")
+    n = write_input(tmp_path / "in", files=3, rows_per_file=100)
+    ledger = str(tmp_path / "ledger")
+    with S3Proxy(provider="transient") as server:
+        server.create_bucket("jobs")
+        args = [
+            "--input",
+            str(tmp_path / "in"),
+            "--state",
+            "s3a://jobs/state",
+            "--ledger",
+            ledger,
+            "--table",
+            "s3://jobs/orders",
+            "--endpoint",
+            server.endpoint,
+            "--access-key",
+            server.access_key,
+            "--secret-key",
+            server.secret_key,
+        ]
+        killed = run_job(
+            "delta_store_job.py", args, tmp_path / "job.log", fault="driver.after_record@1=kill"
+        )
+        assert killed.proc.returncode == -9, killed.tail()
+        status = _twophase(server, "status", "s3a://jobs/state", "--ledger", ledger)
+        assert status.returncode == 3, status.stdout + status.stderr
+        assert "state: DIED" in status.stdout, status.stdout
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        again = run_job("delta_store_job.py", args, tmp_path / "job.log", cwd=elsewhere)
+        assert again.proc.returncode == 0, again.tail()
+        latest = rows_of(server, "s3://jobs/orders")
+        assert latest == [[i, f"name-{i}", i * 0.5] for i in range(n)]
+        assert keys(server, "jobs", "orders/" + STAGED) == []
+        assert leftovers(server, "jobs", "orders") == []
+        audit = _twophase(server, "audit", "s3a://jobs/state", "--ledger", ledger)
+        assert audit.returncode == 0, audit.stdout + audit.stderr
+        assert " ok" in audit.stdout, audit.stdout
+        assert server.secret_key not in status.stdout + status.stderr + audit.stdout

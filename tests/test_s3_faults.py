@@ -244,3 +244,23 @@ def test_a_state_dir_the_store_refuses_is_refused_by_name_without_the_secret(
     assert "Traceback" not in out and "\tat " not in out, out
     for value in (secret, twophase_s3.secret_key):
         assert value not in out
+
+
+def test_an_audit_without_the_key_id_says_so_in_one_plain_line(
+    twophase_s3: Any, twophase_s3_bucket: str, monkeypatch: Any
+) -> None:
+    """``twophase audit`` rebuilds the sink from its recorded settings, which
+    keep neither the key id nor the secret: with only the secret in the
+    environment the table cannot be read, and the audit's line says why."""
+    from sinks.base import JobScope
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    options = twophase_s3.storage_options()
+    del options["AWS_ACCESS_KEY_ID"]
+    sink = DeltaSink(f"s3://{twophase_s3_bucket}/orders", storage_options=options)
+    with pytest.raises(OSError) as e:
+        sink.audit(JobScope("j", "p", sink.sink_id, "0123456789ab"), [])
+    message = str(e.value)
+    assert "no credentials" in message and "AWS_ACCESS_KEY_ID" in message, message
+    assert "\x1b[" not in message and twophase_s3.secret_key not in message, message

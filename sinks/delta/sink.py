@@ -413,4 +413,9 @@ class DeltaSink(Sink):
         return delta_audit.evidence(committable)
 
     def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
-        return delta_audit.audit(self._storage, self._load(), app_id(scope), checkpoints)
+        try:
+            dt = self._load()
+        except (DeltaError, OSError) as e:
+            said = store_errors.explain(e, self.table_uri, self.storage_options)
+            raise OSError(f"cannot open {self.describe()}: {said}") from None
+        return delta_audit.audit(self._storage, dt, app_id(scope), checkpoints)

@@ -57,11 +57,12 @@ def explain(error: BaseException, location: str, options: Mapping[str, str]) -> 
         return f"the store refused the credentials: {hint}. The store said: {said}"
     if code == "NoSuchBucket":
         return f"the bucket {bucket!r} does not exist (NoSuchBucket). The store said: {said}"
-    if _METADATA_SERVICE in said:
+    if _METADATA_SERVICE in said or "Missing AccessKeyId" in said:
         return (
-            "no credentials: storage_options has no AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY, nor has the environment, and the instance "
-            "metadata service gave none (no role here). Give them in "
-            f"storage_options or the environment. The store said: {said}"
+            "no credentials: neither storage_options nor the environment give both "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, and no credential provider (an "
+            "instance's role) gave any. A job restarted from its recorded settings, and "
+            "twophase, take them from the environment (TWOPHASE_<SINK>_<KEY>, or the "
+            f"key's own name): the state records neither. The store said: {said}"
         )
     return said
