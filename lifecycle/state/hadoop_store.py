@@ -146,9 +146,9 @@ class HadoopStore(StateStore):
             try:
                 return fn()
             except Py4JJavaError as e:
-                if _passes(self._gateway, e):
+                if _passes(e):
                     raise _Passing(f"{what} {self.root}: {_java_message(e)}") from e
-                if _named(self._gateway, e, _REFUSALS):
+                if _named(e, _REFUSALS):
                     raise ConfigError(
                         f"state_dir {self.root}: the file system refused {what} it "
                         f"({_java_message(e)}). Check the credentials it is given (for "
@@ -277,24 +277,33 @@ def standalone(root: str) -> HadoopStore:
     return HadoopStore(root, jvm, conf, gateway)
 
 
-def _passes(gateway: Any, e: Py4JJavaError) -> bool:
+def _passes(e: Py4JJavaError) -> bool:
     """Whether the Java exception of ``e`` is an ``IOException`` a retry may
     mend: not one of :data:`_LASTING`."""
-    exc = e.java_exception
-    return bool(is_instance_of(gateway, exc, "java.io.IOException")) and not _named(
-        gateway, e, _LASTING
-    )
+    return "java.io.IOException" in _classes(e) and not _named(e, _LASTING)
 
 
-def _named(gateway: Any, e: Py4JJavaError, classes: tuple[str, ...]) -> bool:
+def _named(e: Py4JJavaError, classes: tuple[str, ...]) -> bool:
     """Whether the Java exception of ``e`` is one of ``classes``, or a
-    NameNode's answer naming one (``RemoteException.getClassName``)."""
-    exc = e.java_exception
-    if any(is_instance_of(gateway, exc, name) for name in classes):
+    NameNode's answer naming one (``RemoteException.getClassName``). By the
+    names of its class and superclasses: a class of ``classes`` that the JVM
+    does not have (S3A's, in a session without its jars) is simply not it."""
+    names = _classes(e)
+    if names.intersection(classes):
         return True
-    if is_instance_of(gateway, exc, "org.apache.hadoop.ipc.RemoteException"):
-        return str(exc.getClassName()) in classes
+    if "org.apache.hadoop.ipc.RemoteException" in names:
+        return str(e.java_exception.getClassName()) in classes
     return False
+
+
+def _classes(e: Py4JJavaError) -> set[str]:
+    """The names of the Java exception's class and its superclasses."""
+    names: set[str] = set()
+    cls = e.java_exception.getClass()
+    while cls is not None:
+        names.add(str(cls.getName()))
+        cls = cls.getSuperclass()
+    return names
 
 
 def _java_message(e: Py4JJavaError) -> str:
