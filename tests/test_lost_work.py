@@ -232,6 +232,9 @@ def _until_lost(bootstrap: str, topic: str, state: Path, batch: str, within: flo
 
 
 @pytest.mark.crash
+@tiers.SLOW  # rule 5 for Kafka is the default run's in a run (tests/test_kafka_lost_in_run.py,
+# test_kafka_transactions_expire_while_postgres_holds_the_commit_back); a start's replay is
+# the same code (lifecycle/replay.py), run at a start by the source-gone test above
 def test_a_kafka_transaction_the_broker_aborted_is_written_again(
     expiring_kafka: Any, pg_dsn: str, tmp_path: Path
 ) -> None:
