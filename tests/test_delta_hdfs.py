@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
-import pyarrow.fs as pafs
 import pytest
 from deltalake import DeltaTable
 
-from lifecycle.testing import jars
+from lifecycle.testing import jars, verify
 from lifecycle.testing.verify import assert_keys_once
 from tests.conftest import write_input
 from tests.procs import run_job
@@ -33,32 +32,6 @@ from tests.tiers import SLOW
 def table_uri(twophase_hdfs: Any, request: pytest.FixtureRequest) -> str:
     jars.require("delta")
     return f"{twophase_hdfs.uri}/tables/{request.node.name.split('[')[0][-40:]}"
-
-
-def files_of(uri: str) -> list[str]:
-    """Every file under the table ``uri``, relative to it (deltalake's view)."""
-    from deltalake.fs import DeltaStorageHandler
-
-    fs = pafs.PyFileSystem(DeltaStorageHandler(uri))
-    infos = fs.get_file_info(pafs.FileSelector("", recursive=True, allow_not_found=True))
-    return sorted(i.path for i in infos if i.type == pafs.FileType.File)
-
-
-def leftovers(uri: str) -> list[str]:
-    """Data files no version of the log added, and anything under ``_twophase/``."""
-    from deltalake.fs import DeltaStorageHandler
-
-    fs = pafs.PyFileSystem(DeltaStorageHandler(uri))
-    everything = files_of(uri)
-    added: set[str] = set()
-    for rel in everything:
-        if rel.startswith("_delta_log/") and rel.endswith(".json"):
-            with fs.open_input_stream(rel) as f:
-                for line in f.read().decode().splitlines():
-                    add = json.loads(line).get("add") if line.strip() else None
-                    if add:
-                        added.add(unquote(add["path"]))
-    return [r for r in everything if not r.startswith("_delta_log/") and r not in added]
 
 
 def rows_of(uri: str, version: int | None = None) -> list[list[Any]]:
@@ -92,9 +65,9 @@ def test_appends_on_hdfs_are_exact_and_delta_spark_reads_every_version(
     )
     history = sorted(DeltaTable(table_uri).history(), key=lambda h: h["version"])
     assert [h.get("twophaseBatch") for h in history[2:]] == [0, 1, 2], history
-    data = [f for f in files_of(table_uri) if f.endswith(".parquet")]
-    assert len(data) >= 3, f"the listing sees no data files: {files_of(table_uri)}"
-    assert leftovers(table_uri) == []
+    data = verify.data_files_delta(table_uri)
+    assert len(data) >= 3, f"the listing sees no data files: {data}"
+    verify.assert_nothing_left_delta(table_uri)
 
 
 @SLOW  # the merge's file work is sinks/delta/task_io.py's, as on S3 (tested there by default)
@@ -106,4 +79,4 @@ def test_keyed_merges_on_hdfs_are_exact_and_delta_spark_reads_them(
     assert rows_of(table_uri) == expected()
     assert got["read"]["latest"] == expected()
     assert got["read"]["versions"]["2"] == sorted([list(r) for r in BATCHES[0]])
-    assert leftovers(table_uri) == []
+    verify.assert_nothing_left_delta(table_uri)

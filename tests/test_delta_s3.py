@@ -10,8 +10,8 @@ without. This process then checks the table from the store itself: deltalake
 reads every row once, the versions are the sink's (creation, claim, one per
 checkpoint), delta-spark's reads of versions 0, 1 and 2 (time travel) match
 deltalake's, and no staged file or marker is left in the bucket
-(``lifecycle.testing.verify``'s Delta checks take local tables only, hence
-:func:`leftovers`).
+(``lifecycle.testing.verify``'s Delta checks, given the bucket's
+``storage_options``).
 
 In the slow tier the job's ``state_dir`` is on ``s3a://`` as well (Spark's
 checkpoints through S3A, the ledger in a local directory), on an S3Proxy whose
@@ -27,19 +27,15 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 import pytest
 from deltalake import DeltaTable
 
-from lifecycle.testing import jars
+from lifecycle.testing import jars, verify
 from lifecycle.testing.verify import assert_keys_once
 from tests.conftest import write_input
 from tests.procs import ROOT, run_job
 from tests.tiers import SLOW
-
-LOG = "_delta_log/"
-STAGED = "_twophase/"
 
 
 def keys(server: Any, bucket: str, prefix: str) -> list[str]:
@@ -51,23 +47,12 @@ def keys(server: Any, bucket: str, prefix: str) -> list[str]:
     return sorted(out)
 
 
-def leftovers(server: Any, bucket: str, table: str) -> list[str]:
-    """What the sink left in an S3 table: data files no version of the log
-    ever added, and anything under ``_twophase/`` (markers, change files,
-    Spark's staging) -- :func:`lifecycle.testing.verify.staged_delta` for a
-    table in a bucket."""
-    prefix = f"{table}/"
-    c = server.client()
-    added: set[str] = set()
-    everything = keys(server, bucket, prefix)
-    for key in everything:
-        if key.startswith(LOG) and key.endswith(".json"):
-            body = c.get_object(Bucket=bucket, Key=prefix + key)["Body"].read().decode()
-            for line in body.splitlines():
-                add = json.loads(line).get("add") if line.strip() else None
-                if add:
-                    added.add(unquote(add["path"]))
-    return [k for k in everything if not k.startswith(LOG) and k not in added]
+def nothing_left(server: Any, bucket: str, table: str = "orders") -> None:
+    """No staged file, marker or change file of the sink left in the table:
+    the kit's verifier (:func:`lifecycle.testing.verify.staged_delta`), reading
+    the bucket through deltalake's store."""
+    left = verify.staged_delta(f"s3://{bucket}/{table}", storage_options=server.storage_options())
+    assert left == [], left
 
 
 @pytest.fixture
@@ -132,8 +117,7 @@ def check_log(server: Any, bucket: str, n: int) -> None:
     history = sorted(dt.history(), key=lambda h: h["version"])
     assert [h["operation"] for h in history] == ["CREATE TABLE"] + ["WRITE"] * (1 + n // 100)
     assert [h.get("twophaseBatch") for h in history[2:]] == list(range(n // 100)), history
-    assert keys(server, bucket, "orders/" + STAGED) == []
-    assert leftovers(server, bucket, "orders") == []
+    nothing_left(server, bucket)
 
 
 def check_table(server: Any, bucket: str, got: dict[str, Any]) -> None:
@@ -219,8 +203,7 @@ def test_staged_files_a_vacuum_removed_on_s3_are_written_again_from_the_source(
     assert job.proc.returncode == 0, job.tail()
     latest = rows_of(server, f"s3://{bucket}/orders")
     assert latest == [[i, f"name-{i}", i * 0.5] for i in range(n)]
-    assert keys(server, bucket, "orders/" + STAGED) == []
-    assert leftovers(server, bucket, "orders") == []
+    nothing_left(server, bucket)
     doc = read_ledger(tmp_path / "state")
     assert doc is not None and doc["owed"] == {} and doc["pending"] == {}
 
@@ -295,8 +278,7 @@ def test_a_killed_driver_restarts_elsewhere_from_its_state_on_s3a(tmp_path: Path
         assert again.proc.returncode == 0, again.tail()
         latest = rows_of(server, "s3://jobs/orders")
         assert latest == [[i, f"name-{i}", i * 0.5] for i in range(n)]
-        assert keys(server, "jobs", "orders/" + STAGED) == []
-        assert leftovers(server, "jobs", "orders") == []
+        nothing_left(server, "jobs")
         audit = _twophase(server, "audit", "s3a://jobs/state", "--ledger", ledger)
         assert audit.returncode == 0, audit.stdout + audit.stderr
         assert " ok" in audit.stdout, audit.stdout

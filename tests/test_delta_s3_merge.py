@@ -29,8 +29,9 @@ from typing import Any
 import pytest
 from deltalake import DeltaTable
 
+from lifecycle.testing import verify
 from tests.procs import run_job
-from tests.test_delta_s3 import STAGED, keys, leftovers, rows_of, s3_jars  # noqa: F401
+from tests.test_delta_s3 import nothing_left, rows_of, s3_jars  # noqa: F401
 from tests.tiers import SLOW
 
 BATCHES = [
@@ -115,8 +116,7 @@ def test_keyed_merges_on_s3_are_exact_and_delta_spark_reads_them(
     assert changed[0] == 100 and sum(changed) == 310, merges
     rewritten = [json.loads(h["twophaseMerge"])["filesRemoved"] for h in merges]
     assert all(n > 0 for n in rewritten[1:]), f"a later merge rewrote no file: {merges}"
-    assert keys(server, bucket, "orders/" + STAGED) == []
-    assert leftovers(server, bucket, "orders") == []
+    nothing_left(server, bucket)
 
 
 @pytest.mark.crash
@@ -153,13 +153,12 @@ def test_a_driver_killed_with_a_merge_staged_on_s3_restarts_exact_and_sweeps_it(
         "delta_store_job.py", args, tmp_path / "job.log", fault="driver.merge_staged@2=kill"
     )
     assert killed.proc.returncode == -9, killed.tail()
-    staged = keys(server, bucket, "orders/" + STAGED)
+    staged = verify.staged_delta(f"s3://{bucket}/orders", storage_options=server.storage_options())
     assert staged, "the killed driver left nothing staged: the test shows nothing"
     again = run_job("delta_store_job.py", args, tmp_path / "job.log", timeout=400)
     assert again.proc.returncode == 0, again.tail()
     assert rows_of(server, f"s3://{bucket}/orders") == expected()
-    assert keys(server, bucket, "orders/" + STAGED) == []
-    assert leftovers(server, bucket, "orders") == []
+    nothing_left(server, bucket)
 
 
 @SLOW  # two jobs (50 s); the replace's commit is the driver's deltalake work, as on a local table
@@ -212,5 +211,4 @@ def test_a_partition_replace_on_s3_replaces_its_slice_alone(
     assert read["latest"] == want, "delta-spark reads other rows than deltalake"
     history = DeltaTable(uri, storage_options=server.storage_options()).history(1)
     assert history[0]["operation"] == "WRITE" and history[0].get("twophaseBatch") == 0, history
-    assert keys(server, bucket, "orders/" + STAGED) == []
-    assert leftovers(server, bucket, "orders") == []
+    nothing_left(server, bucket)

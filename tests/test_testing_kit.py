@@ -25,6 +25,7 @@ from lifecycle.testing import (
     assert_final_state_postgres,
     crash_test,
 )
+from lifecycle.testing.verify import staged_delta
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_PROJECT = ROOT / "examples" / "user_project"
@@ -180,3 +181,33 @@ def test_the_verifiers_name_what_is_wrong(pg_dsn: str, tmp_path: Path) -> None:
     (table / "part-stray.parquet").write_bytes(b"not in any version")
     with pytest.raises(AssertionError, match="staged file"):
         assert_exactly_once_delta(table, [1, 2])
+
+
+@pytest.mark.parametrize("store", ["s3", "hdfs"])
+def test_the_delta_verifiers_read_a_table_in_s3_or_hdfs(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    """The Delta verifiers on a table URI, through deltalake's store with the
+    sink's ``storage_options``: they pass on a clean table and name what is
+    left (a data file no version added, a staging marker)."""
+    from sinks.delta.storage import TableStorage
+
+    if store == "s3":
+        server = request.getfixturevalue("twophase_s3")
+        bucket = request.getfixturevalue("twophase_s3_bucket")
+        uri, options = f"s3://{bucket}/t", server.storage_options()
+    else:
+        uri, options = f"{request.getfixturevalue('twophase_hdfs').uri}/kit/t", None
+    write_deltalake(uri, pa.table({"id": [1, 2], "v": ["a", "b"]}), storage_options=options)
+    assert_exactly_once_delta(uri, [1, 2], storage_options=options)
+    assert_final_state_delta(uri, {1: {"v": "a"}, 2: {"v": "b"}}, storage_options=options)
+    files = TableStorage(uri, options)
+    for rel in ("part-stray.parquet", "_twophase/staged/tp2.j.p.s.i0123456789ab.r1.b0.p0.a1-0"):
+        files.put(rel, b"x")
+    left = staged_delta(uri, storage_options=options)
+    assert left == [
+        "part-stray.parquet",
+        "_twophase/staged/tp2.j.p.s.i0123456789ab.r1.b0.p0.a1-0",
+    ], left
+    with pytest.raises(AssertionError, match="2 staged file"):
+        assert_exactly_once_delta(uri, [1, 2], storage_options=options)

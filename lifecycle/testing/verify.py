@@ -9,7 +9,9 @@ Each reads the target itself, never the job's own bookkeeping:
   trusting the broker's aborted-transactions list), and the sink's registry
   topic for the job's transactions still open;
 * Delta: the table's latest snapshot, and the table directory for staged files
-  and staging markers left behind.
+  and staging markers left behind: a local directory, or a URI of any store
+  deltalake opens (``s3://``, ``hdfs://``, ...; pass ``storage_options=`` as
+  to ``DeltaSink``), listed through deltalake's own store.
 
 ``assert_exactly_once_*(…, expected_keys, …)``: every expected key is there
 exactly once and nothing else is (append writes). ``assert_final_state_*(…,
@@ -273,15 +275,47 @@ _CHANGE_DATA_DIR = "_change_data"
 """delta-spark's change-data files (``cdc`` actions of its UPDATE, DELETE, MERGE)"""
 
 
-def data_files_delta(table_uri: str | Path) -> set[str]:
-    """Every file of a local table directory outside ``_delta_log``,
-    ``_change_data`` and the sink's ``_twophase`` directory (relative paths)."""
-    root = Path(table_uri)
+Options = Mapping[str, str] | None
+
+
+def _is_local(table_uri: str | Path) -> bool:
+    return "://" not in str(table_uri) or str(table_uri).startswith("file://")
+
+
+def _store_files(
+    table_uri: str, storage_options: Options
+) -> tuple[list[str], Callable[[str], bytes]]:
+    """Every file of the table at the URI ``table_uri`` (relative to it), and a
+    reader of one, through deltalake's store (what the sink writes through)."""
+    import pyarrow.fs as pafs
+    from deltalake.fs import DeltaStorageHandler
+
+    fs = pafs.PyFileSystem(DeltaStorageHandler(table_uri, dict(storage_options or {}) or None))
+    infos = fs.get_file_info(pafs.FileSelector("", recursive=True, allow_not_found=True))
+    files = sorted(
+        i.path for i in infos if i.type == pafs.FileType.File and not i.path.endswith("/")
+    )
+
+    def read(rel: str) -> bytes:
+        with fs.open_input_stream(rel) as f:
+            return bytes(f.read())
+
+    return files, read
+
+
+def data_files_delta(table_uri: str | Path, *, storage_options: Options = None) -> set[str]:
+    """Every file of the table outside ``_delta_log``, ``_change_data`` and the
+    sink's ``_twophase`` directory (relative paths)."""
+    skipped = (_LOG_DIR, _OWN_DIR, _CHANGE_DATA_DIR)
+    if not _is_local(table_uri):
+        files, _ = _store_files(str(table_uri), storage_options)
+        return {f for f in files if f.split("/", 1)[0] not in skipped}
+    root = Path(str(table_uri).removeprefix("file://"))
     out: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = Path(dirpath).relative_to(root)
         if rel_dir == Path("."):
-            dirnames[:] = [d for d in dirnames if d not in (_LOG_DIR, _OWN_DIR, _CHANGE_DATA_DIR)]
+            dirnames[:] = [d for d in dirnames if d not in skipped]
         out.update(str(rel_dir / f) if rel_dir != Path(".") else f for f in filenames)
     return out
 
@@ -308,44 +342,61 @@ def _engine_file(rel: str, added: set[str]) -> bool:
     return False
 
 
-def staged_delta(table_uri: str | Path) -> list[str]:
-    """What the sink left staged in a local table: data files that no version
-    of the table ever added (a merge's removed files are history, not
-    leftovers), staging markers, change files and Spark staging directories."""
+def staged_delta(table_uri: str | Path, *, storage_options: Options = None) -> list[str]:
+    """What the sink left staged in a table: data files that no version of the
+    table ever added (a merge's removed files are history, not leftovers),
+    staging markers, change files and Spark staging directories."""
     from deltalake import DeltaTable
 
     from sinks.delta.changes import CHANGES_DIR
     from sinks.delta.storage import SPARK_STAGING_DIR, STAGING_DIR
 
-    root = Path(table_uri)
-    resolved = root.resolve()
-    added = {str(Path(u).relative_to(resolved)) for u in DeltaTable(str(root)).file_uris()}
-    log_dir = root / _LOG_DIR
-    for commit in sorted(log_dir.glob("*.json")) if log_dir.exists() else ():
-        for line in commit.read_text().splitlines():
+    options = dict(storage_options or {}) or None
+    table = DeltaTable(str(table_uri), storage_options=options)
+    base = str(table_uri).rstrip("/") + "/"
+    if _is_local(table_uri):
+        root = Path(str(table_uri).removeprefix("file://"))
+        resolved = str(root.resolve()) + "/"
+        added = {u.removeprefix("file://").removeprefix(resolved) for u in table.file_uris()}
+        log_dir = root / _LOG_DIR
+        logs = sorted(log_dir.glob("*.json")) if log_dir.exists() else []
+        texts = [c.read_text() for c in logs]
+    else:
+        added = {u.removeprefix(base) for u in table.file_uris()}
+        files, read = _store_files(str(table_uri), storage_options)
+        texts = [
+            read(f).decode() for f in files if f.startswith(_LOG_DIR + "/") and f.endswith(".json")
+        ]
+    for text in texts:
+        for line in text.splitlines():
             add = json.loads(line).get("add") if line.strip() else None
             if add:
                 added.add(unquote(add["path"]))
-    left = sorted(f for f in data_files_delta(root) - added if not _engine_file(f, added))
-    for d in (STAGING_DIR, SPARK_STAGING_DIR, CHANGES_DIR):
-        if (root / d).exists():
-            left += [f"{d}/{n}" for n in sorted(os.listdir(root / d))]
+    data = data_files_delta(table_uri, storage_options=storage_options)
+    left = sorted(f for f in data - added if not _engine_file(f, added))
+    own = (STAGING_DIR, SPARK_STAGING_DIR, CHANGES_DIR)
+    if _is_local(table_uri):
+        for d in own:
+            if (root / d).exists():
+                left += [f"{d}/{n}" for n in sorted(os.listdir(root / d))]
+    else:
+        left += [f for f in files if any(f.startswith(d + "/") for d in own)]
     return left
 
 
-def assert_nothing_left_delta(table_uri: str | Path) -> None:
-    """No staged file of the sink is left in the local table directory."""
-    left = staged_delta(table_uri)
+def assert_nothing_left_delta(table_uri: str | Path, *, storage_options: Options = None) -> None:
+    """No staged file of the sink is left in the table."""
+    left = staged_delta(table_uri, storage_options=storage_options)
     assert not left, f"{len(left)} staged file(s) left in {table_uri}: {left[:10]}"
 
 
-def _readable_delta(table_uri: str | Path) -> Any:
+def _readable_delta(table_uri: str | Path, storage_options: Options = None) -> Any:
     """The table through deltalake, refusing a table deltalake cannot read
     faithfully: with column mapping, deltalake 1.6 reads every column as null
     (it looks up logical names in the files), so any check would be wrong."""
     from deltalake import DeltaTable
 
-    dt = DeltaTable(str(table_uri))
+    dt = DeltaTable(str(table_uri), storage_options=dict(storage_options or {}) or None)
     mode = (dt.metadata().configuration or {}).get("delta.columnMapping.mode")
     if mode not in (None, "none"):
         raise AssertionError(
@@ -355,28 +406,36 @@ def _readable_delta(table_uri: str | Path) -> Any:
     return dt
 
 
-def _delta_rows(table_uri: str | Path) -> list[dict[str, Any]]:
-    return list(_readable_delta(table_uri).to_pyarrow_table().to_pylist())
+def _delta_rows(table_uri: str | Path, storage_options: Options = None) -> list[dict[str, Any]]:
+    return list(_readable_delta(table_uri, storage_options).to_pyarrow_table().to_pylist())
 
 
 def assert_exactly_once_delta(
-    table_uri: str | Path, expected_keys: Iterable[Any], *, key: str = "id"
+    table_uri: str | Path,
+    expected_keys: Iterable[Any],
+    *,
+    key: str = "id",
+    storage_options: Options = None,
 ) -> None:
     """Every key of ``expected_keys`` is in column ``key`` of the table exactly
-    once, nothing else is, and nothing is left staged (a local table). A
-    column-mapped table is refused (deltalake reads it as nulls)."""
-    dt = _readable_delta(table_uri)
+    once, nothing else is, and nothing is left staged. A column-mapped table is
+    refused (deltalake reads it as nulls)."""
+    dt = _readable_delta(table_uri, storage_options)
     keys = dt.to_pyarrow_table(columns=[key]).column(key).to_pylist()
     _compare(f"Delta table {table_uri}", keys, expected_keys)
-    assert_nothing_left_delta(table_uri)
+    assert_nothing_left_delta(table_uri, storage_options=storage_options)
 
 
 def assert_final_state_delta(
-    table_uri: str | Path, expected: Mapping[Any, Mapping[str, Any]], *, key: str = "id"
+    table_uri: str | Path,
+    expected: Mapping[Any, Mapping[str, Any]],
+    *,
+    key: str = "id",
+    storage_options: Options = None,
 ) -> None:
     """The table holds exactly the rows of ``expected`` (key -> {column: value}),
     and nothing is left staged."""
-    got = _delta_rows(table_uri)
+    got = _delta_rows(table_uri, storage_options)
     _compare(f"Delta table {table_uri}", [r[key] for r in got], expected)
     _same_rows(f"Delta table {table_uri}", {r[key]: r for r in got}, expected)
-    assert_nothing_left_delta(table_uri)
+    assert_nothing_left_delta(table_uri, storage_options=storage_options)
