@@ -619,7 +619,7 @@ def timed_rounds(
             reqs = f", {sum(run.requests.values()):,} requests" if run.requests else ""
             print(
                 f"{label:<8} {run.part:<7} {run.case:<8} {v:<22} {run.seconds:7.2f} s "
-                f"(table version {run.version}{reqs})",
+                f"({f'table version {run.version}' if run.version >= 0 else 'no table'}{reqs})",
                 flush=True,
             )
     return runs
@@ -659,8 +659,12 @@ def append_runs(
         shutil.rmtree(where, ignore_errors=True)
         return Run("append", "-", variant, r, secs, version, requests, commit_s, jobs_s)
 
-    variants = APPENDS + (FLOORS if args.floors else ())
-    return timed_rounds(rounds(args), variants, one)
+    runs = timed_rounds(
+        iter(range(-1, args.repeat)), APPENDS + (FLOORS if args.floors else ()), one
+    )
+    if args.count:  # the floors' requests are the PUTs of their files: not counted
+        runs += timed_rounds(iter([COUNTED]), APPENDS, one)
+    return runs
 
 
 def commit_latencies(state: Path) -> list[float]:
