@@ -32,6 +32,10 @@ class S3ServerError(RuntimeError):
 class S3Server(NativeService):
     """A moto S3 server subprocess on 127.0.0.1; ``endpoint`` once started."""
 
+    access_key = ACCESS_KEY
+    secret_key = SECRET_KEY
+    region = REGION
+
     def __init__(self, port: int | None = None) -> None:
         self.port: int | None = port
         self._proc: subprocess.Popen[bytes] | None = None

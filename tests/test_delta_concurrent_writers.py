@@ -246,7 +246,9 @@ _FEATURED = ("merge", "insert-merge", "delete", "zorder", "update")
 and row tracking (no VACUUM: the change feed is checked from the start)"""
 
 
-@pytest.mark.parametrize("subset", params(["core", "rest", "features"], keep=["core", "features"]))
+# "features" (delta-spark's own transaction commits the merge) is the slow tier's:
+# its conflicts are delta-spark's to detect; the default run keeps "core"
+@pytest.mark.parametrize("subset", params(["core", "rest", "features"], keep=["core"]))
 def test_delta_spark_commits_between_a_keyed_merge_s_plan_and_its_commit(dspark, tmp_path, subset):  # type: ignore[no-untyped-def]
     """At each checkpoint's merge, after it staged its rewrite on version N, a
     delta-spark MERGE, DELETE, OPTIMIZE ZORDER BY and UPDATE + VACUUM RETAIN 0

@@ -61,31 +61,45 @@ def s3_jars() -> None:
     jars.require("s3a")
 
 
+def job_args(
+    server: Any,
+    bucket: str,
+    tmp_path: Path,
+    *,
+    endpoint: str | None = None,
+    state: str | None = None,
+    source: str = "in",
+) -> list[str]:
+    """The arguments of ``tests/jobs/delta_store_job.py`` for a job from
+    ``tmp_path/source`` into ``s3://bucket/orders`` on ``server`` (through
+    ``endpoint``, a proxy's, when given), its state in ``state`` (default
+    ``tmp_path/state``)."""
+    return [
+        "--input",
+        str(tmp_path / source),
+        "--state",
+        state or str(tmp_path / "state"),
+        "--table",
+        f"s3://{bucket}/orders",
+        "--endpoint",
+        endpoint or server.endpoint,
+        "--access-key",
+        server.access_key,
+        "--secret-key",
+        server.secret_key,
+        "--region",
+        server.region,
+    ]
+
+
 def run(server: Any, bucket: str, tmp_path: Path, state: str, n_files: int = 3) -> dict[str, Any]:
     """Run the job (``state``: ``"local"`` or ``"s3"``); return what it printed."""
     n = write_input(tmp_path / "in", files=n_files, rows_per_file=100)
-    state_args = (
-        ["--state", f"s3a://{bucket}/state", "--ledger", str(tmp_path / "ledger")]
-        if state == "s3"
-        else ["--state", str(tmp_path / "state")]
-    )
+    state_args = {"state": f"s3a://{bucket}/state"} if state == "s3" else {}
+    ledger = ["--ledger", str(tmp_path / "ledger")] if state == "s3" else []
     job = run_job(
         "delta_store_job.py",
-        [
-            "--input",
-            str(tmp_path / "in"),
-            *state_args,
-            "--table",
-            f"s3://{bucket}/orders",
-            "--endpoint",
-            server.endpoint,
-            "--access-key",
-            server.access_key,
-            "--secret-key",
-            server.secret_key,
-            "--region",
-            server.region,
-        ],
+        [*job_args(server, bucket, tmp_path, **state_args), *ledger],
         tmp_path / "job.log",
         timeout=300,
     )
@@ -175,21 +189,7 @@ def test_staged_files_a_vacuum_removed_on_s3_are_written_again_from_the_source(
     tokens.mkdir()
     job = JobProcess(
         "delta_store_job.py",
-        [
-            "--input",
-            str(tmp_path / "in"),
-            "--state",
-            str(tmp_path / "state"),
-            "--table",
-            f"s3://{bucket}/orders",
-            "--endpoint",
-            server.endpoint,
-            "--access-key",
-            server.access_key,
-            "--secret-key",
-            server.secret_key,
-            "--no-read-back",
-        ],
+        [*job_args(server, bucket, tmp_path), "--no-read-back"],
         tmp_path / "job.log",
         fault="driver.before_commit@1+once=stall:8",
         env={"TWOPHASE_FAULT_TOKENS": str(tokens)},
@@ -249,22 +249,7 @@ def test_a_killed_driver_restarts_elsewhere_from_its_state_on_s3a(tmp_path: Path
     ledger = str(tmp_path / "ledger")
     with S3Proxy(provider="transient") as server:
         server.create_bucket("jobs")
-        args = [
-            "--input",
-            str(tmp_path / "in"),
-            "--state",
-            "s3a://jobs/state",
-            "--ledger",
-            ledger,
-            "--table",
-            "s3://jobs/orders",
-            "--endpoint",
-            server.endpoint,
-            "--access-key",
-            server.access_key,
-            "--secret-key",
-            server.secret_key,
-        ]
+        args = [*job_args(server, "jobs", tmp_path, state="s3a://jobs/state"), "--ledger", ledger]
         killed = run_job(
             "delta_store_job.py", args, tmp_path / "job.log", fault="driver.after_record@1=kill"
         )

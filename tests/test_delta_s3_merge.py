@@ -31,7 +31,7 @@ from deltalake import DeltaTable
 
 from lifecycle.testing import verify
 from tests.procs import run_job
-from tests.test_delta_s3 import nothing_left, rows_of, s3_jars  # noqa: F401
+from tests.test_delta_s3 import job_args, nothing_left, rows_of, s3_jars  # noqa: F401
 from tests.tiers import SLOW
 
 BATCHES = [
@@ -74,20 +74,7 @@ def test_keyed_merges_on_s3_are_exact_and_delta_spark_reads_them(
     server, bucket = twophase_s3, twophase_s3_bucket
     write_batches(tmp_path / "in")
     args = [
-        "--input",
-        str(tmp_path / "in"),
-        "--state",
-        str(tmp_path / "state"),
-        "--table",
-        f"s3://{bucket}/orders",
-        "--endpoint",
-        server.endpoint,
-        "--access-key",
-        server.access_key,
-        "--secret-key",
-        server.secret_key,
-        "--region",
-        server.region,
+        *job_args(server, bucket, tmp_path),
         "--keyed",
     ]
     if partition_by:
@@ -132,20 +119,7 @@ def test_a_driver_killed_with_a_merge_staged_on_s3_restarts_exact_and_sweeps_it(
     server, bucket = twophase_s3, twophase_s3_bucket
     write_batches(tmp_path / "in")
     args = [
-        "--input",
-        str(tmp_path / "in"),
-        "--state",
-        str(tmp_path / "state"),
-        "--table",
-        f"s3://{bucket}/orders",
-        "--endpoint",
-        server.endpoint,
-        "--access-key",
-        server.access_key,
-        "--secret-key",
-        server.secret_key,
-        "--region",
-        server.region,
+        *job_args(server, bucket, tmp_path),
         "--keyed",
         "--no-read-back",
     ]
@@ -180,20 +154,7 @@ def test_a_partition_replace_on_s3_replaces_its_slice_alone(
 
     def run(name: str, *extra: str) -> dict[str, Any]:
         args = [
-            "--input",
-            str(tmp_path / name),
-            "--state",
-            str(tmp_path / f"state-{name}"),
-            "--table",
-            f"s3://{bucket}/orders",
-            "--endpoint",
-            server.endpoint,
-            "--access-key",
-            server.access_key,
-            "--secret-key",
-            server.secret_key,
-            "--region",
-            server.region,
+            *job_args(server, bucket, tmp_path, source=name, state=str(tmp_path / f"state-{name}")),
             "--partition-by",
             "name",
             *extra,

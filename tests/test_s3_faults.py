@@ -40,29 +40,8 @@ from sinks import DeltaSink
 from sinks.errors import PreflightError
 from tests.conftest import write_input
 from tests.procs import ROOT, JobProcess, wait_for
-from tests.test_delta_s3 import check_log, check_table, s3_jars  # noqa: F401 (a fixture)
+from tests.test_delta_s3 import check_log, check_table, job_args, s3_jars  # noqa: F401 (a fixture)
 from tests.tiers import SLOW
-
-
-def job_args(endpoint: str, server: Any, bucket: str, tmp_path: Path) -> list[str]:
-    """The arguments of ``tests/jobs/delta_store_job.py`` for a job into
-    ``s3://bucket/orders`` through ``endpoint``."""
-    return [
-        "--input",
-        str(tmp_path / "in"),
-        "--state",
-        str(tmp_path / "state"),
-        "--table",
-        f"s3://{bucket}/orders",
-        "--endpoint",
-        endpoint,
-        "--access-key",
-        server.access_key,
-        "--secret-key",
-        server.secret_key,
-        "--region",
-        server.region,
-    ]
 
 
 def finished(job: JobProcess, n: int) -> dict[str, Any]:
@@ -84,7 +63,7 @@ def test_a_job_rides_out_a_store_that_throttles_every_third_request(
     with ThrottlingProxy(twophase_s3.endpoint, every=3) as proxy:
         job = JobProcess(
             "delta_store_job.py",
-            job_args(proxy.endpoint, twophase_s3, twophase_s3_bucket, tmp_path),
+            job_args(twophase_s3, twophase_s3_bucket, tmp_path, endpoint=proxy.endpoint),
             tmp_path / "job.log",
         )
         job.wait(400)
@@ -112,7 +91,7 @@ def test_a_job_rides_out_the_store_stopped_in_the_middle_of_a_commit(
     job = JobProcess(
         "delta_store_job.py",
         [
-            *job_args(twophase_s3.endpoint, twophase_s3, twophase_s3_bucket, tmp_path),
+            *job_args(twophase_s3, twophase_s3_bucket, tmp_path),
             "--no-read-back",
         ],
         tmp_path / "job.log",

@@ -35,7 +35,7 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.delta import audit as delta_audit
-from sinks.delta import replace, store_errors, table
+from sinks.delta import replace, s3_writers, store_errors, table
 from sinks.delta.changes import ChangeWriter
 from sinks.delta.committer import DeltaCommitter, app_id
 from sinks.delta.constraints import RowRules
@@ -66,8 +66,9 @@ class DeltaSink(Sink):
         partition_by: partition columns (string, integer, boolean or date). For
             a new table they define its partitioning; for an existing one they
             must equal its partition columns (``None``: whatever the table has).
-        storage_options: deltalake / object_store options (credentials, endpoint,
-            ``AWS_S3_ALLOW_UNSAFE_RENAME`` or a locking provider on S3, ...).
+        storage_options: deltalake / object_store options (credentials,
+            endpoint, region, ...). On S3 no lock is needed: deltalake commits
+            by conditional PUT.
         sink_id: stable id of this sink in its pipeline (part of every staged file
             name and of the Delta app id); default derived from the table URI.
         create_table: create a missing table from the DataFrame schema.
@@ -83,8 +84,8 @@ class DeltaSink(Sink):
             fields inside nested columns; ``"arrow"`` otherwise.
         key: merge by these columns instead of appending (the rules of
             :mod:`sinks.keys`): each checkpoint's changes replace the rows of
-            their keys, copy-on-write (:mod:`sinks.delta.merge`). Needs a table
-            Spark reads and writes directly (local or shared filesystem).
+            their keys, copy-on-write (:mod:`sinks.delta.merge`), on a local,
+            shared-filesystem, S3 or HDFS table.
         order_by: with ``key``, the column whose greatest value wins among the
             rows of one key in a batch.
         delete_when: with ``key``, which rows delete their key: a boolean
@@ -99,6 +100,12 @@ class DeltaSink(Sink):
             bounded pipeline replaces the partitions it matches with everything
             it writes, in one version at its final checkpoint
             (:mod:`sinks.delta.replace`). A row outside it fails the backfill.
+        other_writers: on S3, ``"check"`` (default) refuses at preflight a
+            table that one of its last 100 versions shows written by an engine
+            that commits without a conditional PUT (delta-spark), since the two
+            could overwrite each other's commits; ``"stopped"`` says such
+            engines write only while this job is stopped
+            (:mod:`sinks.delta.s3_writers`). Other stores ignore it.
 
     Tables are ordinary Delta tables (protocol 1/2, or 3/7 with ``timestampNtz``
     when a column is a timestamp without time zone) that delta-spark reads.
@@ -123,6 +130,7 @@ class DeltaSink(Sink):
         delete_when: str | tuple[str, Any] | None = None,
         replace_where: str | None = None,
         schema_mode: str | None = None,
+        other_writers: str = "check",
     ) -> None:
         uri = os.fspath(table_uri)
         if not uri:
@@ -160,6 +168,12 @@ class DeltaSink(Sink):
         if schema_mode not in (None, "merge"):
             raise ConfigError(f"schema_mode={schema_mode!r}: None (refuse changes) or 'merge'")
         self.schema_mode = schema_mode
+        if other_writers not in s3_writers.OTHER_WRITERS:
+            raise ConfigError(
+                f"other_writers={other_writers!r}: one of "
+                + ", ".join(repr(w) for w in s3_writers.OTHER_WRITERS)
+            )
+        self.other_writers = other_writers
         self._new_columns: list[pa.Field] = []
         self._storage = TableStorage(self.table_uri, self.storage_options)
         self._layout: Layout | None = None
@@ -223,6 +237,7 @@ class DeltaSink(Sink):
             "delete_when": self.rules.delete_when.settings() if self.rules.delete_when else None,
             "replace_where": self.replace_where,
             "schema_mode": self.schema_mode,
+            "other_writers": self.other_writers,
         }
 
     @classmethod
@@ -258,6 +273,7 @@ class DeltaSink(Sink):
             delete_when=s.get("delete_when"),
             replace_where=s.get("replace_where"),
             schema_mode=s.get("schema_mode"),
+            other_writers=s.get("other_writers", "check"),
         )
 
     def __repr__(self) -> str:
@@ -285,14 +301,27 @@ class DeltaSink(Sink):
                 merge_schema=self.schema_mode == "merge",
                 spark_writes=self.write_with == "spark",
             )
+            shared = self._check_other_writers()
         except DeltaSchemaError as e:
             raise PreflightError(str(e)) from e
         except (DeltaError, OSError) as e:
             said = store_errors.explain(e, self.table_uri, self.storage_options)
             raise PreflightError(f"cannot open {where}: {said}".strip()) from e
+        if shared is not None:
+            raise PreflightError(shared)
         self._row_rules = target.row_rules
         self._new_columns = target.new_columns
         self._layout = target.layout
+
+    def _check_other_writers(self) -> str | None:
+        """Why the table's other writers make it unsafe to share on S3
+        (:func:`sinks.delta.s3_writers.check`), ``None`` when they do not."""
+        if not s3_writers.needs_check(self.table_uri):
+            return None
+        dt = self._load()
+        if dt is None:
+            return None
+        return s3_writers.check(dt, self.describe(), self.other_writers)
 
     @property
     def commits_at_finish(self) -> bool:  # type: ignore[override]

@@ -16,6 +16,9 @@ nothing with ``--no-read-back``), then the ``RESULT`` line of
 ``--state`` URI (``s3a://...``, ``hdfs://...``) puts the job's state on the
 store too, with the ledger in the local ``--ledger`` directory. ``--keyed``: a
 keyed sink (merge by ``id``; a row with a negative ``amount`` deletes its key).
+``--delta-spark-sql`` runs a statement through delta-spark before the job
+(``{table}`` stands for the table's ``s3a://`` or ``hdfs://`` URI), as another
+engine writing the table; ``--other-writers`` is the sink's ``other_writers``.
 """
 
 from __future__ import annotations
@@ -71,11 +74,13 @@ def main() -> int:
     ap.add_argument("--partition-by", help="a column to partition the table by")
     ap.add_argument("--replace-where", help="replace the slice this predicate names")
     ap.add_argument("--sink-id", default="orders")
+    ap.add_argument("--delta-spark-sql", action="append", default=[], help="run before the job")
+    ap.add_argument("--other-writers", default="check")
     args = ap.parse_args()
     began = time.monotonic()
     s3 = args.table.startswith("s3://")
     conf = {}
-    if s3 and not args.no_read_back:
+    if s3 and (args.delta_spark_sql or not args.no_read_back):
         conf = s3a_conf(args.endpoint, args.access_key, args.secret_key, args.region)
         # the AWS SDK bundle is ~690 MB: on the driver's classpath it is read in
         # place (local mode runs the executors in the driver's JVM)
@@ -96,6 +101,9 @@ def main() -> int:
         if s3
         else {}
     )
+    uri = "s3a://" + args.table.removeprefix("s3://") if s3 else args.table
+    for statement in args.delta_spark_sql:
+        spark.sql(statement.replace("{table}", f"delta.`{uri}`"))
     df = spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).json(args.input)
     extra = {"ledger": args.ledger} if args.ledger else {}
     job = Job(spark, "s3delta", args.state, checkpoint_interval=0, **extra)
@@ -111,6 +119,7 @@ def main() -> int:
         sink_id=args.sink_id,
         partition_by=args.partition_by,
         replace_where=args.replace_where,
+        other_writers=args.other_writers,
         **keyed,
     )
     job.add_pipeline("load", df, [sink], bounded=True)
@@ -118,7 +127,6 @@ def main() -> int:
     ran = time.monotonic()
     if args.no_read_back:
         return finish(spark, result)
-    uri = "s3a://" + args.table.removeprefix("s3://") if s3 else args.table
     versions = [int(v) for v in args.versions.split(",") if v]
     read = read_back(spark, uri, versions)
     read["seconds"] = {
