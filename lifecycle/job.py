@@ -109,8 +109,12 @@ class Job:
             Without it, a job whose sinks hold output of another incarnation
             refuses before any data moves. ``twophase start-over STATE_DIR
             --from ID`` makes the same choice for the next run.
-        ledger: where the ledger lives. None (default): the local directory
-            ``state_dir/ledger`` (a local ``state_dir`` only). A PostgreSQL URI
+        ledger: where the ledger lives. None (default): ``state_dir/ledger``,
+            the embedded file ledger of a local ``state_dir``, or the store
+            ledger of a URI one (HDFS, S3 through S3A: one object per change,
+            each created only if its name is free; a restarted driver on any
+            host reaches it, see :mod:`lifecycle.state.store_ledger`). A
+            PostgreSQL URI
             (``postgresql://user@host/dbname``, optionally ``?schema=NAME``,
             default ``twophase_ledger``): the ledger is kept there, as rows, for
             a driver that can restart on another machine; the password comes
@@ -120,10 +124,9 @@ class Job:
             without its password is recorded in ``state_dir/ledger.location``
             (through the state store, so a URI ``state_dir`` holds it too) for
             ``twophase``. A local directory (a plain path): the file ledger in
-            its ``ledger/`` subdirectory, on this host only. A ``state_dir``
-            that is a URI needs one of the two: the file ledger needs a local
-            directory (``fsync``, ``flock``). A state_dir keeps the kind of
-            ledger it started with; one job name has one ledger per schema.
+            its ``ledger/`` subdirectory, on this host only. A state_dir keeps
+            the kind of ledger it started with; one job name has one ledger
+            per schema.
         metrics_port: serve the job's Prometheus metrics at
             ``http://metrics_host:PORT/metrics`` while it runs (0: any free port,
             see :attr:`metrics_address`); None (default): no endpoint. The
@@ -176,7 +179,8 @@ class Job:
             if isinstance(self.ledger_location, str)
             else ledger_directory(self.store, self.ledger_location)
         )
-        """the file ledger's directory (None: the ledger is in PostgreSQL)"""
+        """the file ledger's directory (None: the ledger is in PostgreSQL, or in a
+        URI state_dir itself)"""
         self.checkpoint_interval = float(checkpoint_interval)
         self.final_checkpoint = final_checkpoint
         self.stop_grace = float(stop_grace)

@@ -40,11 +40,14 @@ Where a job's ledger is: :func:`open_ledger` takes the location (the job's
 directory DIR: ``DIR/ledger``; a ``postgresql://`` URI: that database) and the
 state_dir or its state store (:mod:`lifecycle.state.store`). A state_dir that
 is a URI holds no file ledger (it needs ``fsync`` and ``flock``): its ledger
-is in PostgreSQL or in a local directory named by ``ledger=``. A state_dir
-whose ledger is in PostgreSQL holds the URI without its password in
-``STATE_DIR/ledger.location``, written and read through the state store, which
-is how :func:`read_ledger`, :func:`is_locked` and the ``twophase`` commands
-find it (:func:`locate`).
+is, by default, the store ledger (:class:`StoreLedger`, in
+:mod:`lifecycle.state.store_ledger`: one object per change, each created
+only if its name is free, on HDFS or S3), or in PostgreSQL, or in a local
+directory named by ``ledger=``. A state_dir whose ledger is in PostgreSQL
+holds the URI without its password in ``STATE_DIR/ledger.location``, written
+and read through the state store, which is how :func:`read_ledger`,
+:func:`is_locked` and the ``twophase`` commands find it (:func:`locate`); a
+store ledger is found in the state_dir itself.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from lifecycle import heartbeat
 from lifecycle.state import file_ledger
 from lifecycle.state.file_ledger import FileLedger
 from lifecycle.state.files import atomic_write
@@ -65,6 +69,7 @@ from lifecycle.state.protocol import Ledger, LedgerLockedError, LedgerLostError
 from lifecycle.state.snapshot import generations, journal_generations
 from lifecycle.state.store import LocalStore, open_store
 from lifecycle.state.store_interface import StateStore
+from lifecycle.state.store_ledger import StoreLedger, holds_ledger, read_store_ledger
 from lifecycle.state.upgrade import LEGACY
 from sinks.errors import ConfigError
 
@@ -82,6 +87,7 @@ __all__ = [
     "LedgerLostError",
     "Pending",
     "PostgresLedger",
+    "StoreLedger",
     "atomic_write",
     "check_location",
     "is_locked",
@@ -147,22 +153,28 @@ def stored_location(state: State) -> str | None:
     return text or None
 
 
-def ledger_directory(store: StateStore, location: str | Path | None) -> Path:
+def ledger_directory(store: StateStore, location: str | Path | None) -> Path | None:
     """The local directory of the job's file ledger: ``DIR/ledger`` for a
-    ``location`` DIR, else ``STATE_DIR/ledger`` of a local state_dir (a URI
-    state_dir holds no file ledger: it needs ``fsync`` and ``flock``)."""
+    ``location`` DIR, else ``STATE_DIR/ledger`` of a local state_dir; None for
+    a URI state_dir, whose ledger is a :class:`StoreLedger` in it."""
     if isinstance(location, Path):
         return location / "ledger"
     if location is not None:
         raise ValueError(f"not the location of a file ledger: {location}")
     if isinstance(store, LocalStore):
         return store.path("ledger")
-    raise ConfigError(
-        f"state_dir {store.uri()!r} is a URI, and the embedded ledger needs a local "
-        'directory (fsync, flock): pass ledger="postgresql://..." (a ledger that a '
-        "driver restarting on another host reaches) or ledger=LOCAL_DIR (a file ledger "
-        "on this host only)"
-    )
+    return None
+
+
+def _check_store_ledger(store: StateStore) -> None:
+    """Refuse a URI state_dir whose store has no atomic create (the store ledger's need)."""
+    if not store.creates_atomically:
+        raise ConfigError(
+            f"state_dir {store.uri()!r}: its ledger needs a create-if-absent that is atomic, "
+            "which this file system lacks here (hdfs://, s3a://, viewfs:// and file:// have "
+            'one): pass ledger="postgresql://..." (a ledger that a driver restarting on '
+            "another host reaches) or ledger=LOCAL_DIR (a file ledger on this host only)"
+        )
 
 
 def _holds_file_ledger(directory: Path) -> bool:
@@ -207,6 +219,12 @@ def open_ledger(location: Location, state: State, job: str, **opts: Any) -> Ledg
     store = _store(state)
     stored = stored_location(store)
     local = store.path("ledger") if isinstance(store, LocalStore) else None
+    in_store = local is None and holds_ledger(store)
+    if where is not None and in_store:
+        raise ConfigError(
+            f"state_dir {store.uri()} holds its own ledger ({store.uri('ledger')}); a ledger "
+            "elsewhere would ignore its state: run without ledger=, or use a new state_dir"
+        )
     if not isinstance(where, str):
         if stored is not None:
             raise ConfigError(
@@ -214,6 +232,16 @@ def open_ledger(location: Location, state: State, job: str, **opts: Any) -> Ledg
                 f"in {store.uri(LOCATION_FILE)}): pass Job(ledger=...) with that URI"
             )
         directory = ledger_directory(store, where)
+        if directory is None:
+            _check_store_ledger(store)
+            live = heartbeat.judge(heartbeat.read(store))
+            if live.alive:
+                raise LedgerLockedError(
+                    f"the ledger in {store.uri('ledger')} is in use: its job is running "
+                    f"({live.why}). A driver that is gone is taken over once its heartbeat "
+                    f"lapses ({heartbeat.LAPSE_FACTOR * heartbeat.EVERY_S:.0f} s)"
+                )
+            return StoreLedger(store, job, **opts)
         moved = local is not None and directory.resolve() != local.resolve()
         if moved and local is not None and _holds_file_ledger(local):
             raise ConfigError(
@@ -238,13 +266,19 @@ def open_ledger(location: Location, state: State, job: str, **opts: Any) -> Ledg
     return ledger
 
 
-def locate(state: State | None, location: Location = None) -> str | Path:
+def locate(
+    state: State | None, location: Location | StateStore = None
+) -> str | Path | StateStore:
     """Where the ledger of ``state`` (or at ``location``) is: a PostgreSQL URI (with
-    the job of the state's record when it names none), or the directory whose
-    ``ledger/`` holds a file ledger. ``location`` (the job's ``ledger=``) wins;
-    else the state's ``ledger.location`` (read through the store: a URI
-    state_dir starts a JVM then), else a local state_dir itself. Raises
-    ConfigError for a URI state_dir that records no PostgreSQL ledger."""
+    the job of the state's record when it names none), the directory whose
+    ``ledger/`` holds a file ledger, or the store of a URI state_dir that holds
+    a :class:`StoreLedger`. ``location`` (the job's ``ledger=``) wins; else the
+    state's ``ledger.location`` (read through the store: a URI state_dir
+    starts a JVM then), else the state_dir itself. Raises ConfigError for a URI
+    state_dir that records no PostgreSQL ledger and holds none. A ``location``
+    that is a store (what this returned before) is that store's ledger."""
+    if isinstance(location, StateStore):
+        return location
     where = check_location(location)
     if isinstance(where, Path):
         return where
@@ -261,15 +295,19 @@ def locate(state: State | None, location: Location = None) -> str | Path:
     if stored is not None:
         return stored
     if not isinstance(store, LocalStore):
+        if holds_ledger(store):
+            return store
         raise ConfigError(
-            f"state_dir {store.uri()} is a URI and records no PostgreSQL ledger "
+            f"state_dir {store.uri()} holds no ledger and records no PostgreSQL ledger "
             f"({LOCATION_FILE}): its ledger is where the job's ledger= put it; pass it "
             "(--ledger DIR, or the PostgreSQL URI)"
         )
     return store.root
 
 
-def read_ledger(state_dir: State | None = None, location: Location = None) -> dict[str, Any] | None:
+def read_ledger(
+    state_dir: State | None = None, location: Location | StateStore = None
+) -> dict[str, Any] | None:
     """The ledger document of ``state_dir`` (or of the ledger at ``location``: a
     PostgreSQL URI or a file ledger's directory, see :func:`locate`) for
     display, without taking the lock (the job may be running): keys ``format``,
@@ -279,14 +317,19 @@ def read_ledger(state_dir: State | None = None, location: Location = None) -> di
     (``pipeline/sink_id`` -> recorded settings) and the rest of
     ``LedgerState.to_doc``; None when there is no ledger."""
     where = locate(state_dir, location)
+    if isinstance(where, StateStore):
+        return read_store_ledger(where)
     if isinstance(where, str):
         return read_pg_ledger(where)
     return file_ledger.read_ledger(where)
 
 
-def is_locked(state_dir: State | None = None, location: Location = None) -> bool:
-    """Whether a job currently holds the ledger of ``state_dir`` (or at ``location``)."""
+def is_locked(state_dir: State | None = None, location: Location | StateStore = None) -> bool:
+    """Whether a job currently holds the ledger of ``state_dir`` (or at
+    ``location``). A store ledger has no lock: its job's heartbeat answers."""
     where = locate(state_dir, location)
+    if isinstance(where, StateStore):
+        return heartbeat.judge(heartbeat.read(where)).alive
     if isinstance(where, str):
         return pg_is_locked(where)
     return file_ledger.is_locked(where)

@@ -55,12 +55,17 @@ class AbandonRefusedError(TwoPhaseError):
     one, or nothing in it is lost."""
 
 
-def ledger_place(where: str | Path, state: State | None = None, *, named: bool = False) -> str:
+def ledger_place(
+    where: str | Path | StateStore, state: State | None = None, *, named: bool = False
+) -> str:
     """Where the ledger at ``where`` (:func:`~lifecycle.ledger.locate`) is, for
     messages: a PostgreSQL URI without its password (with the state_dir that
-    recorded it, unless ``named`` on the command line), or a directory."""
+    recorded it, unless ``named`` on the command line), a directory, or the
+    ledger of a URI state_dir."""
     if isinstance(where, Path):
         return str(where)
+    if isinstance(where, StateStore):
+        return where.uri("ledger")
     shown = PgLocation.parse(where).display()
     if named or state is None:
         return shown
@@ -68,7 +73,9 @@ def ledger_place(where: str | Path, state: State | None = None, *, named: bool =
     return f"{shown} (the ledger of {state_dir})"
 
 
-def read_state(state: State | None, ledger: str | None = None) -> tuple[dict[str, Any], str | Path]:
+def read_state(
+    state: State | None, ledger: str | None = None
+) -> tuple[dict[str, Any], str | Path | StateStore]:
     """The ledger document of ``state`` (a state_dir or its store) or of the
     ledger at ``ledger`` (see :func:`read_ledger`), and where that ledger is."""
     if state is None and ledger is None:
@@ -274,7 +281,8 @@ class Operator:
             if v is not None
         }
         # the lock, with the job's own limits (a default would trim its audit evidence)
-        self.ledger: Ledger = open_ledger(where, self.store, doc["job"], **kept)
+        located = None if isinstance(where, StateStore) else where  # the state_dir's own
+        self.ledger: Ledger = open_ledger(located, self.store, doc["job"], **kept)
         try:
             self.sinks = rebuild_sinks(self.ledger.sinks_settings(), secrets)
         except BaseException:

@@ -31,6 +31,7 @@ from lifecycle.ledger import (
 )
 from lifecycle.state.pg_location import PgLocation
 from lifecycle.state.store import open_store
+from lifecycle.state.store_interface import StateStore
 from sinks.errors import ConfigError
 from sinks.naming import check_incarnation
 
@@ -64,7 +65,7 @@ def current_status(
 class StopAsked:
     """A stop asked of the job running on a state_dir."""
 
-    where: str | Path
+    where: str | Path | StateStore
     """where the job's ledger is (:func:`lifecycle.ledger.locate`)"""
     request: control.StopRequest
 

@@ -60,11 +60,12 @@ def pg_module_dsn(pg_admin_dsn: str) -> Iterator[str]:
         yield dsn
 
 
-@pytest.fixture(params=["file", "postgres"])
+@pytest.fixture(params=["file", "postgres", "store"])
 def ledger_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LedgerBackend]:
-    """Each ledger backend in turn: the file ledger in ``tmp_path/state``, then the
+    """Each ledger backend in turn: the file ledger in ``tmp_path/state``, the
     PostgreSQL ledger in a fresh database (``pg_dsn``), found through the same
-    state_dir. Both run by default; ``-k file`` or ``-k postgres`` picks one."""
+    state_dir, then the store ledger in ``tmp_path/state``. All run by default;
+    ``-k file``, ``-k postgres`` or ``-k store`` picks one."""
     location = None
     if request.param == "postgres":
         location = pg_uri(request.getfixturevalue("pg_dsn"))

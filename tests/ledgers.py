@@ -1,6 +1,8 @@
-"""Both ledger backends behind one test face (the ``ledger_factory`` fixture in
-``conftest.py``): the file ledger in a state_dir, and the PostgreSQL ledger in a
-fresh database of the test server (``pg_dsn``), found through the same state_dir."""
+"""The ledger backends behind one test face (the ``ledger_factory`` fixture in
+``conftest.py``): the file ledger in a state_dir, the PostgreSQL ledger in a
+fresh database of the test server (``pg_dsn``), found through the same
+state_dir, and the store ledger (a URI state_dir's) on a local directory
+(its logic; the stores' own creates are ``test_store_ledger.py``'s)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from psycopg import sql
 
 from lifecycle.ledger import Ledger, is_locked, open_ledger, read_ledger
 from lifecycle.state.pg_location import PgLocation, lock_key, lock_tag
+from lifecycle.state.store import LocalStore
+from lifecycle.state.store_ledger import StoreLedger, read_store_ledger
 
 
 def pg_uri(dsn: str, **params: str) -> str:
@@ -29,7 +33,7 @@ def pg_uri(dsn: str, **params: str) -> str:
 class LedgerBackend:
     """One backend of the ledger, for the tests: ``open`` it, ``read`` its document."""
 
-    kind: str  # "file" or "postgres"
+    kind: str  # "file", "postgres" or "store"
     state_dir: Path
     location: str | None
     """the PostgreSQL URI (None: the file ledger)"""
@@ -39,14 +43,27 @@ class LedgerBackend:
         """Open the ledger of ``job`` (``compact_bytes`` applies to the file ledger only)."""
         if self.kind == "postgres":
             opts.pop("compact_bytes", None)
+        if self.kind == "store":
+            store = StoreLedger(LocalStore(self.state_dir), job, **opts)
+            self.opened.append(store)
+            return store
         ledger = open_ledger(self.location, self.state_dir, job, **opts)
         self.opened.append(ledger)
         return ledger
 
     def read(self) -> dict[str, Any]:
-        doc = read_ledger(self.state_dir)
+        if self.kind == "store":
+            doc = read_store_ledger(LocalStore(self.state_dir))
+        else:
+            doc = read_ledger(self.state_dir)
         assert doc is not None
         return doc
+
+    @property
+    def locks(self) -> bool:
+        """Whether a second opener is refused (the store ledger has no lock: a
+        second opener is fenced at its first change instead)."""
+        return self.kind != "store"
 
     def locked(self) -> bool:
         return is_locked(self.state_dir)
@@ -62,6 +79,8 @@ class LedgerBackend:
         """Changes whenever a change is written: the journal's size (file), the
         transaction that last locked or changed the job's row (PostgreSQL: every
         write transaction locks it first)."""
+        if self.kind == "store":
+            return sum(f.stat().st_size for f in (self.state_dir / "ledger").glob("journal.*/*"))
         if self.location is None:
             return sum(f.stat().st_size for f in (self.state_dir / "ledger").glob("journal.*"))
         where = PgLocation.parse(self.location)

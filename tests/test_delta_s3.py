@@ -14,15 +14,16 @@ deltalake's, and no staged file or marker is left in the bucket
 ``storage_options``).
 
 In the slow tier the job's ``state_dir`` is on ``s3a://`` as well (Spark's
-checkpoints through S3A, the ledger in a local directory), on an S3Proxy whose
-store keeps S3A's directory markers (``transient``: its filesystem stores do
-not, see docs/testing.md).
+checkpoints through S3A, and the ledger: each record a conditional PUT), on an
+S3Proxy whose store keeps S3A's directory markers (``transient``: its
+filesystem stores do not, see docs/testing.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,10 +97,9 @@ def run(server: Any, bucket: str, tmp_path: Path, state: str, n_files: int = 3) 
     """Run the job (``state``: ``"local"`` or ``"s3"``); return what it printed."""
     n = write_input(tmp_path / "in", files=n_files, rows_per_file=100)
     state_args = {"state": f"s3a://{bucket}/state"} if state == "s3" else {}
-    ledger = ["--ledger", str(tmp_path / "ledger")] if state == "s3" else []
     job = run_job(
         "delta_store_job.py",
-        [*job_args(server, bucket, tmp_path, **state_args), *ledger],
+        job_args(server, bucket, tmp_path, **state_args),
         tmp_path / "job.log",
         timeout=300,
     )
@@ -235,28 +235,37 @@ def _twophase(server: Any, *args: str) -> subprocess.CompletedProcess[str]:
 @SLOW
 @pytest.mark.crash
 @pytest.mark.usefixtures("s3_jars")
-def test_a_killed_driver_restarts_elsewhere_from_its_state_on_s3a(tmp_path: Path) -> None:
-    """The job's state on ``s3a://`` (Spark's checkpoints, its control files),
-    its ledger in a local directory: the driver is SIGKILLed right after the
-    ledger recorded batch 1; ``twophase status`` reads the state from S3 and
-    says DIED; the job started again from another working directory finishes
-    exactly once, and ``twophase audit`` finds the table's records match the
-    ledger's."""
+@pytest.mark.parametrize("fault", ["driver.after_record@1=kill", "driver.before_commit@1=kill"])
+def test_a_killed_driver_restarts_elsewhere_from_its_state_on_s3a(
+    tmp_path: Path, fault: str
+) -> None:
+    """The job's state on ``s3a://`` (Spark's checkpoints, its control files and
+    its ledger: the store ledger, each record a conditional PUT through S3A):
+    the driver is SIGKILLed right after the ledger recorded batch 1, or with
+    the checkpoint of batch 1 decided; ``twophase status`` reads the state from
+    S3 and says DIED; ``twophase recover`` commits what was decided (or finds
+    nothing to); the job started again from another working directory
+    finishes exactly once, and ``twophase audit`` finds the table's records
+    match the ledger's."""
     from lifecycle.testing.s3proxy import S3Proxy
 
     jars.require("s3proxy")
     n = write_input(tmp_path / "in", files=3, rows_per_file=100)
-    ledger = str(tmp_path / "ledger")
     with S3Proxy(provider="transient") as server:
         server.create_bucket("jobs")
-        args = [*job_args(server, "jobs", tmp_path, state="s3a://jobs/state"), "--ledger", ledger]
-        killed = run_job(
-            "delta_store_job.py", args, tmp_path / "job.log", fault="driver.after_record@1=kill"
-        )
+        args = job_args(server, "jobs", tmp_path, state="s3a://jobs/state")
+        killed = run_job("delta_store_job.py", args, tmp_path / "job.log", fault=fault)
         assert killed.proc.returncode == -9, killed.tail()
-        status = _twophase(server, "status", "s3a://jobs/state", "--ledger", ledger)
+        ledger = keys(server, "jobs", "state/ledger/")
+        assert any(k.startswith("journal.0/") for k in ledger), ledger
+        status = _twophase(server, "status", "s3a://jobs/state")
         assert status.returncode == 3, status.stdout + status.stderr
         assert "state: DIED" in status.stdout, status.stdout
+        recover = _twophase(server, "recover", "s3a://jobs/state")
+        assert recover.returncode == 0, recover.stdout + recover.stderr
+        decided = "before_commit" in fault
+        committed = re.search(r"checkpoint \d+ \(\w+\) committed", recover.stdout)
+        assert (committed is not None) == decided, recover.stdout  # else: aborted
         elsewhere = tmp_path / "elsewhere"
         elsewhere.mkdir()
         again = run_job("delta_store_job.py", args, tmp_path / "job.log", cwd=elsewhere)
@@ -264,7 +273,8 @@ def test_a_killed_driver_restarts_elsewhere_from_its_state_on_s3a(tmp_path: Path
         latest = rows_of(server, "s3://jobs/orders")
         assert latest == [[i, f"name-{i}", i * 0.5] for i in range(n)]
         nothing_left(server, "jobs")
-        audit = _twophase(server, "audit", "s3a://jobs/state", "--ledger", ledger)
+        audit = _twophase(server, "audit", "s3a://jobs/state")
         assert audit.returncode == 0, audit.stdout + audit.stderr
         assert " ok" in audit.stdout, audit.stdout
-        assert server.secret_key not in status.stdout + status.stderr + audit.stdout
+        out = status.stdout + status.stderr + recover.stdout + audit.stdout
+        assert server.secret_key not in out

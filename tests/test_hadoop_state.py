@@ -6,8 +6,9 @@ store of its own: ``viewfs://`` mounted (in a ``core-site.xml`` under
 ``HADOOP_CONF_DIR``, as a cluster configures it) onto a second directory that
 stands in for shared storage, and ``file://`` naming such a directory. A real
 NameNode (``hdfs://``) is in ``tests/test_hdfs_store.py``, S3 through S3A in
-``tests/test_delta_s3.py``. The ledger is a file ledger in a local directory (``ledger=``),
-or a PostgreSQL ledger (``ledger="postgresql://..."``, the test server's).
+``tests/test_delta_s3.py``. The ledger is a file ledger in a local directory
+(``ledger=``), a PostgreSQL ledger (``ledger="postgresql://..."``, the test
+server's), or the state_dir's own (no ``ledger=``: the store ledger).
 
 * A bounded and an unbounded pipeline write Delta tables; ``twophase status``
   and ``twophase stop`` work on the URI; the restart finds the finished
@@ -15,7 +16,8 @@ or a PostgreSQL ledger (``ledger="postgresql://..."``, the test server's).
   row is in its table exactly once.
 * The driver is SIGKILLed mid-run and restarted from another working directory
   with another temp dir and Spark local dir (the first "host" deleted): the
-  state on a ``file://`` URI is all it needs; exactly once, nothing staged.
+  state on a ``file://`` URI, its ledger included, is all it needs; exactly
+  once, nothing staged.
   Again with the state on ``viewfs://`` and the ledger in PostgreSQL: the URI's
   ``ledger.location`` leads ``twophase status`` to the ledger.
 
@@ -216,11 +218,11 @@ def test_a_killed_driver_restarts_elsewhere_from_a_file_uri(
 ) -> None:
     """``batch2_run``: the run whose files of batch 2 the table holds: 2 when
     Spark replays the batch (its commit log had no entry, read through Hadoop),
-    1 when Spark had completed it and the restart only commits it."""
+    1 when Spark had completed it and the restart only commits it. No
+    ``ledger=``: the ledger is the state_dir's own (a store ledger, one object
+    per change, written through Hadoop), so the URI is all a new host needs."""
     shared = tmp_path / "shared"
-    run = Run(
-        tmp_path, None, None, None, state=(shared / "state").as_uri(), ledger=tmp_path / "ledger"
-    )
+    run = Run(tmp_path, None, None, None, state=(shared / "state").as_uri())
     n = write_input(tmp_path / "in", files=3, rows_per_file=100)
 
     def host(name: str) -> Path:
@@ -251,6 +253,9 @@ def test_a_killed_driver_restarts_elsewhere_from_a_file_uri(
     assert deltacheck.runs_of_batch(ours, 2) == {batch2_run}
     commits = shared / "state" / "pipelines" / "load" / "spark" / "commits"
     assert sorted(int(f) for f in os.listdir(commits) if f.isdigit()) == [0, 1, 2]
+    ledger = sorted(os.listdir(shared / "state" / "ledger"))
+    assert any(n.startswith("snapshot.") for n in ledger), ledger
+    assert any(n.startswith("journal.") for n in ledger), ledger
     no_uri_paths(second_host / "cwd", ROOT)
 
 

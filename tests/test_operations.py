@@ -32,6 +32,8 @@ from lifecycle.job_sinks import PipelineSinks
 from lifecycle.ledger import FileLedger, Ledger, open_ledger, read_ledger, stored_location
 from lifecycle.operations import Operator, lingering
 from lifecycle.spark_log import SparkCommitLog
+from lifecycle.state.store import LocalStore
+from lifecycle.state.store_ledger import StoreLedger, read_store_ledger
 from sinks import DeltaSink, KafkaSink, PostgresSink, from_settings
 from sinks.base import Committable, JobScope, Sink, WriteContext
 from sinks.errors import ConfigError, TransactionLostError
@@ -133,7 +135,8 @@ def make_state(
 
     def make(ledger: str | None = None) -> State:
         """A new state; ``ledger``: the job's ``ledger=`` (None: the file ledger in
-        the state_dir; a PostgreSQL URI; a directory for the file ledger)."""
+        the state_dir; a PostgreSQL URI; a directory for the file ledger), or
+        ``"store"``: the store ledger a URI state_dir keeps in itself."""
         job = f"op{uuid.uuid4().hex[:8]}"  # the Kafka registry topic is shared
         state_dir = tmp_path / "state"
         delta_uri = str(tmp_path / "delta" / "orders")
@@ -148,7 +151,10 @@ def make_state(
         }
         for s in sinks.values():
             s.preflight(SCHEMA)
-        led = open_ledger(ledger, state_dir, job)
+        if ledger == "store":
+            led: Ledger = StoreLedger(LocalStore(state_dir), job)
+        else:
+            led = open_ledger(ledger, state_dir, job)
         led.begin_run()
         led.record_sinks({f"{PIPELINE}/{sid}": s.settings() for sid, s in sinks.items()})
         log = SparkCommitLog(state_dir / "pipelines" / PIPELINE / "spark")
@@ -417,18 +423,20 @@ def twophase_process(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("kind", ["dir", "postgres"])
+@pytest.mark.parametrize("kind", ["dir", "postgres", "store"])
 def test_operations_on_a_uri_state_dir(
     make_state: Callable[..., State], pg_dsn: str, tmp_path: Path, kind: str
 ) -> None:
     """STATE_DIR given as a ``file://`` URI: the commands read its files
     (``ledger.location``, Spark's commit log) through Hadoop, in a JVM of their
     own. The ledger is a file ledger in a directory of its own (``--ledger
-    DIR``; the URI records nothing of it) or in PostgreSQL (found through the
-    URI's ``ledger.location``, or named by ``--ledger URI``)."""
+    DIR``; the URI records nothing of it), in PostgreSQL (found through the
+    URI's ``ledger.location``, or named by ``--ledger URI``), or the URI's own
+    store ledger (found in it)."""
     ledger_dir = tmp_path / "ledger-host"
-    state = make_state(str(ledger_dir) if kind == "dir" else pg_uri(pg_dsn))
-    assert not (state.dir / "ledger").exists()
+    made = {"dir": str(ledger_dir), "postgres": pg_uri(pg_dsn), "store": "store"}
+    state = make_state(made[kind])
+    assert (state.dir / "ledger").exists() == (kind == "store")
     done = state.register(0)
     state.spark_completed(0)  # read through Hadoop by recover
     undone = state.register(1)  # Spark never completed batch 1
@@ -437,11 +445,12 @@ def test_operations_on_a_uri_state_dir(
     uri = state.dir.as_uri()
     cwd = tmp_path / "cwd"
     cwd.mkdir()
+    ledger: list[str] = []
     if kind == "dir":
         ledger = ["--ledger", str(ledger_dir)]
         bare = twophase_process(cwd, "lingering", uri)
         assert bare.returncode == 2 and "--ledger" in bare.stderr, bare.stderr
-    else:
+    elif kind == "postgres":
         ledger = ["--ledger", pg_uri(pg_dsn)]
         via_record = twophase_process(cwd, "status", uri)  # through ledger.location
         # exit 3: not running, with pending work for the next start
@@ -462,14 +471,16 @@ def test_operations_on_a_uri_state_dir(
     assert job_prepared(pg_dsn, state.job) == []
     deltacheck.assert_exactly_once(state.delta_uri, 10)
     deltacheck.assert_nothing_staged(state.delta_uri)
-    where = str(ledger_dir) if kind == "dir" else f"{pg_uri(pg_dsn)}?job={state.job}"
-    doc = read_ledger(location=where)
+    if kind == "store":
+        doc = read_store_ledger(LocalStore(state.dir))
+    else:
+        where = str(ledger_dir) if kind == "dir" else f"{pg_uri(pg_dsn)}?job={state.job}"
+        doc = read_ledger(location=where)
     assert doc is not None and doc["pending"] == {} and doc["decided"] is None
     assert doc["totals"] == {f"{PIPELINE}/{s}": 10 for s in ("pg", "kafka", "delta")}
     assert os.listdir(cwd) == []  # no URI taken for a local path
-    assert sorted(os.listdir(state.dir)) == (
-        ["pipelines"] if kind == "dir" else ["ledger.location", "pipelines"]
-    )
+    kept = {"dir": [], "postgres": ["ledger.location"], "store": ["ledger"]}[kind]
+    assert sorted(os.listdir(state.dir)) == [*kept, "pipelines"]
 
 
 # -- recover ----------------------------------------------------------------------------------

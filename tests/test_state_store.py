@@ -258,10 +258,9 @@ def test_a_scheme_without_a_client_is_refused(spark) -> None:  # type: ignore[no
         open_store("abfss://c@account.dfs.core.windows.net/state", spark)
 
 
-def test_a_job_on_a_uri_needs_a_ledger(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_job_on_a_uri_keeps_its_ledger_there_or_where_it_is_told(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     uri = mount_viewfs(spark, tmp_path) + "/job"
-    with pytest.raises(ConfigError, match=r'ledger="postgresql://\.\.\."'):
-        Job(spark, "j", uri)
+    assert Job(spark, "j", uri).ledger_dir is None  # the store ledger, in the URI
     with pytest.raises(ConfigError, match=r"ledger= is a hdfs: URI: .*a local directory"):
         Job(spark, "j", uri, ledger="hdfs://nn/ledger")  # the ledger is never on a URI
     pg = Job(spark, "j", uri, ledger="postgresql://db/x")  # opened (and checked) by run()

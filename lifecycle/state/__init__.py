@@ -11,6 +11,8 @@
   common part of both backends;
 * :mod:`lifecycle.state.upgrade`: reading a ledger of the previous format (1);
 * :mod:`lifecycle.state.file_ledger`: the embedded ledger that puts them together;
+* :mod:`lifecycle.state.store_ledger`: the embedded ledger of a URI state_dir
+  (HDFS, S3): one object per change, each created only if its name is free;
 * :mod:`lifecycle.state.pg_ledger`: the ledger in PostgreSQL (advisory lock,
   fencing token), over :mod:`~lifecycle.state.pg_location` (its URI),
   :mod:`~lifecycle.state.pg_schema` (its tables and statements) and

@@ -26,7 +26,7 @@ HEADER = 18  # "%08x %08x "
 class CorruptLedgerError(ConfigError):
     """A ledger file is damaged (not by a crash mid-write): it names the file and offset."""
 
-    def __init__(self, path: Path, offset: int, what: str) -> None:
+    def __init__(self, path: Path | str, offset: int, what: str) -> None:
         super().__init__(
             f"{path}: {what} at byte offset {offset}; the ledger is damaged (this is not "
             "what a crash leaves behind): restore the state directory from a backup"
@@ -69,7 +69,7 @@ class Scan:
     """offset just past the last valid frame: where the torn tail, if any, begins"""
 
 
-def scan(data: bytes, path: Path) -> Scan:
+def scan(data: bytes, path: Path | str) -> Scan:
     """The valid frames of ``data`` (the content of ``path``).
 
     A torn last frame is left out (``end`` stops before it); a bad frame

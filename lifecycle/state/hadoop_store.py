@@ -31,6 +31,17 @@ one write is under way.
 Durability is the file system's: ``hsync`` then close (HDFS: on the
 datanodes' disks; an object store: the upload completes at close).
 
+**Exclusive create.** :meth:`HadoopStore.create` makes a file only if its
+name is free, atomically, for the ledger's records
+(:mod:`lifecycle.state.store_ledger`). On ``s3a://`` it is S3's conditional
+PUT (``If-None-Match: *``, Hadoop 3.5's ``createFile()`` option
+``fs.option.create.conditional.overwrite``): the upload happens at close, and
+the store refuses it with 412 when the name exists. Elsewhere (HDFS, and
+``file://`` or ``viewfs://``) it writes ``NAME.part`` and renames it to
+``NAME``, a rename the NameNode refuses when ``NAME`` exists. A name found
+taken is read: when it holds exactly the bytes written, a try whose answer was
+lost had succeeded. Other schemes (no atomic create known here) are refused.
+
 **Retries.** Hadoop's HDFS client does not retry every call through a
 NameNode restart: the first call after one fails with ``EOFException``, and
 calls while it is down with ``ConnectException``. Each operation of the store
@@ -74,15 +85,29 @@ _LASTING = (
     *_REFUSALS,
     "java.io.FileNotFoundException",
     "org.apache.hadoop.fs.FileAlreadyExistsException",
+    "org.apache.hadoop.fs.s3a.RemoteFileChangedException",
     "org.apache.hadoop.fs.ParentNotDirectoryException",
     "org.apache.hadoop.fs.UnsupportedFileSystemException",
 )
 """``IOException``s that a retry cannot mend"""
 
 
+_TAKEN = (
+    "org.apache.hadoop.fs.FileAlreadyExistsException",
+    "org.apache.hadoop.fs.s3a.RemoteFileChangedException",
+)
+"""a create refused because the name exists (S3A: 412 to the conditional PUT)"""
+
+
 class _Passing(OSError):
     """A store call failed with an ``IOException`` that can pass (a restart)."""
 
+
+_RENAME_CREATES = ("hdfs", "viewfs", "file")
+"""schemes whose rename refuses an existing name (the NameNode's, Hadoop's local one)"""
+
+_CONDITIONAL = "fs.option.create.conditional.overwrite"
+"""S3A's ``createFile()`` option for a PUT with ``If-None-Match: *`` (Hadoop 3.5)"""
 
 _HINTS = {
     "s3a": "hadoop-aws (and its AWS SDK bundle)",
@@ -210,6 +235,53 @@ class HadoopStore(StateStore):
         else:
             self._rename(part, path)
             self._fs.delete(tmp, False)  # older than NAME now, if a crash left one
+
+    @property
+    def creates_atomically(self) -> bool:  # type: ignore[override]
+        scheme = (scheme_of(self.root) or "").lower()
+        return scheme == "s3a" or scheme in _RENAME_CREATES
+
+    def create(self, rel: str, data: bytes) -> None:
+        scheme = (scheme_of(self.root) or "").lower()
+        if not self.creates_atomically:
+            raise ConfigError(
+                f"state_dir {self.root}: no atomic create-if-absent is known here for "
+                f"{scheme}:// (hdfs, s3a, viewfs and file have one)"
+            )
+        taken = self._retried(f"creating {rel} in", lambda: self._create(rel, data, scheme))
+        if taken:
+            raise FileExistsError(f"{self.uri(rel)} exists (written by another writer)")
+
+    def _create(self, rel: str, data: bytes, scheme: str) -> bool:
+        """Create ``rel``; whether the name was taken by other bytes."""
+        path = self._path(rel)
+        if scheme == "s3a":
+            builder = self._fs.createFile(path).overwrite(False).must(_CONDITIONAL, True)
+            try:
+                out = builder.build()
+                try:
+                    out.write(bytearray(data))
+                finally:
+                    out.close()
+                return False
+            except Py4JJavaError as e:
+                if not _named(e, _TAKEN):
+                    raise
+        else:
+            part = self._path(rel, PART)
+            out = self._fs.create(part, True)
+            try:
+                out.write(bytearray(data))
+                out.hsync()
+            finally:
+                out.close()
+            if self._fs.rename(part, path):
+                return False
+            self._fs.delete(part, False)
+        found = self._read(path)
+        if found is None:
+            raise OSError(f"state store: could not create {self.uri(rel)}")
+        return found != data
 
     def _rename(self, src: Any, dst: Any) -> None:
         if not self._fs.rename(src, dst):

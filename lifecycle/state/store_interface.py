@@ -26,6 +26,9 @@ class StateStore(abc.ABC):
     is_local: bool
     """whether the state is a directory of the driver's own file system (plain ``os``)"""
 
+    creates_atomically: bool = True
+    """whether :meth:`create` is available (an atomic create-if-absent)"""
+
     @abc.abstractmethod
     def read(self, rel: str) -> bytes | None:
         """The content of file ``rel``, or None when there is none."""
@@ -35,6 +38,16 @@ class StateStore(abc.ABC):
         """Create or replace file ``rel`` with ``data`` (parents created): once it
         returns, ``data`` is durable; after a crash at any instant :meth:`read`
         returns the old or the new content, never a mix."""
+
+    @abc.abstractmethod
+    def create(self, rel: str, data: bytes) -> None:
+        """Create file ``rel`` with ``data`` (parents created) only if no file
+        of that name exists, atomically: of two writers of one name exactly one
+        succeeds, and a reader finds the whole of it or nothing. Raises
+        :class:`FileExistsError` when the name is taken by other content (a
+        retry that finds its own bytes there has succeeded);
+        :class:`~sinks.errors.ConfigError` when the store cannot create
+        atomically."""
 
     @abc.abstractmethod
     def list(self, rel_dir: str) -> list[str]:

@@ -19,7 +19,12 @@ Each of the ``kills`` runs is SIGKILLed, alternately:
   middle of a commit.
 
 Each run has a session of its own, and a kill takes the whole session (the
-driver's JVM and Python workers with it), as a lost machine would. A run that
+driver's JVM and Python workers with it), as a lost machine would. With
+``fresh_host=True`` each run also starts on a "host" of its own: a new
+working directory, temp dir (``TMPDIR``) and Spark local dir
+(``SPARK_LOCAL_DIRS``), deleted when the run ends, so a job whose state is on
+shared storage (a ``state_dir`` URI) shows it needs nothing of the last
+host's disk. A run that
 ends with 0 before its kill (a named point it never reached) counts as done; one
 that ends otherwise fails the test. Then the job runs once more
 without faults until it exits (``timeout`` each run); ``verify()``, when given,
@@ -37,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +105,7 @@ def crash_test(
     max_delay: float = 12.0,
     timeout: float = 300.0,
     log: str | os.PathLike[str] | None = None,
+    fresh_host: bool = False,
 ) -> CrashReport:
     """Kill ``job`` ``kills`` times, run it to completion, then ``verify()``
     (module docstring). ``args`` and ``env`` go to every run; ``log`` collects
@@ -119,19 +125,15 @@ def crash_test(
     points = list(fault_points)
     for k in range(kills):
         named = bool(points) and k % 2 == 1
-        if named:
-            point = points[(k // 2) % len(points)]
-            run = _run(
-                command,
-                {**base, "TWOPHASE_FAULT": f"{point}=kill"},
-                out,
-                timeout,
-                None,
-                f"at {point}",
-            )
-        else:
-            delay = rng.uniform(min_delay, max_delay)
-            run = _run(command, base, out, timeout, delay, f"random {delay:.1f}s")
+        with _host(fresh_host) as host:
+            if named:
+                point = points[(k // 2) % len(points)]
+                faulty = {**base, **host.env, "TWOPHASE_FAULT": f"{point}=kill"}
+                run = _run(command, faulty, out, timeout, None, f"at {point}", host.cwd)
+            else:
+                delay = rng.uniform(min_delay, max_delay)
+                how = f"random {delay:.1f}s"
+                run = _run(command, {**base, **host.env}, out, timeout, delay, how, host.cwd)
         report.runs.append(run)
         if not run.killed:
             if run.exit_code != 0:
@@ -140,7 +142,8 @@ def crash_test(
                     f"killed:\n{_tail(out)}"
                 )
             break  # it finished before the kill (a named point it never reached)
-    final = _run(command, base, out, timeout, None, "to completion")
+    with _host(fresh_host) as host:
+        final = _run(command, {**base, **host.env}, out, timeout, None, "to completion", host.cwd)
     report.runs.append(final)
     if final.exit_code != 0:
         raise CrashTestError(f"{report}\nthe last run exited {final.exit_code}:\n{_tail(out)}")
@@ -149,8 +152,30 @@ def crash_test(
     return report
 
 
+@dataclass(frozen=True)
+class _Host:
+    cwd: str | None
+    env: dict[str, str]
+
+
+@contextlib.contextmanager
+def _host(fresh: bool) -> Iterator[_Host]:
+    """Where one run starts: this process's directory, or a fresh "host"."""
+    if not fresh:
+        yield _Host(None, {})
+        return
+    with tempfile.TemporaryDirectory(prefix="crash-host-") as root:
+        dirs = {name: Path(root) / name for name in ("cwd", "tmp", "spark-local")}
+        for d in dirs.values():
+            d.mkdir()
+        env = {"TMPDIR": str(dirs["tmp"]), "SPARK_LOCAL_DIRS": str(dirs["spark-local"])}
+        yield _Host(str(dirs["cwd"]), env)
+
+
 def _command(job: str | os.PathLike[str], args: Sequence[str]) -> list[str]:
     text = os.fspath(job)
+    if Path(text).exists():
+        text = str(Path(text).resolve())  # a fresh host's run starts elsewhere
     if ":" in text and not Path(text).exists():
         module, _, function = text.partition(":")
         code = (
@@ -169,6 +194,7 @@ def _run(
     timeout: float,
     kill_after: float | None,
     how: str,
+    cwd: str | None = None,
 ) -> Run:
     began = time.monotonic()
     with open(log, "ab") as out:
@@ -177,7 +203,12 @@ def _run(
         # a session of its own: a kill takes the driver's JVM and Python workers too,
         # so none of them outlives it into the next run
         proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
         )
         killed = False
         try:

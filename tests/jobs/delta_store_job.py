@@ -76,6 +76,7 @@ def main() -> int:
     ap.add_argument("--sink-id", default="orders")
     ap.add_argument("--delta-spark-sql", action="append", default=[], help="run before the job")
     ap.add_argument("--other-writers", default="check")
+    ap.add_argument("--conf", action="append", default=[], help="a Spark setting, KEY=VALUE")
     args = ap.parse_args()
     began = time.monotonic()
     s3 = args.table.startswith("s3://")
@@ -88,6 +89,7 @@ def main() -> int:
     # C1 only: delta-spark's first read in a fresh JVM is mostly JIT work; this
     # halves the driver's CPU time (58 s -> 33 s here) for a run this short
     conf["spark.driver.extraJavaOptions"] = "-XX:TieredStopAtLevel=1"
+    conf.update(kv.split("=", 1) for kv in args.conf)
     spark = start_driver("s3delta", jvm_packages=True, conf=conf)
     spark_up = time.monotonic()
     options = (
