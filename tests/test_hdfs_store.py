@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,7 +48,7 @@ from tests.conftest import write_input
 from tests.ledgers import pg_uri
 from tests.multisink import Run
 from tests.pgcheck import assert_exactly_once, job_prepared
-from tests.procs import ROOT
+from tests.procs import ROOT, JobProcess, run_job, wait_for
 from tests.sparkutil import INPUT_SCHEMA
 from tests.tiers import SLOW
 
@@ -255,22 +256,26 @@ def no_hdfs_paths(*dirs: Path) -> None:
         assert bad == [], f"a URI was used as a local path: {bad}"
 
 
+@pytest.mark.parametrize("ledger", ["in the state", "postgresql"])
 def test_a_job_with_its_state_on_hdfs(
     twophase_hdfs: Any,
     spark: Any,
     pg_dsn: str,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    ledger: str,
 ) -> None:
     """A bounded pipeline of 300 rows into PostgreSQL, the job's state on HDFS and
-    its ledger in PostgreSQL: every row once, nothing prepared; Spark's
-    checkpoint and ``ledger.location`` on HDFS, no file ledger there; ``twophase
-    status`` finds the job from the URI alone."""
+    its ledger there too (the store ledger, no ``ledger=``) or in PostgreSQL:
+    every row once, nothing prepared; Spark's checkpoint on HDFS, and the
+    ledger's objects or ``ledger.location``; ``twophase status`` and ``twophase
+    audit`` find the job from the URI alone."""
     n = write_input(tmp_path / "in", files=3, rows_per_file=100)
     _orders_table(pg_dsn)
     name = f"hdfs{uuid.uuid4().hex[:8]}"
     state = f"{twophase_hdfs.uri}/jobs/{name}"
-    job = Job(spark, name, state, checkpoint_interval=0, ledger=pg_uri(pg_dsn))
+    where = {"ledger": pg_uri(pg_dsn)} if ledger == "postgresql" else {}
+    job = Job(spark, name, state, checkpoint_interval=0, **where)
     stream = spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1)
     job.add_pipeline(
         "load", stream.json(str(tmp_path / "in")), [PostgresSink(pg_dsn, "orders")], bounded=True
@@ -283,22 +288,28 @@ def test_a_job_with_its_state_on_hdfs(
 
     view = Hdfs(spark, state)
     files = view.files()
-    assert "ledger.location" in files and not any(f.startswith("ledger/") for f in files)
-    recorded = view.read("ledger.location").decode()
-    assert recorded.startswith("postgresql://") and f"job={name}" in recorded
+    if ledger == "postgresql":
+        assert "ledger.location" in files and not any(f.startswith("ledger/") for f in files)
+        recorded = view.read("ledger.location").decode()
+        assert recorded.startswith("postgresql://") and f"job={name}" in recorded
+    else:
+        assert "ledger.location" not in files
+        assert any(re.fullmatch(r"ledger/journal\.\d+/\d{12}", f) for f in files), files
     commits = [f for f in files if f.startswith("pipelines/load/spark/commits/")]
     assert sorted(int(f.rsplit("/", 1)[1]) for f in commits) == [0, 1, 2]
     assert json.loads(view.read("control/heartbeat.json"))["state"] == "finished"
     no_hdfs_paths(tmp_path, ROOT)
 
     capsys.readouterr()
-    assert cli.main(["status", state]) == 0  # no --ledger: the URI's ledger.location
+    assert cli.main(["status", state]) == 0  # no --ledger: found through the URI
     out = capsys.readouterr().out
     assert f"job {name}" in out, out
     assert cli.main(["status", "--raw", state]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["job"] == name and doc["pending"] == {} and doc["decided"] is None
     assert doc["finished"] == ["load"] and sum(doc["totals"].values()) == n
+    assert cli.main(["audit", state]) == 0, capsys.readouterr()
+    assert " ok" in capsys.readouterr().out
 
 
 @pytest.mark.crash
@@ -339,6 +350,106 @@ def test_a_killed_driver_restarts_from_its_state_on_hdfs(
     doc = read_ledger(None, run.ledger_location())
     assert doc is not None and doc["run"] == 2
     no_hdfs_paths(tmp_path, ROOT)
+
+
+def _twophase(*args: str) -> subprocess.CompletedProcess[str]:
+    """``twophase ARGS`` in a process (and JVM) of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "lifecycle.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ},
+    )
+
+
+@pytest.mark.crash
+@SLOW  # six driver starts (about 4 minutes); the default run kills a driver whose
+# state, ledger included, is a file:// URI (tests/test_hadoop_state.py)
+def test_everything_on_hdfs_survives_kills_from_fresh_hosts(
+    twophase_hdfs: Any, tmp_path: Path
+) -> None:
+    """The Delta table, Spark's checkpoints and the ledger (the state_dir's own)
+    on HDFS; every start on a fresh host (working directory, temp dir, Spark
+    local dir: ``crash_test(fresh_host=True)``). First a kill with a checkpoint
+    decided: ``twophase status`` says DIED and ``twophase recover`` commits it
+    without the job. Then kills at random instants and at the named points,
+    each start on a host of its own, then a run to the end: every row once,
+    nothing staged, ``twophase audit`` ok."""
+    from lifecycle.testing import crash_test, verify
+
+    root = fresh_root(twophase_hdfs)
+    table, state = f"{root}/orders", f"{root}/state"
+    n = write_input(tmp_path / "in", files=6, rows_per_file=50)
+    args = ["--input", str(tmp_path / "in"), "--state", state, "--table", table]
+    args += ["--no-read-back"]
+    first = run_job(
+        "delta_store_job.py", args, tmp_path / "first.log", fault="driver.before_commit@1=kill"
+    )
+    assert first.proc.returncode == -signal.SIGKILL, first.tail(3000)
+    status = _twophase("status", state)
+    assert status.returncode == 3 and "state: DIED" in status.stdout, status.stdout + status.stderr
+    recover = _twophase("recover", state)
+    assert recover.returncode == 0, recover.stdout + recover.stderr
+    assert "committed" in recover.stdout, recover.stdout
+
+    report = crash_test(
+        ROOT / "tests" / "jobs" / "delta_store_job.py",
+        args=args,
+        kills=4,
+        env={"PYTHONPATH": str(ROOT)},
+        min_delay=10.0,
+        max_delay=30.0,
+        timeout=400.0,
+        log=tmp_path / "crash.log",
+        fresh_host=True,
+    )
+    print(report)
+    verify.assert_exactly_once_delta(table, range(n))
+    audit = _twophase("audit", state)
+    assert audit.returncode == 0 and " ok" in audit.stdout, audit.stdout + audit.stderr
+    no_hdfs_paths(tmp_path, ROOT)
+
+
+@SLOW  # about a minute; the default run has a state write waiting out a NameNode restart
+def test_a_job_rides_out_a_namenode_restart_at_its_commit(
+    twophase_hdfs: Any, tmp_path: Path
+) -> None:
+    """The Delta table, Spark's checkpoints and the ledger on HDFS. The driver
+    waits at the commit of batch 1 while the NameNode is stopped, and commits
+    while it is down; it is started again 10 s later. The job rides it out by
+    itself (no restart): every row once, nothing staged. It needs the HDFS
+    client to retry calls while the NameNode is away
+    (``dfs.client.retry.policy.enabled``): without it Spark's own offset log
+    write fails at the first call after the restart (``EOFException``) and
+    the query ends; the sink's commit, the ledger's records and the tasks'
+    reads and markers retry by themselves (``sinks/delta/storage.py``)."""
+    from lifecycle.testing import verify
+
+    root = fresh_root(twophase_hdfs)
+    table, state = f"{root}/orders", f"{root}/state"
+    n = write_input(tmp_path / "in", files=3, rows_per_file=100)
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    args = ["--input", str(tmp_path / "in"), "--state", state, "--table", table]
+    retry = "spark.hadoop.dfs.client.retry.policy.enabled=true"
+    job = JobProcess(
+        "delta_store_job.py",
+        [*args, "--no-read-back", "--conf", retry],
+        tmp_path / "job.log",
+        fault="driver.before_commit@1+once=stall:3",
+        env={"TWOPHASE_FAULT_TOKENS": str(tokens)},
+    )
+    try:
+        wait_for(lambda: any(tokens.iterdir()), 300, "the driver reached its commit", job)
+        twophase_hdfs.stop_namenode()
+        time.sleep(10)
+    finally:
+        twophase_hdfs.start_namenode()
+    job.wait(400)
+    assert job.proc.returncode == 0, job.tail(6000)
+    assert job.result()["rows"] == {"load/orders": n}
+    verify.assert_exactly_once_delta(table, range(n))
 
 
 def test_a_write_waits_out_the_namenode_stopped_and_started_again(

@@ -17,6 +17,7 @@ at any instant, are ``test_ledger.py``'s (its ``[store]`` cases); S3 is
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,3 +145,24 @@ def test_a_uri_state_dir_keeps_its_ledger_and_twophase_finds_it(
     assert cli.main(["status", uri]) in (0, 3)
     out = capsys.readouterr().out
     assert "job j" in out and "p: batches 0..0 (1)" in out, out
+
+
+def test_a_second_start_while_the_job_beats_is_refused(spark: Any, tmp_path: Path) -> None:
+    """No lock file: a start while the job's heartbeat is alive (here, this
+    very process's) is refused as a locked file ledger is, naming why; once
+    the run has ended, the ledger opens."""
+    from lifecycle import heartbeat
+    from lifecycle.state.protocol import LedgerLockedError
+
+    store = open_store((tmp_path / "state").resolve().as_uri(), spark)
+    open_ledger(None, store, "j").begin_run()
+    beat = heartbeat.Heartbeat(store, {"job": "j"}, lambda: "running", every=60)
+    beat.start()
+    try:
+        with pytest.raises(
+            LedgerLockedError, match=rf"in use: its job is running \(pid {os.getpid()}"
+        ):
+            open_ledger(None, store, "j")
+    finally:
+        beat.end("finished")
+    assert open_ledger(None, store, "j").run == 1

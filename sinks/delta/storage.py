@@ -20,6 +20,17 @@ directories that name them); object stores go through deltalake's own store
 ``storage_options`` as the table. (Its output stream takes ``bytes`` only and
 always reports position 0, which breaks pyarrow's Parquet writer; writes go
 through :class:`_ObjectOutput`, which fixes both.)
+
+**Outages.** On an object store or HDFS, the reads of :class:`TableStorage`
+(a file's info, a small file, a footer, a listing) are tried again while the
+store is unreachable or restarting (refused connections, resets, timeouts,
+``503``, a NameNode in safe mode: :func:`_unreachable`), with backoff, for up
+to :data:`~sinks._retry.STORE_OUTAGE` seconds. A read changes nothing, so
+trying it again is safe. So is the creation of a staging marker, a task's
+first write (:meth:`TableStorage.put`): a try whose answer was lost is found
+by the marker holding exactly its bytes. A data file that fails in the middle
+fails its task, whose next attempt writes under names of its own (and waits
+out the outage at its marker).
 """
 
 from __future__ import annotations
@@ -27,13 +38,17 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from sinks._retry import STORE_OUTAGE, retry_transient
 from sinks.delta.exclusive import S3Exclusive
+
+T = TypeVar("T")
 
 STAGING_DIR = "_twophase/staged"
 SPARK_STAGING_DIR = "_twophase/spark"
@@ -68,6 +83,22 @@ def local_root(table_uri: str) -> str | None:
     if "://" in table_uri:
         return None
     return os.path.abspath(os.path.expanduser(table_uri))
+
+
+_UNREACHABLE = re.compile(
+    r"connection refused|connection reset|broken pipe|timed out|timeout|"
+    r"safe ?mode|service unavailable|slow ?down|\b503\b|temporarily unavailable",
+    re.IGNORECASE,
+)
+
+
+class _Unreachable(OSError):
+    """A store read failed because the store is unreachable or restarting."""
+
+
+def _unreachable(e: BaseException) -> bool:
+    """Whether ``e`` says the store is unreachable or restarting (module doc)."""
+    return not isinstance(e, FileNotFoundError) and _UNREACHABLE.search(str(e)) is not None
 
 
 def parent_dir(rel: str) -> str:
@@ -146,9 +177,34 @@ class TableStorage:
         if self._s3 is not None:
             self._s3.create(rel, data)
             return
-        with self.open_output(rel) as out:
-            out.write(data)
-        self.sync(rel)
+        if self.root is not None:
+            with self.open_output(rel) as out:
+                out.write(data)
+            self.sync(rel)
+            return
+        unsure = False  # an earlier try may have created it and lost the answer
+
+        def create() -> None:
+            nonlocal unsure
+            try:
+                with self.open_output(rel) as out:
+                    out.write(data)
+            except FileExistsError:
+                if unsure and self.read(rel) == data:
+                    return
+                raise
+            except Exception as e:
+                if not _unreachable(e):
+                    raise
+                unsure = True
+                raise _Unreachable(f"creating {rel} of {self.table_uri}: {e}") from e
+
+        retry_transient(
+            create,
+            what=f"creating {rel} of {self.table_uri}",
+            transient=(_Unreachable,),
+            deadline=STORE_OUTAGE,
+        )
 
     def sync(self, rel: str) -> None:
         """Make ``rel`` and the directory entries leading to it durable (local only;
@@ -160,9 +216,30 @@ class TableStorage:
 
     # -- reading ---------------------------------------------------------------
 
+    def _read_through(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, a read, tried again through an outage of a remote store
+        (module docstring)."""
+        if self.root is not None:
+            return fn()
+
+        def attempt() -> T:
+            try:
+                return fn()
+            except Exception as e:
+                if _unreachable(e):
+                    raise _Unreachable(f"{what} of {self.table_uri}: {e}") from e
+                raise
+
+        return retry_transient(
+            attempt,
+            what=f"{what} of {self.table_uri}",
+            transient=(_Unreachable,),
+            deadline=STORE_OUTAGE,
+        )
+
     def info(self, rel: str) -> tuple[int, int] | None:
         """``(size in bytes, modification time in ms)`` of ``rel``, ``None`` if missing."""
-        fi = self.fs.get_file_info(self.path(rel))
+        fi = self._read_through(f"looking up {rel}", lambda: self.fs.get_file_info(self.path(rel)))
         if fi.type != pafs.FileType.File:
             return None
         mtime = fi.mtime_ns // 1_000_000 if fi.mtime_ns is not None else 0
@@ -170,28 +247,36 @@ class TableStorage:
 
     def read(self, rel: str) -> bytes | None:
         """The content of a small file, ``None`` if it is missing."""
-        try:
-            with self.fs.open_input_stream(self.path(rel)) as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
+
+        def read() -> bytes | None:
+            try:
+                with self.fs.open_input_stream(self.path(rel)) as f:
+                    return bytes(f.read())
+            except FileNotFoundError:
+                return None
+
+        return self._read_through(f"reading {rel}", read)
 
     def parquet_metadata(self, rel: str) -> pq.FileMetaData:
         """The footer of the Parquet file ``rel`` (schema, row groups, statistics)."""
-        with self.fs.open_input_file(self.path(rel)) as f:
-            return pq.ParquetFile(f).metadata
+
+        def footer() -> pq.FileMetaData:
+            with self.fs.open_input_file(self.path(rel)) as f:
+                return pq.ParquetFile(f).metadata
+
+        return self._read_through(f"reading the footer of {rel}", footer)
+
+    def _listing(self, rel_dir: str) -> list[pafs.FileInfo]:
+        sel = pafs.FileSelector(self.path(rel_dir), allow_not_found=True, recursive=False)
+        return self._read_through(f"listing {rel_dir}", lambda: self.fs.get_file_info(sel))
 
     def list_files(self, rel_dir: str) -> list[str]:
         """Names of the files directly in ``rel_dir`` (empty when it does not exist)."""
-        sel = pafs.FileSelector(self.path(rel_dir), allow_not_found=True, recursive=False)
-        return [fi.base_name for fi in self.fs.get_file_info(sel) if fi.type == pafs.FileType.File]
+        return [fi.base_name for fi in self._listing(rel_dir) if fi.type == pafs.FileType.File]
 
     def list_dirs(self, rel_dir: str) -> list[str]:
         """Names of the directories directly in ``rel_dir`` (empty when it does not exist)."""
-        sel = pafs.FileSelector(self.path(rel_dir), allow_not_found=True, recursive=False)
-        return [
-            fi.base_name for fi in self.fs.get_file_info(sel) if fi.type == pafs.FileType.Directory
-        ]
+        return [fi.base_name for fi in self._listing(rel_dir) if fi.type == pafs.FileType.Directory]
 
     # -- moving (local tables) ---------------------------------------------------
 
