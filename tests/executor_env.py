@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from importlib.metadata import requires
 from pathlib import Path
 
@@ -32,23 +33,25 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "README.md", "sinks", "lifecycle")
 
 
-def _runtime_requirements() -> list[str]:
-    """The project's dependencies, without extras and without pyspark."""
+def _runtime_requirements(extras: Sequence[str] = ()) -> list[str]:
+    """The project's dependencies with those of ``extras``, without pyspark."""
     out = []
     for spec in requires("twophase") or []:
         req = Requirement(spec)
         if req.marker is not None and "extra" in str(req.marker):
-            continue
+            if not any(req.marker.evaluate({"extra": e}) for e in extras):
+                continue
+            spec = f"{req.name}{req.specifier}"
         if req.name.lower() == "pyspark":
             continue
         out.append(spec)
     return out
 
 
-def _key() -> str:
+def _key(extras: Sequence[str]) -> str:
     h = hashlib.sha256()
     h.update(sys.version.encode())
-    h.update("\n".join(sorted(_runtime_requirements())).encode())
+    h.update("\n".join(sorted(_runtime_requirements(extras))).encode())
     for name in SOURCES:
         path = ROOT / name
         files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
@@ -64,10 +67,13 @@ def _run(*argv: str | Path) -> None:
         raise RuntimeError(f"{' '.join(map(str, argv))} failed:\n{proc.stdout}\n{proc.stderr}")
 
 
-def executor_archive(cache: Path | None = None) -> Path:
-    """Build (or reuse) the executors' environment; return the tar's path."""
-    cache = cache or ROOT / ".venv" / ".cache" / "executor-env"
-    archive = cache / f"executor-env-{_key()}.tar.gz"
+def executor_archive(cache: Path | None = None, extras: Sequence[str] = ()) -> Path:
+    """Build (or reuse) the executors' environment, with the project's optional
+    ``extras`` (``("s3",)``: boto3, which tasks writing an ``s3://`` table
+    need); return the tar's path."""
+    name = "-".join(["executor-env", *sorted(extras)])
+    cache = cache or ROOT / ".venv" / ".cache" / name
+    archive = cache / f"executor-env-{_key(extras)}.tar.gz"
     if archive.exists():
         return archive
     if cache.exists():
@@ -92,7 +98,7 @@ def executor_archive(cache: Path | None = None) -> Path:
         # scripts keep .venv's pip current)
         into = [*pip, "--python", env / "bin" / "python", "install"]
         _run(*into, "--no-deps", wheel)
-        _run(*into, *_runtime_requirements())
+        _run(*into, *_runtime_requirements(extras))
         for cache_dir in env.rglob("__pycache__"):
             shutil.rmtree(cache_dir, ignore_errors=True)
         partial = cache / "partial.tar.gz"

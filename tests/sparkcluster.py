@@ -13,6 +13,14 @@ read-only tmpfs. A task that opens a path there finds nothing and cannot write:
 this is how the tests prove that executors never touch the driver's disk,
 although everything runs on one host.
 
+``private_dirs`` gives each worker local directories of its own that no other
+worker sees: ``SPARK_LOCAL_DIRS`` (where its executors keep shuffle and block
+files, and unpack ``spark.archives``), its work directory (``SPARK_WORKER_DIR``:
+executors' working directories and logs) and ``TMPDIR``, all under
+``root/worker-i``, and every other worker's ``root/worker-j`` hidden in its
+namespace like ``hide``. :meth:`SparkCluster.sees` tells whether a worker sees
+a path (through ``/proc/PID/root``, which resolves in the worker's namespace).
+
 Run as a program (``python -m tests.sparkcluster``) it starts a cluster,
 prints the master URL and waits for Ctrl-C or SIGTERM.
 """
@@ -81,9 +89,11 @@ class SparkCluster(NativeService):
         *,
         worker_memory: str = "2g",
         hide: Sequence[Path] = (),
+        private_dirs: bool = False,
     ) -> None:
         self.root = Path(root)
         self.hide = [Path(h).resolve() for h in hide]
+        self.private_dirs = private_dirs
         self.worker_memory = worker_memory
         self.master = _Proc("master", self.root / "master.log", free_port())
         self.webui_port = free_port()
@@ -99,6 +109,42 @@ class SparkCluster(NativeService):
         return f"spark://127.0.0.1:{self.master.port}"
 
     # -- processes --------------------------------------------------------------------
+
+    def home(self, w: _Proc) -> Path:
+        """A worker's own directory: its work directory, and with ``private_dirs``
+        its local directories and temporary files."""
+        return self.root / w.name
+
+    def local_dirs(self, w: _Proc) -> Path:
+        """A worker's ``SPARK_LOCAL_DIRS`` (with ``private_dirs``; else Spark's
+        default, the shared ``/tmp``)."""
+        return self.home(w) / "local"
+
+    def sees(self, w: _Proc, path: Path) -> bool:
+        """Whether worker ``w`` (and so its executors) sees ``path``: the path
+        looked up in the worker's mount namespace, through ``/proc/PID/root``."""
+        if w.proc is None or not w.alive():
+            raise SparkClusterError(f"{w.name} is not running")
+        return os.path.exists(f"/proc/{w.proc.pid}/root{Path(path).resolve()}")
+
+    def _private_env(self, w: _Proc) -> dict[str, str]:
+        """A worker's own local directories (``private_dirs``), created."""
+        if not self.private_dirs:
+            return {}
+        tmp = self.home(w) / "tmp"
+        for d in (self.local_dirs(w), tmp):
+            d.mkdir(parents=True, exist_ok=True)
+        return {
+            "SPARK_LOCAL_DIRS": str(self.local_dirs(w)),
+            "SPARK_WORKER_DIR": str(self.home(w) / "work"),
+            "TMPDIR": str(tmp),
+        }
+
+    def _hidden_from(self, w: _Proc) -> list[Path]:
+        """What worker ``w`` must not see: ``hide``, and with ``private_dirs``
+        every other worker's directory."""
+        others = [self.home(o) for o in self.workers if o is not w] if self.private_dirs else []
+        return [*self.hide, *others]
 
     def _env(self, host: str = "127.0.0.1") -> dict[str, str]:
         env = {
@@ -119,12 +165,12 @@ class SparkCluster(NativeService):
         env["SPARK_WORKER_OPTS"] = timeout
         return env
 
-    def _spawn(self, p: _Proc, argv: list[str]) -> None:
+    def _spawn(self, p: _Proc, argv: list[str], env: dict[str, str] | None = None) -> None:
         p.log.parent.mkdir(parents=True, exist_ok=True)
         with open(p.log, "ab") as out:
             p.proc = subprocess.Popen(
                 argv,
-                env=self._env(p.host),
+                env={**self._env(p.host), **(env or {})},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -133,7 +179,7 @@ class SparkCluster(NativeService):
             )
 
     def _worker_argv(self, p: _Proc) -> list[str]:
-        work = self.root / p.name / "work"
+        work = self.home(p) / "work"
         work.mkdir(parents=True, exist_ok=True)
         argv = [
             str(SPARK_HOME / "bin" / "spark-class"),
@@ -152,17 +198,18 @@ class SparkCluster(NativeService):
             str(work),
             self.url,
         ]
-        if not self.hide:
+        hidden = self._hidden_from(p)
+        if not hidden:
             return argv
         mounts = "".join(
-            f'mount -t tmpfs -o ro,size=4k twophase-hidden "{d}" || exit 97; ' for d in self.hide
+            f'mount -t tmpfs -o ro,size=4k twophase-hidden "{d}" || exit 97; ' for d in hidden
         )
         script = f'{mounts}exec "$@"'
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv]
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        for d in self.hide:
+        for d in [*self.hide, *(self.home(w) for w in self.workers)]:
             d.mkdir(parents=True, exist_ok=True)
         self._spawn(
             self.master,
@@ -182,7 +229,7 @@ class SparkCluster(NativeService):
             self.start_worker(w)
 
     def start_worker(self, w: _Proc) -> None:
-        self._spawn(w, self._worker_argv(w))
+        self._spawn(w, self._worker_argv(w), self._private_env(w))
         self._wait(lambda s: s is not None and w.port in _alive_ports(s), w.name, w)
 
     def ensure_workers(self) -> None:

@@ -55,8 +55,9 @@ class S3Exclusive:
                 import boto3
             except ImportError:
                 raise ImportError(
-                    "creating staged files exclusively on S3 needs boto3: "
-                    "pip install 'twophase[s3]'"
+                    "creating staged files exclusively on S3 needs boto3, on the "
+                    "executors too: pip install 'twophase[s3]' into the environment "
+                    "they run (docs/deploying.md)"
                 ) from None
             o = self.options
             self._client = boto3.client(
@@ -72,6 +73,7 @@ class S3Exclusive:
     def create(self, rel: str, data: bytes) -> None:
         """Create ``rel`` (relative to the table) holding ``data``; raise
         :class:`FileExistsError` when it exists."""
+        self._s3()  # first: without boto3 it says what to install
         from botocore.exceptions import ClientError
         from botocore.exceptions import ConnectionError as BotoConnectionError
 

@@ -11,17 +11,25 @@ commit order): ``pg`` (table ``--table`` of ``--dsn``, which must exist),
 its preflight accepts: a broker then aborts a transaction while the driver is
 down for seconds, standing for a driver down longer than the preflight's
 allowance for a restart (the expiry tests of ``tests/test_lost_work.py``).
+``--input``, ``--state`` and ``--delta`` may be URIs (``hdfs://``, ``s3://``
+for the table, with deltalake's ``--delta-options`` as JSON; ``--ledger`` then
+names the ledger). ``--read-back URI``: once the run committed, delta-spark
+reads the table at ``URI`` (``s3a://...`` for an ``s3://`` table; the session
+needs delta-spark's jars and, for ``s3a://``, S3A's) and the job prints
+``READ {"ids": [...]}``, the ids it read, sorted.
 Exit status 0 only when the run committed (``JobResult.committed``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from lifecycle import Job
@@ -37,6 +45,12 @@ class _ShortTimeoutKafkaSink(KafkaSink):
 
     def check_checkpoint_interval(self, checkpoint_interval_s: float, **_: float) -> None:
         pass
+
+
+def read_back(spark: SparkSession, uri: str) -> None:
+    """Print ``READ {"ids": [...]}``: the ids delta-spark reads of the table at ``uri``."""
+    rows = spark.read.format("delta").load(uri).select("id").collect()
+    print("READ " + json.dumps({"ids": sorted(int(r["id"]) for r in rows)}), flush=True)
 
 
 def main() -> int:
@@ -61,6 +75,8 @@ def main() -> int:
         help="Job(ledger=...): a PostgreSQL URI or a local directory (state on a URI)",
     )
     ap.add_argument("--delta-write-with", default="auto", help="DeltaSink(write_with=...)")
+    ap.add_argument("--delta-options", default=None, help="DeltaSink(storage_options=...), JSON")
+    ap.add_argument("--read-back", default=None, help="a URI delta-spark reads the table at")
     ap.add_argument("--probe", default=None, help="a driver-side path executors must not see")
     ap.add_argument("--partitions", type=int, default=None, help="repartition each batch")
     args = ap.parse_args()
@@ -105,6 +121,7 @@ def main() -> int:
                     partition_by=["part"],
                     sink_id=SINK_IDS["delta"],
                     write_with=args.delta_write_with,
+                    storage_options=json.loads(args.delta_options or "{}"),
                 )
             )
         else:
@@ -118,7 +135,10 @@ def main() -> int:
         ledger=args.ledger,
     )
     job.add_pipeline("load", df, sinks, bounded=True)
-    return finish(spark, job.run())
+    result = job.run()
+    if args.read_back and result.committed:
+        read_back(spark, args.read_back)
+    return finish(spark, result)
 
 
 if __name__ == "__main__":
