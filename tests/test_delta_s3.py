@@ -278,3 +278,38 @@ def test_a_killed_driver_restarts_elsewhere_from_its_state_on_s3a(
         assert " ok" in audit.stdout, audit.stdout
         out = status.stdout + status.stderr + recover.stdout + audit.stdout
         assert server.secret_key not in out
+
+
+@SLOW
+@pytest.mark.crash
+@pytest.mark.usefixtures("s3_jars")
+def test_everything_on_s3_survives_random_kills_from_fresh_hosts(tmp_path: Path) -> None:
+    """The table on ``s3://``, Spark's checkpoints and the ledger on ``s3a://``:
+    four kills, at random instants and at the named points, every start on a
+    fresh host (``crash_test(fresh_host=True)``), then a run to the end: every
+    row once, nothing staged, ``twophase audit`` ok."""
+    from lifecycle.testing import crash_test
+    from lifecycle.testing.s3proxy import S3Proxy
+
+    jars.require("s3proxy")
+    n = write_input(tmp_path / "in", files=6, rows_per_file=50)
+    with S3Proxy(provider="transient") as server:
+        server.create_bucket("jobs")
+        args = [*job_args(server, "jobs", tmp_path, state="s3a://jobs/state"), "--no-read-back"]
+        report = crash_test(
+            ROOT / "tests" / "jobs" / "delta_store_job.py",
+            args=args,
+            kills=4,
+            env={"PYTHONPATH": str(ROOT)},
+            min_delay=10.0,
+            max_delay=30.0,
+            timeout=400.0,
+            log=tmp_path / "crash.log",
+            fresh_host=True,
+        )
+        print(report)
+        latest = rows_of(server, "s3://jobs/orders")
+        assert latest == [[i, f"name-{i}", i * 0.5] for i in range(n)]
+        nothing_left(server, "jobs")
+        audit = _twophase(server, "audit", "s3a://jobs/state")
+        assert audit.returncode == 0 and " ok" in audit.stdout, audit.stdout + audit.stderr

@@ -75,6 +75,7 @@ from tests.multisink import LABELS, Run
 from tests.procs import JobProcess, wait_for
 from tests.s3server import S3Server
 from tests.test_kafka_unit import SCHEMA, committed_ids, ctx, job_name, make_topic, rows, write_task
+from tests.tiers import SLOW
 
 pytestmark = pytest.mark.crash
 
@@ -364,6 +365,7 @@ def test_job_rides_out_a_broker_killed_while_executors_write(
     run.check(n)
 
 
+@SLOW  # about a minute; a commit waiting for a restarting broker is the default run's
 def test_job_rides_out_a_broker_killed_while_the_driver_commits(
     apache_broker: ApacheKafka, tmp_path: Path
 ) -> None:

@@ -35,6 +35,7 @@ from tests.conftest import write_input
 from tests.kafkacheck import consume_ids
 from tests.procs import ROOT, run_job
 from tests.test_apache_kafka import _transaction_version
+from tests.tiers import SLOW
 
 USER = "orders-writer"
 PREFIX = "orders-eo."
@@ -165,6 +166,7 @@ def test_each_listed_acl_is_needed_and_its_absence_is_named_at_preflight(
             secured.grant([acl])
 
 
+@SLOW  # about a minute; each listed ACL is checked at preflight in the default run
 def test_a_killed_job_with_exactly_the_listed_acls_is_exact_and_shows_no_secret(  # type: ignore[no-untyped-def]
     secured: Secured, tmp_path: Path
 ):

@@ -26,6 +26,7 @@ from lifecycle.testing import (
     crash_test,
 )
 from lifecycle.testing.verify import staged_delta
+from tests.tiers import SLOW
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_PROJECT = ROOT / "examples" / "user_project"
@@ -45,6 +46,7 @@ def _pytest(
     )
 
 
+@SLOW  # about a minute; the kit's parts are the default run's (this module)
 def test_the_sample_user_project_passes_with_the_kit(
     pg_admin_dsn: str, kafka_bootstrap: str
 ) -> None:

@@ -148,8 +148,12 @@ def read_store_ledger(store: StateStore) -> dict[str, Any] | None:
             return None
         try:
             doc, records = _read_generation(store, gens[0])
-        except FileNotFoundError:
-            continue  # a compaction removed what we were reading
+        except (FileNotFoundError, CorruptLedgerError):
+            if _numbered(store, _SNAPSHOT)[:1] == gens[:1]:
+                raise  # damage, not a compaction under the read
+            continue
+        if _numbered(store, _SNAPSHOT)[:1] != gens[:1]:
+            continue  # a newer generation began: its journal may be gone
         state = LedgerState.from_doc(doc)
         _replay(state, records)
         return state.to_doc()
@@ -198,7 +202,12 @@ class StoreLedger(StateLedger):
                 return self._open(job, history, digest_window)
             gens = [0]
         gen = gens[0]
-        doc, records = _read_generation(self.store, gen)
+        try:
+            doc, records = _read_generation(self.store, gen)
+        except (FileNotFoundError, CorruptLedgerError):
+            if _numbered(self.store, _SNAPSHOT)[:1] == gens[:1]:
+                raise  # damage, not another driver's compaction under the read
+            return self._open(job, history, digest_window)
         if doc["job"] != job:
             raise ConfigError(
                 f"{self.where} belongs to job {doc['job']!r}, not {job!r}: use another state_dir"

@@ -81,7 +81,8 @@ def main() -> int:
     began = time.monotonic()
     s3 = args.table.startswith("s3://")
     conf = {}
-    if s3 and (args.delta_spark_sql or not args.no_read_back):
+    s3a = args.state.startswith("s3a://") or args.delta_spark_sql or not args.no_read_back
+    if s3 and s3a:
         conf = s3a_conf(args.endpoint, args.access_key, args.secret_key, args.region)
         # the AWS SDK bundle is ~690 MB: on the driver's classpath it is read in
         # place (local mode runs the executors in the driver's JVM)
