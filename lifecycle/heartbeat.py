@@ -90,12 +90,15 @@ class Heartbeat:
         """Renew now (the state changed), from the heartbeat's own thread."""
         self._wake.set()
 
-    def end(self, state: str, error: str | None = None) -> None:
-        """The run ended in ``state`` (one of :data:`ENDED`): stop renewing and say so."""
+    def end(self, state: str, error: str | None = None, *, write: bool = True) -> None:
+        """The run ended in ``state`` (one of :data:`ENDED`): stop renewing and
+        say so (``write=False``: stop without writing)."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(self._every + 5)
+        if not write:
+            return
         extra: dict[str, float | str] = {"ended_at": round(time.time(), 3)}
         if error:
             extra["error"] = error.split("\n", 1)[0]

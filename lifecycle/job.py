@@ -38,6 +38,7 @@ from lifecycle.job_result import JobResult, job_result, last_final, warn_undecid
 from lifecycle.job_sinks import PipelineSinks
 from lifecycle.ledger import (
     Ledger,
+    LedgerLostError,
     check_location,
     ledger_directory,
     new_state_advice,
@@ -331,6 +332,7 @@ class Job:
         self._outcome = ""  # a stop() that came before run() is honoured
         self._failures.error = None
         ended = "failed"
+        lost = False
         signals = control.SignalHandlers(self.stop) if handle_signals else contextlib.nullcontext()
         try:
             with signals:
@@ -338,6 +340,7 @@ class Job:
             ended = "stopped" if result.stopped else "finished"
             return result
         except BaseException as e:
+            lost = _ledger_lost(e)
             # a job's failure is logged once; a sink's error becomes the job's failure
             replaced = self._failures.ended_by(e)
             if replaced is None:
@@ -347,7 +350,8 @@ class Job:
             self._running = False
             self._stop = None
             warn_undecided(self.name, self.state_dir, ledger)
-            self._watch.end(ended, self._failures.error)
+            # a driver that lost its ledger leaves the heartbeat to the one that took it
+            self._watch.end(ended, self._failures.error, heartbeat=not lost)
             ledger.close()
             for p in self._pipelines.values():
                 for s in p.sinks:
@@ -570,3 +574,15 @@ class Job:
         return job_result(
             coord.checkpoints_taken, self._pipelines.values(), ledger, self._outcome, end
         )
+
+
+def _ledger_lost(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it) says this driver lost its ledger."""
+    seen: BaseException | None = e
+    for _ in range(10):
+        if seen is None:
+            return False
+        if isinstance(seen, LedgerLostError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -234,6 +234,13 @@ def open_ledger(location: Location, state: State, job: str, **opts: Any) -> Ledg
         directory = ledger_directory(store, where)
         if directory is None:
             _check_store_ledger(store)
+            if not in_store and (store.exists(heartbeat.PATH) or store.list("pipelines")):
+                raise ConfigError(
+                    f"state_dir {store.uri()} has run before (a heartbeat, Spark checkpoints) "
+                    "but holds no ledger: its ledger is where the job's ledger= put it; pass "
+                    "that (a directory, or the PostgreSQL URI). A new ledger here would "
+                    "ignore what it recorded; to start over, use a new state_dir"
+                )
             live = heartbeat.judge(heartbeat.read(store))
             if live.alive:
                 raise LedgerLockedError(
@@ -266,9 +273,7 @@ def open_ledger(location: Location, state: State, job: str, **opts: Any) -> Ledg
     return ledger
 
 
-def locate(
-    state: State | None, location: Location | StateStore = None
-) -> str | Path | StateStore:
+def locate(state: State | None, location: Location | StateStore = None) -> str | Path | StateStore:
     """Where the ledger of ``state`` (or at ``location``) is: a PostgreSQL URI (with
     the job of the state's record when it names none), the directory whose
     ``ledger/`` holds a file ledger, or the store of a URI state_dir that holds

@@ -111,14 +111,16 @@ class RunWatch:
         if self._progress is not None:
             self._progress.finished(pipeline)
 
-    def end(self, state: str, error: str | None = None) -> None:
-        """The run ended in ``state`` (``finished``, ``stopped`` or ``failed``)."""
+    def end(self, state: str, error: str | None = None, *, heartbeat: bool = True) -> None:
+        """The run ended in ``state`` (``finished``, ``stopped`` or ``failed``);
+        ``heartbeat=False``: stop renewing the heartbeat without writing it (a
+        driver that lost its ledger to another one, whose heartbeat it is now)."""
         self.set_state(state)
         if self._progress is not None:
             self.tick()
             self._progress.close()
             self._progress = None
         if self._heartbeat is not None:
-            self._heartbeat.end(state, error)
+            self._heartbeat.end(state, error, write=heartbeat)
             self._heartbeat = None
         self.metrics.stop_serving()

@@ -29,9 +29,10 @@ Where everything is:
   own logs and probe.
 * **The input** (JSON files) and **the state** (``state_dir``, with Spark's
   checkpoint location) are on HDFS (Hadoop's minicluster), put there and
-  listed by Hadoop's shell in a JVM of the test's own; **the ledger** is in
-  PostgreSQL; **the Delta table** is ``s3://bucket/orders`` on S3Proxy,
-  written by deltalake in the tasks (``storage_options``).
+  listed by Hadoop's shell in a JVM of the test's own; **the ledger** is the
+  state_dir's own (the store ledger, on HDFS); **the Delta table** is
+  ``s3://bucket/orders`` on S3Proxy, written by deltalake in the tasks
+  (``storage_options``).
 * **The executors' environment** is the packed one of
   ``tests/executor_env.py`` plus the project's ``s3`` extra (boto3): the
   sink creates its staged files' markers on S3 with a conditional PUT through
@@ -73,7 +74,6 @@ from tests import deltacheck, executor_env
 from tests.conftest import write_input
 from tests.executor_env import ROOT
 from tests.kafkacheck import consume_ids
-from tests.ledgers import pg_uri
 from tests.multisink import Run, copy_delta_log
 from tests.procs import JobProcess
 from tests.sparkcluster import SparkCluster
@@ -263,7 +263,7 @@ def test_three_sinks_stay_exact_when_an_executor_then_the_driver_die_on_private_
     kafka_topic: Any,
     tmp_path: Path,
 ) -> None:
-    """Input and state on HDFS, the table on S3, the ledger in PostgreSQL; an
+    """Input, state and ledger on HDFS, the table on S3; an
     executor JVM killed after a task of batch 1 prepared, then the driver
     SIGKILLed in checkpoint 1's Delta commit; restarted from another directory:
     every sink exact, nothing prepared, open or staged."""
@@ -286,8 +286,7 @@ def test_three_sinks_stay_exact_when_an_executor_then_the_driver_die_on_private_
         kafka_bootstrap,
         topic,
         sinks="pg,kafka,delta",
-        state=f"{root}/state",
-        ledger=pg_uri(pg_dsn),
+        state=f"{root}/state",  # its ledger too: the state_dir's own
         delta=table,
         delta_options=options,
         input=f"{root}/in",
@@ -333,7 +332,8 @@ def test_three_sinks_stay_exact_when_an_executor_then_the_driver_die_on_private_
         read = json.loads(second.output().rsplit("READ ", 1)[1].splitlines()[0])
         assert read["ids"] == list(range(n)), "delta-spark read other rows through s3a://"
     state = hdfs_files(hadoop_conf, f"{root}/state")
-    assert "ledger.location" in state and not any(f.startswith("ledger/") for f in state), state
+    assert "ledger.location" not in state, state
+    assert any(f.startswith("ledger/journal.") for f in state), state
     commits = [f.rsplit("/", 1)[1] for f in state if f.startswith("pipelines/load/spark/commits/")]
     assert sorted(int(c) for c in commits if c.isdigit()) == [0, 1, 2], state
     no_uri_as_local_path(tmp_path / "host-a", tmp_path / "host-b", ROOT)

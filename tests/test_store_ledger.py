@@ -166,3 +166,52 @@ def test_a_second_start_while_the_job_beats_is_refused(spark: Any, tmp_path: Pat
     finally:
         beat.end("finished")
     assert open_ledger(None, store, "j").run == 1
+
+
+def test_two_writers_of_each_name_leave_exactly_one_winner(store: StateStore) -> None:
+    """Two threads create the same 20 names at once, each with its own bytes:
+    for every name exactly one is told it created it, and the name holds that
+    one's bytes (Hadoop's rename on ``file://`` replaces or checks, then
+    renames: the create there is the local ``link(2)``; HDFS renames a try's
+    own temporary file)."""
+    import threading
+
+    names = [f"race/{i:03d}" for i in range(20)]
+    won: dict[str, list[str]] = {n: [] for n in names}
+    start = threading.Barrier(2)
+
+    def writer(me: str) -> None:
+        start.wait()
+        for name in names:
+            try:
+                store.create(name, me.encode())
+                won[name].append(me)
+            except FileExistsError:
+                pass
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for name in names:
+        assert len(won[name]) == 1, (name, won[name])
+        assert store.read(name) == won[name][0].encode()
+    assert sorted(store.list("race")) == [n.split("/")[1] for n in names]
+
+
+def test_a_state_dir_that_ran_without_its_own_ledger_is_not_given_a_new_one(
+    spark: Any, tmp_path: Path
+) -> None:
+    """A URI state_dir whose earlier runs kept their ledger elsewhere (``ledger=``
+    a directory: the URI records nothing of it) is refused a new ledger of
+    its own: it would ignore what the other one recorded."""
+    from sinks.errors import ConfigError
+
+    store = open_store((tmp_path / "state").resolve().as_uri(), spark)
+    elsewhere = open_ledger(tmp_path / "ledger-dir", store, "j")
+    elsewhere.begin_run()
+    elsewhere.close()
+    store.write_atomic("pipelines/load/spark/commits/0", b"v1")  # Spark's checkpoint
+    with pytest.raises(ConfigError, match=r"has run before .* but holds no ledger"):
+        open_ledger(None, store, "j")

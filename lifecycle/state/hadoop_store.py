@@ -36,9 +36,12 @@ name is free, atomically, for the ledger's records
 (:mod:`lifecycle.state.store_ledger`). On ``s3a://`` it is S3's conditional
 PUT (``If-None-Match: *``, Hadoop 3.5's ``createFile()`` option
 ``fs.option.create.conditional.overwrite``): the upload happens at close, and
-the store refuses it with 412 when the name exists. Elsewhere (HDFS, and
-``file://`` or ``viewfs://``) it writes ``NAME.part`` and renames it to
-``NAME``, a rename the NameNode refuses when ``NAME`` exists. A name found
+the store refuses it with 412 when the name exists. On HDFS it writes a
+temporary file of the try's own (``NAME.<random>.part``) and renames it to
+``NAME``, a rename the NameNode refuses when ``NAME`` exists. On ``file://``
+Hadoop's rename replaces an existing file (or checks, then renames), so the
+local store's create runs on the path (a temporary file, then ``link(2)``);
+a ``viewfs://`` mount is judged by the scheme of its target. A name found
 taken is read: when it holds exactly the bytes written, a try whose answer was
 lost had succeeded. Other schemes (no atomic create known here) are refused.
 
@@ -56,12 +59,16 @@ try left them.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlparse
 
 from py4j.java_gateway import is_instance_of
 from py4j.protocol import Py4JJavaError
 
+from lifecycle.state.files import create_exclusive
 from lifecycle.state.store_interface import TMP, StateStore, check_rel, scheme_of
 from sinks._retry import STORE_OUTAGE, retry_transient
 from sinks.errors import ConfigError
@@ -103,9 +110,6 @@ class _Passing(OSError):
     """A store call failed with an ``IOException`` that can pass (a restart)."""
 
 
-_RENAME_CREATES = ("hdfs", "viewfs", "file")
-"""schemes whose rename refuses an existing name (the NameNode's, Hadoop's local one)"""
-
 _CONDITIONAL = "fs.option.create.conditional.overwrite"
 """S3A's ``createFile()`` option for a PUT with ``If-None-Match: *`` (Hadoop 3.5)"""
 
@@ -126,6 +130,7 @@ class HadoopStore(StateStore):
         """``jvm``, ``hadoop_conf`` and ``gateway``: a py4j JVM view, a Hadoop
         ``Configuration`` in it and its gateway (:meth:`from_spark`, :func:`standalone`)."""
         self.root = root.rstrip("/")
+        self._rule: str | None = None  # how create() is atomic (_create_rule)
         self._jvm = jvm
         self._conf = hadoop_conf
         self._gateway = gateway
@@ -213,6 +218,10 @@ class HadoopStore(StateStore):
             raise
         try:
             return bytes(self._jvm.org.apache.hadoop.io.IOUtils.readFullyToByteArray(stream))
+        except Py4JJavaError as e:
+            if self._not_found(e):  # S3A opens lazily: deleted before the first read
+                return None
+            raise
         finally:
             stream.close()
 
@@ -236,26 +245,54 @@ class HadoopStore(StateStore):
             self._rename(part, path)
             self._fs.delete(tmp, False)  # older than NAME now, if a crash left one
 
+    def _create_rule(self) -> str:
+        """How :meth:`create` is atomic here: ``"conditional"`` (S3A's
+        conditional PUT), ``"rename"`` (HDFS: the NameNode refuses a rename onto
+        an existing name), ``"link"`` (a local file system: ``link(2)``), or
+        ``""`` (none known). A ``viewfs://`` mount is judged by its target."""
+        if self._rule is None:
+            scheme = (scheme_of(self.root) or "").lower()
+            if scheme == "viewfs":
+                target = self._retried("resolving", self._resolved_root)
+                scheme = (scheme_of(target) or "").lower()
+            self._rule = {"s3a": "conditional", "hdfs": "rename", "file": "link"}.get(scheme, "")
+        return self._rule
+
+    def _resolved_root(self) -> str:
+        """The URI ``root`` resolves to through a mount table (created first)."""
+        root = self._path("")
+        self._fs.mkdirs(root)
+        return str(self._fs.resolvePath(root).toUri())
+
     @property
     def creates_atomically(self) -> bool:  # type: ignore[override]
-        scheme = (scheme_of(self.root) or "").lower()
-        return scheme == "s3a" or scheme in _RENAME_CREATES
+        return bool(self._create_rule())
 
     def create(self, rel: str, data: bytes) -> None:
-        scheme = (scheme_of(self.root) or "").lower()
-        if not self.creates_atomically:
+        rule = self._create_rule()
+        if not rule:
             raise ConfigError(
                 f"state_dir {self.root}: no atomic create-if-absent is known here for "
-                f"{scheme}:// (hdfs, s3a, viewfs and file have one)"
+                f"{scheme_of(self.root)}:// (hdfs, s3a, file, and viewfs over them, have one)"
             )
-        taken = self._retried(f"creating {rel} in", lambda: self._create(rel, data, scheme))
+        if rule == "link":
+            self._create_local(rel, data)
+            return
+        taken = self._retried(f"creating {rel} in", lambda: self._create(rel, data, rule))
         if taken:
             raise FileExistsError(f"{self.uri(rel)} exists (written by another writer)")
 
-    def _create(self, rel: str, data: bytes, scheme: str) -> bool:
+    def _create_local(self, rel: str, data: bytes) -> None:
+        """``file://`` (or a mount onto it): Hadoop's local rename replaces an
+        existing file or checks and then renames, so the create is the local
+        store's own (a complete temporary file, then ``link(2)``)."""
+        uri = self._retried("resolving", self._resolved_root)
+        create_exclusive(Path(urlparse(uri).path) / check_rel(rel), data)
+
+    def _create(self, rel: str, data: bytes, rule: str) -> bool:
         """Create ``rel``; whether the name was taken by other bytes."""
         path = self._path(rel)
-        if scheme == "s3a":
+        if rule == "conditional":
             builder = self._fs.createFile(path).overwrite(False).must(_CONDITIONAL, True)
             try:
                 out = builder.build()
@@ -268,16 +305,19 @@ class HadoopStore(StateStore):
                 if not _named(e, _TAKEN):
                     raise
         else:
-            part = self._path(rel, PART)
-            out = self._fs.create(part, True)
+            # a name of this try's own: two writers never share a temporary file
+            part = self._path(rel, f".{secrets.token_hex(8)}{PART}")
             try:
-                out.write(bytearray(data))
-                out.hsync()
+                out = self._fs.create(part, False)
+                try:
+                    out.write(bytearray(data))
+                    out.hsync()
+                finally:
+                    out.close()
+                if self._fs.rename(part, path):
+                    return False
             finally:
-                out.close()
-            if self._fs.rename(part, path):
-                return False
-            self._fs.delete(part, False)
+                self._fs.delete(part, False)
         found = self._read(path)
         if found is None:
             raise OSError(f"state store: could not create {self.uri(rel)}")

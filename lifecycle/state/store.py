@@ -29,12 +29,11 @@ and ``flock``) opens a state file itself.
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lifecycle.state.files import atomic_write, fsync_dir
+from lifecycle.state.files import atomic_write, create_exclusive, fsync_dir
 from lifecycle.state.store_interface import TMP, StateStore, check_rel, scheme_of
 
 if TYPE_CHECKING:
@@ -82,18 +81,7 @@ class LocalStore(StateStore):
         atomic_write(path, data)
 
     def create(self, rel: str, data: bytes) -> None:
-        path = self.path(rel)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP}")
-        atomic_write(tmp, data)
-        try:
-            os.link(tmp, path)  # fails when the name is taken: atomically
-        except FileExistsError:
-            if path.read_bytes() != data:
-                raise
-        finally:
-            tmp.unlink(missing_ok=True)
-        fsync_dir(path.parent)
+        create_exclusive(self.path(rel), data)
 
     def list(self, rel_dir: str) -> list[str]:
         try:

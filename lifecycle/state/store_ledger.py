@@ -5,8 +5,9 @@ The file ledger (:mod:`lifecycle.state.file_ledger`) appends to a local file
 under ``flock``; HDFS and S3 have no lock a crashed driver releases, and S3
 cannot append. Here every write is a :meth:`StateStore.create
 <lifecycle.state.store_interface.StateStore.create>` that fails when its name
-exists (S3's conditional PUT; on HDFS, a rename the NameNode refuses), so a
-name can be written once, by one driver. Files of ``<state_dir>/ledger/``:
+exists (S3's conditional PUT; on HDFS, a rename the NameNode refuses; on a
+local file system, ``link(2)``), so a name can be written once, by one
+driver. Files of ``<state_dir>/ledger/``:
 
 * ``snapshot.<g>.json``: the whole state as of generation ``g`` (one frame of
   :mod:`lifecycle.state.frames`);
@@ -30,9 +31,11 @@ name can be written once, by one driver. Files of ``<state_dir>/ledger/``:
    creates the next generation's snapshot (its name too), then removes the old
    generation. Once removed, its names are free again, so a driver that still
    writes to the old journal could create one: after every record it creates,
-   a driver lists the ledger, and a snapshot later than its generation makes
-   the record void and the driver stops (a later snapshot is only ever
-   removed for a later one still). A crash after the seal leaves a sealed
+   a driver lists the ledger, and a snapshot later than its generation means
+   the record may not be seen (it is if the newer driver read it before it
+   compacted), so the driver stops with the change's fate unknown, as a
+   driver that lost the ledger does (a later snapshot is only ever removed for
+   a later one still). A crash after the seal leaves a sealed
    generation, which the next open compacts before anything else.
 4. A create whose answer was lost (a NameNode restart, a dropped connection)
    is tried again; finding the name holding exactly its own bytes (the writer
@@ -249,14 +252,19 @@ class StoreLedger(StateLedger):
         """Create the next record holding ``doc``; its size (rules 1 to 4)."""
         rel = _record(self._gen, self._next)
         size = self._create(rel, doc)
-        later = [g for g in _numbered(self.store, _SNAPSHOT) if g > self._gen]
+        try:
+            later = [g for g in _numbered(self.store, _SNAPSHOT) if g > self._gen]
+        except BaseException as e:
+            self._unusable = f"checking {self.store.uri(rel)} failed ({e!r}): its fate is unknown"
+            raise
         if later:
             self._unusable = f"generation {self._gen} ended (snapshot {max(later)} exists)"
             with contextlib.suppress(OSError):
-                self.store.delete(rel)  # void: nobody reads that generation any more
+                self.store.delete(rel)  # nobody reads that generation any more
             raise LedgerLostError(
                 f"the ledger in {self.where} was compacted by another driver "
-                f"({self._unusable}): this one stops; is the job running twice on one state_dir?"
+                f"({self._unusable}; whether it saw this change is unknown): this one stops; "
+                "is the job running twice on one state_dir?"
             )
         self._next += 1
         return size
@@ -276,7 +284,15 @@ class StoreLedger(StateLedger):
                 raise
             full = self._bytes >= max(self._compact_bytes, self._snapshot_bytes)
             if full or self._next > self._compact_records:
-                self._compact()
+                try:
+                    self._compact()
+                except Exception as e:  # the change itself is durable and applied
+                    log.warning(
+                        "could not compact the ledger in %s; it must be reopened before "
+                        "the next change: %s",
+                        self.where,
+                        e,
+                    )
 
     def _compact(self) -> None:
         """Seal this generation, then start the next (rule 3)."""
