@@ -398,13 +398,14 @@ def test_everything_on_hdfs_survives_kills_from_fresh_hosts(
         args=args,
         kills=4,
         env={"PYTHONPATH": str(ROOT)},
-        min_delay=10.0,
-        max_delay=30.0,
+        min_delay=5.0,
+        max_delay=15.0,
         timeout=400.0,
         log=tmp_path / "crash.log",
         fresh_host=True,
     )
     print(report)
+    assert report.kills >= 3, report  # a run that ends before its kill counts as done
     verify.assert_exactly_once_delta(table, range(n))
     audit = _twophase("audit", state)
     assert audit.returncode == 0 and " ok" in audit.stdout, audit.stdout + audit.stderr

@@ -317,6 +317,20 @@ class TableStorage:
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_dir(self.path(rel_dir))
 
+    def delete_staged(self, rel: str) -> None:
+        """Delete the staged data file ``rel`` and, on HDFS, what its writer's
+        client left of it: deltalake's HDFS client writes ``.<name>.tmp.<n>``
+        beside the file and renames it at the end, so a write cut short (a
+        NameNode restart, a killed task) leaves that behind."""
+        self.delete(rel)
+        if not self.table_uri.startswith("hdfs://"):
+            return
+        parent, name = parent_dir(rel), rel.rsplit("/", 1)[-1]
+        partial = re.compile(rf"^\.{re.escape(name)}\.tmp\.\d+$")
+        for left in self.list_files(parent):
+            if partial.match(left):
+                self.delete(f"{parent}/{left}" if parent else left)
+
     def delete(self, rel: str) -> None:
         """Delete ``rel``; a missing file is fine."""
         try:

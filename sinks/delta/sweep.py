@@ -65,7 +65,7 @@ class DeltaSweeper:
             if rel in committed:
                 log.error("%s: not deleting %s: the table references it", self.where, rel)
             else:
-                self.storage.delete(rel)
+                self.storage.delete_staged(rel)
             self.storage.delete(marker_path(rel))
 
     def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
@@ -148,7 +148,7 @@ class DeltaSweeper:
                 if rel in committed:
                     kept += 1  # a marker a crash left behind after the commit
                 elif _is_staged_path(rel, stem):
-                    self.storage.delete(rel)
+                    self.storage.delete_staged(rel)
                 self.storage.delete(marker)
             if kept < len(stems):
                 aborted.append(txn)
