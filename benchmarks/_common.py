@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 
 from lifecycle import Job
+from lifecycle.ledger import read_ledger
 from sinks.base import Sink
 
 
@@ -51,13 +52,19 @@ def add_conf_option(ap: argparse.ArgumentParser) -> None:
 
 
 def bench_spark(
-    app: str, *, jar_sets: Sequence[str] = (), conf: Sequence[str] = ()
+    app: str,
+    *,
+    jar_sets: Sequence[str] = (),
+    conf: Sequence[str] = (),
+    start_conf: Mapping[str, str] | None = None,
 ) -> SparkSession:
     """A quiet ``local[2]`` session (the machine the numbers are measured on),
     with the cached jars of ``jar_sets`` (``python -m lifecycle.testing.jars
     fetch`` caches them): ``delta`` also gets delta-spark's SQL extension, as
     its users run it; ``jdbc`` is the PostgreSQL JDBC driver. ``conf``: more
-    settings, each ``KEY=VALUE`` (:func:`add_conf_option`)."""
+    settings, each ``KEY=VALUE`` (:func:`add_conf_option`); ``start_conf``:
+    settings that must be there before the JVM starts (a driver class path,
+    Hadoop's ``spark.hadoop.*``)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = (
@@ -75,6 +82,8 @@ def bench_spark(
         if "delta" in jar_sets:
             for k, v in jars.DELTA_SQL_CONF.items():
                 builder = builder.config(k, v)
+    for k, v in (start_conf or {}).items():
+        builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     for kv in conf:
@@ -126,3 +135,15 @@ def pct(values: Sequence[float], q: float) -> float:
     is the greatest)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def commit_latencies(state: Path) -> list[float]:
+    """``committed_at - decided_at`` of each checkpoint of the job at ``state``
+    that committed rows."""
+    doc = read_ledger(state)
+    assert doc is not None, f"no ledger in {state}"
+    return [
+        cp["committed_at"] - cp["decided_at"]
+        for cp in doc["history"]
+        if cp.get("committed_at") is not None and sum(cp.get("rows", {}).values()) > 0
+    ]

@@ -74,8 +74,13 @@ VARIANTS = ("DeltaTable.merge", "delta-spark MERGE", "DeltaSink")
 ALTERNATIVE = "delta-spark MERGE"
 
 
-def base_table(uri: Path, rows: int, files: int) -> None:
+def base_table(
+    uri: Path | str, rows: int, files: int, storage_options: dict[str, str] | None = None
+) -> pa.Table:
+    """The merges' base table at ``uri``: one append a file, each file one
+    range of ids; returns its rows."""
     per = rows // files
+    parts = []
     for f in range(files):
         ids = range(f * per, rows if f == files - 1 else (f + 1) * per)
         t = pa.table(
@@ -85,7 +90,9 @@ def base_table(uri: Path, rows: int, files: int) -> None:
                 "amount": pa.array([i * 0.25 for i in ids], pa.float64()),
             }
         )
-        write_deltalake(str(uri), t, mode="append")
+        write_deltalake(str(uri), t, mode="append", storage_options=storage_options)
+        parts.append(t)
+    return pa.concat_tables(parts)
 
 
 def changes(directory: Path, rows: int, n: int, how: str, seed: int, batches: int = 1) -> None:

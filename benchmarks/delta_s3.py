@@ -121,15 +121,17 @@ from pyspark.sql import DataFrame, SparkSession  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     add_conf_option,
+    bench_spark,
+    commit_latencies,
     make_input,
     parquet_stream,
     time_foreach_batch,
     time_job,
 )
+from benchmarks.delta_merge import base_table  # noqa: E402
 from benchmarks.delta_merge import changes as make_changes  # noqa: E402
 from benchmarks.delta_merge import run_delta_spark as run_spark_merge  # noqa: E402
 from benchmarks.delta_throughput import run_delta_spark as run_spark_append  # noqa: E402
-from lifecycle.ledger import read_ledger  # noqa: E402
 from lifecycle.testing import jars  # noqa: E402
 from lifecycle.testing.s3proxy import S3Proxy  # noqa: E402
 from sinks import DeltaSink  # noqa: E402
@@ -367,25 +369,9 @@ def s3_spark(app: str, server: S3Proxy, conf: Sequence[str]) -> SparkSession:
     jars and SQL extension), with Hadoop's S3A on the driver's classpath (set
     before the JVM starts: local mode runs the executors in the driver's JVM)
     and pointed at ``server``. ``conf``: more settings, ``KEY=VALUE``."""
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    builder = (
-        SparkSession.builder.master("local[2]")
-        .appName(app)
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "4")
-        .config("spark.jars", ",".join(str(p) for p in jars.jars("delta")))
-        .config("spark.driver.extraClassPath", os.pathsep.join(str(p) for p in jars.jars("s3a")))
-    )
-    for k, v in {**jars.DELTA_SQL_CONF, **server.spark_conf()}.items():
-        builder = builder.config(k, v)
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    for kv in conf:
-        key, _, value = kv.partition("=")
-        spark.conf.set(key, value)
-    return spark
+    s3a = os.pathsep.join(str(p) for p in jars.jars("s3a"))
+    start = {"spark.driver.extraClassPath": s3a, **server.spark_conf()}
+    return bench_spark(app, jar_sets=("delta",), conf=conf, start_conf=start)
 
 
 # -- the variants ---------------------------------------------------------------------
@@ -409,25 +395,6 @@ def check_append(uri: str, options: dict[str, str], rows: int, variant: str) -> 
     staged = TableStorage(uri, options).list_files(STAGING_DIR)
     assert not staged, f"{variant}: {len(staged)} staging marker(s) left"
     return dt.version()
-
-
-def base_table(uri: str, options: dict[str, str], rows: int, files: int) -> pa.Table:
-    """The merges' base table at ``uri`` (as ``delta_merge.base_table`` writes
-    it: one append a file, each file one range of ids); returns its rows."""
-    per = rows // files
-    parts = []
-    for f in range(files):
-        ids = range(f * per, rows if f == files - 1 else (f + 1) * per)
-        t = pa.table(
-            {
-                "id": pa.array(ids, pa.int64()),
-                "name": pa.array([f"customer-{i % 1000}" for i in ids]),
-                "amount": pa.array([i * 0.25 for i in ids], pa.float64()),
-            }
-        )
-        write_deltalake(uri, t, mode="append", storage_options=options)
-        parts.append(t)
-    return pa.concat_tables(parts)
 
 
 def copy_prefix(server: S3Proxy, src_bucket: str, dst_bucket: str, prefix: str) -> int:
@@ -667,18 +634,6 @@ def append_runs(
     return runs
 
 
-def commit_latencies(state: Path) -> list[float]:
-    """``committed_at - decided_at`` of each checkpoint of the job at ``state``
-    that committed rows (as ``benchmarks/scaling.py`` reads them)."""
-    doc = read_ledger(state)
-    assert doc is not None, f"no ledger in {state}"
-    return [
-        cp["committed_at"] - cp["decided_at"]
-        for cp in doc["history"]
-        if cp.get("committed_at") is not None and sum(cp.get("rows", {}).values()) > 0
-    ]
-
-
 FLOORS = ("floor: discard", "floor: Parquet", "floor: Parquet + PUT")
 """``--floors``: the same stream into ``foreachBatch`` -> ``mapInArrow`` tasks that
 discard their rows; that encode them as one Parquet file in memory (pyarrow,
@@ -755,7 +710,7 @@ def merge_runs(
 ) -> list[Run]:
     base_bucket = store.bucket("base")
     t0 = time.perf_counter()
-    base = base_table(f"s3://{base_bucket}/t", store.options(), args.rows, args.files)
+    base = base_table(f"s3://{base_bucket}/t", args.rows, args.files, store.options())
     print(
         f"merge: base table of {args.rows:,} rows written in {time.perf_counter() - t0:.1f} s",
         flush=True,

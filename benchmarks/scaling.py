@@ -96,11 +96,11 @@ from pyspark.sql import DataFrame, SparkSession  # noqa: E402
 from benchmarks import delta_throughput, kafka_throughput, pg_throughput  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     bench_spark,
+    commit_latencies,
     make_input,
     parquet_stream,
     time_job,
 )
-from lifecycle.ledger import read_ledger  # noqa: E402
 from sinks import DeltaSink, KafkaSink, PostgresSink  # noqa: E402
 from sinks.base import Sink  # noqa: E402
 
@@ -291,17 +291,6 @@ class Run:
     @property
     def mb_s(self) -> float:
         return self.bytes / self.seconds / 1e6
-
-
-def commit_latencies(state: Path) -> list[float]:
-    """``committed_at - decided_at`` of each checkpoint that committed rows."""
-    doc = read_ledger(state)
-    assert doc is not None, f"no ledger in {state}"
-    return [
-        cp["committed_at"] - cp["decided_at"]
-        for cp in doc["history"]
-        if cp.get("committed_at") is not None and sum(cp.get("rows", {}).values()) > 0
-    ]
 
 
 def run_sink(

@@ -160,3 +160,42 @@ def tree_at(commit: str, into: Path) -> Path:
     with tarfile.open(fileobj=io.BytesIO(tar)) as t:
         t.extractall(into, filter="data")
     return into
+
+
+def twophase(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``twophase ARGS`` in a process (and, for a URI STATE_DIR, a JVM) of its
+    own; ``env``: variables added to this process's."""
+    return subprocess.run(
+        [sys.executable, "-m", "lifecycle.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
+
+
+def crash_delta_store_job(args: list[str], log: Path) -> Any:
+    """``tests/jobs/delta_store_job.py ARGS`` through the kit's ``crash_test``:
+    four kills, at random instants within 5-15 s of a start and at named
+    points, every start on a fresh host, then a run to the end; at least three
+    runs must really have been killed (one that ends before its kill counts as
+    done). Returns the report."""
+    from lifecycle.testing import crash_test
+
+    report = crash_test(
+        ROOT / "tests" / "jobs" / "delta_store_job.py",
+        args=args,
+        kills=4,
+        env={"PYTHONPATH": str(ROOT)},
+        min_delay=5.0,
+        max_delay=15.0,
+        timeout=400.0,
+        log=log,
+        fresh_host=True,
+    )
+    print(report)
+    assert report.kills >= 3, report
+    return report

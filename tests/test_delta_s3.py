@@ -25,7 +25,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from deltalake import DeltaTable
 from lifecycle.testing import jars, verify
 from lifecycle.testing.verify import assert_keys_once
 from tests.conftest import write_input
-from tests.procs import ROOT, run_job
+from tests.procs import ROOT, crash_delta_store_job, run_job, twophase
 from tests.tiers import SLOW
 
 
@@ -217,19 +216,11 @@ def _twophase(server: Any, *args: str) -> subprocess.CompletedProcess[str]:
     for k, v in server.spark_conf().items():
         submit += ["--conf", f"{k}={v}"]
     env = {
-        **os.environ,
         "PYSPARK_SUBMIT_ARGS": " ".join([*submit, "pyspark-shell"]),
         "AWS_ACCESS_KEY_ID": server.access_key,
         "AWS_SECRET_ACCESS_KEY": server.secret_key,
     }
-    return subprocess.run(
-        [sys.executable, "-m", "lifecycle.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    return twophase(*args, env=env, cwd=ROOT)
 
 
 @SLOW
@@ -288,7 +279,6 @@ def test_everything_on_s3_survives_random_kills_from_fresh_hosts(tmp_path: Path)
     four kills, at random instants and at the named points, every start on a
     fresh host (``crash_test(fresh_host=True)``), then a run to the end: every
     row once, nothing staged, ``twophase audit`` ok."""
-    from lifecycle.testing import crash_test
     from lifecycle.testing.s3proxy import S3Proxy
 
     jars.require("s3proxy")
@@ -296,19 +286,7 @@ def test_everything_on_s3_survives_random_kills_from_fresh_hosts(tmp_path: Path)
     with S3Proxy(provider="transient") as server:
         server.create_bucket("jobs")
         args = [*job_args(server, "jobs", tmp_path, state="s3a://jobs/state"), "--no-read-back"]
-        report = crash_test(
-            ROOT / "tests" / "jobs" / "delta_store_job.py",
-            args=args,
-            kills=4,
-            env={"PYTHONPATH": str(ROOT)},
-            min_delay=5.0,
-            max_delay=15.0,
-            timeout=400.0,
-            log=tmp_path / "crash.log",
-            fresh_host=True,
-        )
-        print(report)
-        assert report.kills >= 3, report  # a run that ends before its kill counts as done
+        crash_delta_store_job(args, tmp_path / "crash.log")
         latest = rows_of(server, "s3://jobs/orders")
         assert latest == [[i, f"name-{i}", i * 0.5] for i in range(n)]
         nothing_left(server, "jobs")

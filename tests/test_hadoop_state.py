@@ -32,8 +32,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -48,7 +46,7 @@ from tests.conftest import write_input
 from tests.ledgers import pg_uri
 from tests.multisink import Run
 from tests.pgcheck import job_prepared
-from tests.procs import ROOT, JobProcess, wait_for
+from tests.procs import ROOT, JobProcess, twophase, wait_for
 from tests.tiers import SLOW
 
 
@@ -65,16 +63,6 @@ def viewfs_env(tmp: Path, target: Path) -> tuple[str, dict[str, str]]:
         "  </property>\n</configuration>\n"
     )
     return f"viewfs://{table}/state", {"HADOOP_CONF_DIR": str(conf)}
-
-
-def twophase(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lifecycle.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **env},
-    )
 
 
 def rows(doc: dict[str, Any] | None, pipeline: str) -> int:

@@ -24,11 +24,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -48,7 +45,7 @@ from tests.conftest import write_input
 from tests.ledgers import pg_uri
 from tests.multisink import Run
 from tests.pgcheck import assert_exactly_once, job_prepared
-from tests.procs import ROOT, JobProcess, run_job, wait_for
+from tests.procs import ROOT, JobProcess, crash_delta_store_job, run_job, twophase, wait_for
 from tests.sparkutil import INPUT_SCHEMA
 from tests.tiers import SLOW
 
@@ -331,13 +328,7 @@ def test_a_killed_driver_restarts_from_its_state_on_hdfs(
     first = run.start("driver.before_commit@1=kill")
     assert first.proc.returncode == -signal.SIGKILL, first.tail(3000)
     assert job_prepared(pg_dsn, run.job), "the killed run left nothing prepared in PostgreSQL"
-    status = subprocess.run(
-        [sys.executable, "-m", "lifecycle.cli", "status", state],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ},
-    )
+    status = twophase("status", state)
     assert status.returncode == 3, status.stdout + status.stderr
     assert "state: DIED" in status.stdout and f"job {run.job}" in status.stdout
 
@@ -350,17 +341,6 @@ def test_a_killed_driver_restarts_from_its_state_on_hdfs(
     doc = read_ledger(None, run.ledger_location())
     assert doc is not None and doc["run"] == 2
     no_hdfs_paths(tmp_path, ROOT)
-
-
-def _twophase(*args: str) -> subprocess.CompletedProcess[str]:
-    """``twophase ARGS`` in a process (and JVM) of its own."""
-    return subprocess.run(
-        [sys.executable, "-m", "lifecycle.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ},
-    )
 
 
 @pytest.mark.crash
@@ -376,7 +356,7 @@ def test_everything_on_hdfs_survives_kills_from_fresh_hosts(
     without the job. Then kills at random instants and at the named points,
     each start on a host of its own, then a run to the end: every row once,
     nothing staged, ``twophase audit`` ok."""
-    from lifecycle.testing import crash_test, verify
+    from lifecycle.testing import verify
 
     root = fresh_root(twophase_hdfs)
     table, state = f"{root}/orders", f"{root}/state"
@@ -387,27 +367,15 @@ def test_everything_on_hdfs_survives_kills_from_fresh_hosts(
         "delta_store_job.py", args, tmp_path / "first.log", fault="driver.before_commit@1=kill"
     )
     assert first.proc.returncode == -signal.SIGKILL, first.tail(3000)
-    status = _twophase("status", state)
+    status = twophase("status", state)
     assert status.returncode == 3 and "state: DIED" in status.stdout, status.stdout + status.stderr
-    recover = _twophase("recover", state)
+    recover = twophase("recover", state)
     assert recover.returncode == 0, recover.stdout + recover.stderr
     assert "committed" in recover.stdout, recover.stdout
 
-    report = crash_test(
-        ROOT / "tests" / "jobs" / "delta_store_job.py",
-        args=args,
-        kills=4,
-        env={"PYTHONPATH": str(ROOT)},
-        min_delay=5.0,
-        max_delay=15.0,
-        timeout=400.0,
-        log=tmp_path / "crash.log",
-        fresh_host=True,
-    )
-    print(report)
-    assert report.kills >= 3, report  # a run that ends before its kill counts as done
+    crash_delta_store_job(args, tmp_path / "crash.log")
     verify.assert_exactly_once_delta(table, range(n))
-    audit = _twophase("audit", state)
+    audit = twophase("audit", state)
     assert audit.returncode == 0 and " ok" in audit.stdout, audit.stdout + audit.stderr
     no_hdfs_paths(tmp_path, ROOT)
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +31,7 @@ from tests.jobs.lifecycle_job import windowed
 from tests.kafkacheck import assert_exactly_once as kafka_exactly_once
 from tests.kafkacheck import assert_nothing_open
 from tests.pgcheck import assert_exactly_once, job_prepared
-from tests.procs import JobProcess, run_job, wait_for
+from tests.procs import JobProcess, run_job, twophase, wait_for
 from tests.sparkutil import EVENT_SCHEMA
 from tests.tiers import SLOW
 
@@ -374,7 +372,7 @@ def test_mixed_job_finished_pipeline_is_not_rerun_after_a_crash(pg_dsn, tmp_path
     wait_for(lambda: (read_ledger(state) or {}).get("run") == 2, 120, "the restart", again)
     n_live += write_input(tmp_path / "live", 1, 30, start=40_000)
     wait_for(lambda: _count(pg_dsn, "live_t") == n_live, 120, "the live pipeline", again)
-    stop = _twophase("stop", "--drain", str(state))
+    stop = twophase("stop", "--drain", str(state))
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert again.wait(120) == 0, again.tail()
     assert "pipeline load finished in an earlier run: not run again" in again.output()
@@ -518,16 +516,10 @@ def test_crash_while_ending_windowed_input_resumes_and_flushes(pg_dsn, tmp_path,
 
 
 def test_twophase_stop_without_a_running_job_says_so(tmp_path: Path) -> None:
-    proc = _twophase("stop", str(tmp_path))
+    proc = twophase("stop", str(tmp_path))
     assert proc.returncode == 2 and "no job is running" in proc.stderr
 
 
 def _count(dsn: str, table: str) -> int:
     with psycopg.connect(dsn) as c:
         return int(c.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
-
-
-def _twophase(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lifecycle.cli", *args], capture_output=True, text=True, timeout=300
-    )

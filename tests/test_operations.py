@@ -14,8 +14,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,6 +43,7 @@ from tests.kafkacheck import assert_nothing_open, open_txns
 from tests.ledgers import pg_uri
 from tests.pgcheck import assert_exactly_once as pg_exactly_once
 from tests.pgcheck import job_prepared, rollback_prepared
+from tests.procs import twophase
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string()), ("amount", pa.float64())])
 PIPELINE = "load"
@@ -412,17 +411,6 @@ def test_lingering_and_recover_with_the_ledger_in_postgresql(
     assert (code, out.splitlines()[-1]) == (0, "nothing lingering")
 
 
-def twophase_process(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """``twophase`` as its own process (a URI STATE_DIR starts a JVM in it)."""
-    return subprocess.run(
-        [sys.executable, "-m", "lifecycle.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd,
-    )
-
-
 @pytest.mark.parametrize("kind", ["dir", "postgres", "store"])
 def test_operations_on_a_uri_state_dir(
     make_state: Callable[..., State], pg_dsn: str, tmp_path: Path, kind: str
@@ -448,22 +436,22 @@ def test_operations_on_a_uri_state_dir(
     ledger: list[str] = []
     if kind == "dir":
         ledger = ["--ledger", str(ledger_dir)]
-        bare = twophase_process(cwd, "lingering", uri)
+        bare = twophase("lingering", uri, cwd=cwd)
         assert bare.returncode == 2 and "--ledger" in bare.stderr, bare.stderr
     elif kind == "postgres":
         ledger = ["--ledger", pg_uri(pg_dsn)]
-        via_record = twophase_process(cwd, "status", uri)  # through ledger.location
+        via_record = twophase("status", uri, cwd=cwd)  # through ledger.location
         # exit 3: not running, with pending work for the next start
         assert via_record.returncode == 3, via_record.stderr
         assert f"job {state.job}  incarnation {state.incarnation}" in via_record.stdout
 
-    found = twophase_process(cwd, "lingering", uri, *ledger)
+    found = twophase("lingering", uri, *ledger, cwd=cwd)
     assert found.returncode == 1, found.stderr
     assert all(t in found.stdout for t in txns)
     assert f"{len(txns)} lingering: {len(txns)} of this incarnation" in found.stdout
-    refused = twophase_process(cwd, "abandon", uri, "--checkpoint", "1", "--yes", *ledger)
+    refused = twophase("abandon", uri, "--checkpoint", "1", "--yes", *ledger, cwd=cwd)
     assert refused.returncode == 1 and "checkpoint 1 is not the decided one" in refused.stderr
-    recovered = twophase_process(cwd, "recover", uri, *([] if kind == "postgres" else ledger))
+    recovered = twophase("recover", uri, *([] if kind == "postgres" else ledger), cwd=cwd)
     assert recovered.returncode == 0, recovered.stderr
     assert f"committed {PIPELINE}/pg: 2 transaction(s)" in recovered.stdout  # batch 0
     assert f"aborted   {PIPELINE}/pg: 2 transaction(s)" in recovered.stdout  # batch 1

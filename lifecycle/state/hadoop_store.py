@@ -230,12 +230,7 @@ class HadoopStore(StateStore):
 
     def _write_atomic(self, rel: str, data: bytes) -> None:
         path, part, tmp = self._path(rel), self._path(rel, PART), self._path(rel, TMP)
-        out = self._fs.create(part, True)
-        try:
-            out.write(bytearray(data))
-            out.hsync()
-        finally:
-            out.close()
+        self._write_synced(part, data, overwrite=True)
         if self._fs.exists(path):
             self._fs.delete(tmp, False)  # a crashed replace's; NAME is readable meanwhile
             self._rename(part, tmp)
@@ -308,12 +303,7 @@ class HadoopStore(StateStore):
             # a name of this try's own: two writers never share a temporary file
             part = self._path(rel, f".{secrets.token_hex(8)}{PART}")
             try:
-                out = self._fs.create(part, False)
-                try:
-                    out.write(bytearray(data))
-                    out.hsync()
-                finally:
-                    out.close()
+                self._write_synced(part, data, overwrite=False)
                 if self._fs.rename(part, path):
                     return False
             finally:
@@ -322,6 +312,15 @@ class HadoopStore(StateStore):
         if found is None:
             raise OSError(f"state store: could not create {self.uri(rel)}")
         return found != data
+
+    def _write_synced(self, path: Any, data: bytes, *, overwrite: bool) -> None:
+        """Write the file ``path`` whole, ``hsync`` it and close it."""
+        out = self._fs.create(path, overwrite)
+        try:
+            out.write(bytearray(data))
+            out.hsync()
+        finally:
+            out.close()
 
     def _rename(self, src: Any, dst: Any) -> None:
         if not self._fs.rename(src, dst):
