@@ -145,6 +145,8 @@ def check_table(server: Any, bucket: str, got: dict[str, Any]) -> None:
     assert len(read["versions"]["2"]) == 100
 
 
+@SLOW  # for CI time: appends on S3 are exact in the default run's crash tests below, and
+# delta-spark reads through s3a there in test_delta_features_on_stores.py
 @pytest.mark.usefixtures("s3_jars")
 def test_a_job_writes_s3_and_delta_spark_reads_it_through_s3a(
     twophase_s3: Any, twophase_s3_bucket: str, tmp_path: Path

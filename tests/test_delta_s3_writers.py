@@ -6,7 +6,8 @@ version with a conditional PUT: deltalake does, delta-spark does not. So:
 * a table that delta-spark wrote is refused at the sink's preflight, naming
   the version, the engine and what to configure, and accepted once the user
   says delta-spark's writes are stopped while the job runs
-  (``other_writers="stopped"``);
+  (``other_writers="stopped"``): ``tests/test_delta_features_on_stores.py``,
+  beside the sink's own commits through delta-spark on S3;
 * two sink jobs racing for the same versions on a store whose conditional PUT
   is atomic (moto's server; S3Proxy checks before it writes, see
   docs/testing.md) lose no commit and overwrite no version: a proxy holds
@@ -26,9 +27,7 @@ import pytest
 from deltalake import DeltaTable
 
 from lifecycle.testing import jars, verify
-from sinks import DeltaSink
 from sinks.delta import s3_writers
-from sinks.errors import PreflightError
 from tests.conftest import write_input
 from tests.procs import JobProcess, run_job
 from tests.test_delta_s3 import check_log, job_args, nothing_left, s3_jars  # noqa: F401
@@ -69,39 +68,8 @@ def s3a_server() -> Iterator[Any]:
         yield server
 
 
-@pytest.mark.usefixtures("s3_jars")
-def test_a_table_delta_spark_wrote_on_s3_is_refused_until_its_writes_are_said_stopped(
-    s3a_server: Any, tmp_path: Path
-) -> None:
-    server, bucket = s3a_server, "tables"
-    uri = f"s3://{bucket}/orders"
-    write_input(tmp_path / "in", files=1, rows_per_file=10)
-    create = "CREATE TABLE {table} (id BIGINT, name STRING, amount DOUBLE) USING delta"
-    job = run_job(
-        "delta_store_job.py",
-        [*job_args(server, bucket, tmp_path), "--delta-spark-sql", create, "--no-read-back"],
-        tmp_path / "job.log",
-        timeout=300,
-    )
-    assert job.proc.returncode not in (0, -9), job.tail()
-    out = job.output()
-    assert "version 0 was committed by Apache-Spark/" in out and "Delta-Lake/" in out, job.tail()
-    assert "other_writers='stopped'" in out, job.tail()
-    dt = DeltaTable(uri, storage_options=server.storage_options())
-    assert dt.version() == 0, "the refused sink committed to the table"
-    nothing_left(server, bucket)
-
-    # in this process (deltalake alone): the same check, and the user's answer to it
-    with pytest.raises(PreflightError, match="version 0 was committed by Apache-Spark/"):
-        DeltaSink(uri, storage_options=server.storage_options()).preflight(SCHEMA)
-    DeltaSink(uri, storage_options=server.storage_options(), other_writers="stopped").preflight(
-        SCHEMA
-    )
-    with pytest.raises(Exception, match="other_writers='sometimes'"):
-        DeltaSink(uri, other_writers="sometimes")
-
-
 @SLOW  # two jobs at once (about 45 s); the refusal of the unsafe setup is the default run's
+# (test_delta_features_on_stores.py)
 def test_two_sink_jobs_racing_for_each_version_on_s3_lose_no_commit(tmp_path: Path) -> None:
     """Two jobs append to one table on moto's server through a
     :class:`~lifecycle.testing.s3faults.RacingProxy`: each PUT of a log entry

@@ -23,7 +23,7 @@ from lifecycle import CheckpointCommitError, Job, TaskFailedError
 from lifecycle.cli import main as twophase
 from lifecycle.testing import jars, verify
 from sinks import DeltaSink, PreflightError, _faults
-from sinks.delta import table
+from sinks.delta import spark_features, table
 from sinks.delta.layout import DeltaSchemaError
 from tests import deltacheck
 from tests.test_delta_merge import write_batches
@@ -78,9 +78,10 @@ def test_append_only_tables_refuse_keyed_and_replace_sinks(spark, tmp_path):  # 
 
 
 def test_rewrites_of_feature_tables_need_delta_spark(tmp_path):  # type: ignore[no-untyped-def]
-    """Without delta-spark in the driver's session (or on an object store), a
-    keyed merge or a replace on a table with the change data feed or deletion
-    vectors is refused, naming the feature and what to do; appends are not."""
+    """Without a way to commit through delta-spark (no delta-spark in the
+    driver's session, or an S3 table shared with other writers), a keyed merge
+    or a replace on a table with the change data feed or deletion vectors is
+    refused, naming the feature and what to do; appends are not."""
     import pyarrow as pa
 
     uri = tmp_path / "t"
@@ -90,10 +91,54 @@ def test_rewrites_of_feature_tables_need_delta_spark(tmp_path):  # type: ignore[
         configuration={"delta.enableChangeDataFeed": "true"},
     )
     dt = DeltaTable(str(uri))
-    with pytest.raises(DeltaSchemaError, match=r"\['changeDataFeed'\].*delta-spark.*Or append"):
-        table.check_writable(dt, "t", removes=True, delta_spark=False)
-    table.check_writable(dt, "t", removes=False, delta_spark=False)
-    table.check_writable(dt, "t", removes=True, delta_spark=True)
+    for blocked, said in [
+        ("a job whose Spark session has delta-spark: ...", "Spark session has delta-spark"),
+        (spark_features.route("s3://bucket/t").blocked(), "other_writers='none'"),
+    ]:
+        with pytest.raises(DeltaSchemaError, match=rf"\['changeDataFeed'\].*{said}.*Or append"):
+            table.check_writable(dt, "t", removes=True, spark_blocked=blocked)
+        table.check_writable(dt, "t", removes=False, spark_blocked=blocked)
+    table.check_writable(dt, "t", removes=True, spark_blocked=None)
+
+
+def test_delta_spark_reaches_local_hdfs_and_s3_tables_on_s3_only_with_no_other_writer(
+    tmp_path: Path,
+) -> None:
+    """The URI delta-spark opens a table by: a local table's ``file:`` URI,
+    HDFS's own, S3's as ``s3a://`` when nothing else commits while the job
+    runs (other_writers='none'); no route elsewhere, or on S3 otherwise."""
+    route = spark_features.route
+    assert route(str(tmp_path / "t")).uri == (tmp_path / "t").resolve().as_uri()
+    assert route(f"file://{tmp_path}/t").uri == (tmp_path / "t").resolve().as_uri()
+    assert route("hdfs://nn:9000/w/t/").uri == "hdfs://nn:9000/w/t"
+    assert route("s3://b/w/t", "none").uri == route("s3a://b/w/t", "none").uri == "s3a://b/w/t"
+    for other in ("check", "stopped"):
+        refused = route("s3://b/w/t", other)
+        assert refused.uri is None and "other_writers='none'" in refused.refused
+        assert refused.blocked() == refused.refused
+    gcs = route("gs://b/t", "none")
+    assert gcs.uri is None and "gs://" in gcs.refused
+
+
+def test_delta_spark_finding_another_table_than_deltalake_is_refused(spark, tmp_path):  # type: ignore[no-untyped-def]
+    """Preflight's check that delta-spark reaches the table deltalake reads (a
+    session whose S3A points at another endpoint finds another table, or
+    none): refused, naming both ids and what to configure."""
+    import pyarrow as pa
+
+    from sinks.delta import spark_txn
+    from sinks.errors import CommitRefusedError
+
+    _delta_spark(spark)
+    a, b = tmp_path / "a", tmp_path / "b"
+    for uri in (a, b):
+        write_deltalake(str(uri), pa.table({"id": [1]}))
+    dt = DeltaTable(str(a))
+    spark_txn.check_reaches(dt, a.as_uri(), "t")
+    with pytest.raises(CommitRefusedError, match=r"finds as the table .*, not the table .*fs.s3a"):
+        spark_txn.check_reaches(dt, b.as_uri(), "t")
+    with pytest.raises(CommitRefusedError, match="finds no table there"):
+        spark_txn.check_reaches(dt, (tmp_path / "none").as_uri(), "t")
 
 
 def test_a_table_made_append_only_after_preflight_fails_the_commit_at_once(spark, tmp_path):  # type: ignore[no-untyped-def]

@@ -61,6 +61,7 @@ from sinks.base import COMMITTED, LOST, PREPARED, ClaimedScopes, Committable, Jo
 from sinks.delta import merge, progress, replace, spark_txn, table
 from sinks.delta.constraints import RowRules
 from sinks.delta.layout import DeltaSchemaError, Layout, check_file_schema
+from sinks.delta.spark_features import SparkRoute
 from sinks.delta.storage import TableStorage, marker_path
 from sinks.errors import REWRITE_ADVICE, CommitRefusedError, PreflightError, TransactionLostError
 from sinks.keys import KeyedWrite
@@ -105,6 +106,8 @@ class DeltaCommitter:
     rules: KeyedWrite
     replace_where: str | None
     commit_timeout: float
+    spark_route: SparkRoute
+    """how delta-spark reaches the table (:func:`~sinks.delta.spark_features.route`)"""
 
     # -- progress and claims -----------------------------------------------------------
 
@@ -128,7 +131,7 @@ class DeltaCommitter:
             if found.owner != ours:
                 # only a claim to commit needs delta-spark (twophase recover has no
                 # Spark): read again through its transaction, which checks what it read
-                txn = spark_txn.open_if_needed(dt, self.storage.root, self.where)
+                txn = spark_txn.open_if_needed(dt, self.spark_route, self.where)
                 if txn is not None:
                     found = progress.read(txn, scope)
             if not may_claim(found, ours, start_over_from):
@@ -199,7 +202,7 @@ class DeltaCommitter:
             )
         owner = self.claims.owner(scope.job, scope.pipeline, scope.sink_id, scope.incarnation)
         rewrites = self.rules.keyed or self.replace_where is not None
-        txn = spark_txn.open_if_needed(dt, self.storage.root, where, rewrites=rewrites)
+        txn = spark_txn.open_if_needed(dt, self.spark_route, where, rewrites=rewrites)
         snapshot = txn if txn is not None else dt  # what the checks read is what commits
         found = progress.read(snapshot, scope)
         if found.owner is not None and owner is not None and found.owner != owner:
@@ -227,7 +230,7 @@ class DeltaCommitter:
             dt,
             where,
             removes=rewrites,
-            delta_spark=txn is not None,
+            spark_blocked=None,  # open_if_needed opened delta-spark's transaction if needed
         )
         row_rules.check_staged(cs, where)
         layout = table.layout_of(dt)

@@ -28,6 +28,13 @@ PUT (anything but deltalake 1.x), naming the version and the engine and what
 to configure. A team that runs such an engine only while the sink's job is
 stopped (a nightly OPTIMIZE between runs) says so with
 ``DeltaSink(..., other_writers="stopped")``, and the check is skipped.
+
+The sink itself is such an engine when it commits through delta-spark (tables
+with features delta-rs cannot write, rewrites of tables with deletion vectors,
+the change data feed or column mapping: :mod:`sinks.delta.spark_features`).
+On S3 it does so only with ``other_writers="none"``: nothing else commits to
+the table while the job runs, not even another deltalake writer, whose
+conditional PUT delta-spark's unconditional one could overwrite.
 """
 
 from __future__ import annotations
@@ -44,10 +51,11 @@ log = logging.getLogger("sinks.delta")
 HISTORY = 100
 """How many of the table's latest versions :func:`check` reads."""
 
-OTHER_WRITERS = ("check", "stopped")
+OTHER_WRITERS = ("check", "stopped", "none")
 """``DeltaSink(other_writers=...)``: ``"check"`` (default) refuses an S3 table
 that an engine without conditional PUTs wrote recently; ``"stopped"`` says no
-such engine commits while the job runs."""
+such engine commits while the job runs; ``"none"`` says no other writer at all
+commits while the job runs (the sink may then commit through delta-spark)."""
 
 _S3_SCHEMES = ("s3://", "s3a://", "s3n://")
 _DELTA_RS_PY = re.compile(r"^delta-rs[:.]py-(\d+)\.")
@@ -84,8 +92,8 @@ def unsafe_commits(history: Iterable[Mapping[str, Any]]) -> list[tuple[int, str]
 
 def check(dt: DeltaTable, where: str, other_writers: str) -> str | None:
     """Why ``dt`` (on S3) cannot be shared with the writers its recent history
-    shows, or ``None`` when it can (or ``other_writers="stopped"``)."""
-    if other_writers == "stopped":
+    shows, or ``None`` when it can (or ``other_writers`` says they are stopped)."""
+    if other_writers in ("stopped", "none"):
         return None
     unsafe = unsafe_commits(dt.history(HISTORY))
     if not unsafe:

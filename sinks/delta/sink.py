@@ -35,7 +35,7 @@ from sinks.base import (
     WriteContext,
 )
 from sinks.delta import audit as delta_audit
-from sinks.delta import replace, s3_writers, store_errors, table
+from sinks.delta import replace, s3_writers, spark_features, store_errors, table
 from sinks.delta.changes import ChangeWriter
 from sinks.delta.committer import DeltaCommitter, app_id
 from sinks.delta.constraints import RowRules
@@ -105,7 +105,12 @@ class DeltaSink(Sink):
             that commits without a conditional PUT (delta-spark), since the two
             could overwrite each other's commits; ``"stopped"`` says such
             engines write only while this job is stopped
-            (:mod:`sinks.delta.s3_writers`). Other stores ignore it.
+            (:mod:`sinks.delta.s3_writers`); ``"none"`` says nothing else
+            commits to the table while this job runs, which also lets the sink
+            commit through delta-spark itself (tables with features only
+            delta-spark writes, rewrites of tables with deletion vectors, the
+            change data feed or column mapping:
+            :func:`sinks.delta.spark_features.route`). Other stores ignore it.
 
     Tables are ordinary Delta tables (protocol 1/2, or 3/7 with ``timestampNtz``
     when a column is a timestamp without time zone) that delta-spark reads.
@@ -191,6 +196,7 @@ class DeltaSink(Sink):
             rules=self.rules,
             replace_where=self.replace_where,
             commit_timeout=self.commit_timeout,
+            spark_route=self._spark_route,
         )
         self._sweeper = DeltaSweeper(
             where=self.describe(),
@@ -209,6 +215,11 @@ class DeltaSink(Sink):
     @property
     def sink_id(self) -> str:
         return self._sink_id
+
+    @property
+    def _spark_route(self) -> spark_features.SparkRoute:
+        """How delta-spark reaches the table, for commits only it can make."""
+        return spark_features.route(self.table_uri, self.other_writers)
 
     def describe(self) -> str:
         return f"Delta table {self.table_uri}"
@@ -300,6 +311,7 @@ class DeltaSink(Sink):
                 replace_where=self.replace_where,
                 merge_schema=self.schema_mode == "merge",
                 spark_writes=self.write_with == "spark",
+                spark_route=self._spark_route,
             )
             shared = self._check_other_writers()
         except DeltaSchemaError as e:
@@ -345,7 +357,7 @@ class DeltaSink(Sink):
         dt = self._load()
         if dt is None:
             raise PreflightError(f"{self.describe()} vanished after preflight")
-        table.add_columns(dt, new, self._storage.root, self.describe())
+        table.add_columns(dt, new, self._spark_route.uri, self.describe())
         log.info(
             "%s: added the column(s) %s (schema_mode='merge')",
             self.describe(),

@@ -6,13 +6,37 @@ does not implement; tables made by delta-spark often list such features
 with deletion vectors, the change data feed or column mapping
 (:data:`REWRITE_FEATURES`) need delta-spark too. The commits to those tables
 go through delta-spark's own transaction (:mod:`sinks.delta.spark_txn`), which
-needs a local or shared-filesystem table and a driver whose Spark session has
-delta-spark's jars (:func:`session`, :func:`available`). Preflight refuses a
-table that needs what the job lacks (:func:`sinks.delta.table.check_writable`).
+needs a driver whose Spark session has delta-spark's jars (:func:`session`)
+and a table that session reaches (:func:`route`). Preflight refuses a table
+that needs what the job lacks (:func:`sinks.delta.table.check_writable`).
+
+**Where delta-spark reaches a table** (:func:`route`):
+
+* a local or shared-filesystem table by its ``file:`` URI;
+* ``hdfs://`` by the same URI, through the HDFS client pyspark bundles.
+  delta-spark commits there by a rename that never overwrites
+  (``HDFSLogStore``), as atomic as deltalake's commit;
+* ``s3://``, ``s3a://`` as ``s3a://`` (Hadoop's S3A, configured in the
+  session's ``spark.hadoop.fs.s3a.*``). delta-spark commits to S3 with
+  ``S3SingleDriverLogStore``, which checks that a version is free and then
+  writes it without a condition (Hadoop 3.5's S3A adds ``If-None-Match`` only
+  when asked through ``createFile``, which delta-spark does not do): a writer
+  committing the same version between the check and the write loses its
+  commit. So on S3 the sink commits through delta-spark only when the job
+  says that nothing else commits to the table while it runs,
+  ``DeltaSink(..., other_writers="none")``, and refuses otherwise;
+* other stores (GCS, Azure) are not tested here and are refused.
+
+A table reached by a URI is checked to be the table deltalake reads (the same
+table id, :func:`sinks.delta.spark_txn.check_reaches`): a session whose S3A
+points at another endpoint or bucket is refused before anything is written.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deltalake import DeltaTable
@@ -109,6 +133,54 @@ def missing_advice() -> str:
     )
 
 
-def available(root: str | None) -> bool:
-    """Whether commits to the table at ``root`` can go through delta-spark."""
-    return root is not None and session() is not None
+_SAME_URI = ("hdfs://",)
+_S3 = ("s3://", "s3a://", "s3n://")
+
+
+@dataclass(frozen=True)
+class SparkRoute:
+    """How the driver's delta-spark reaches a table (:func:`route`)."""
+
+    uri: str | None
+    """what ``DeltaLog.forTable`` opens; ``None`` when the sink may not commit
+    to the table through delta-spark"""
+    refused: str = ""
+    """why not (``uri`` is ``None``), worded as what it needs"""
+
+    def blocked(self) -> str | None:
+        """What the sink lacks to commit through delta-spark now (worded as
+        what it needs), ``None`` when it can."""
+        if self.uri is None:
+            return self.refused
+        if session() is None:
+            return "a job whose Spark session has delta-spark: " + missing_advice()
+        return None
+
+
+def route(table_uri: str, other_writers: str = "check") -> SparkRoute:
+    """How delta-spark reaches the table at ``table_uri`` (a local path or a
+    URI, as :class:`~sinks.delta.sink.DeltaSink` keeps it), given the sink's
+    ``other_writers`` (module doc)."""
+    lowered = table_uri.lower()
+    if "://" not in table_uri or lowered.startswith("file://"):
+        local = table_uri.removeprefix("file://") if lowered.startswith("file://") else table_uri
+        return SparkRoute(Path(os.path.expanduser(local)).resolve().as_uri())  # never fs.defaultFS
+    if lowered.startswith(_SAME_URI):
+        return SparkRoute(table_uri.rstrip("/"))
+    if lowered.startswith(_S3):
+        if other_writers != "none":
+            return SparkRoute(
+                None,
+                "other_writers='none' on S3 (delta-spark commits to S3 without a "
+                "conditional PUT: S3SingleDriverLogStore checks that a version is free, "
+                "then writes it, so a writer that commits the same version in between "
+                "loses its commit). Pass DeltaSink(..., other_writers='none') if nothing "
+                "else commits to the table while this job runs",
+            )
+        return SparkRoute("s3a://" + table_uri.split("://", 1)[1].rstrip("/"))
+    scheme = table_uri.split("://", 1)[0]
+    return SparkRoute(
+        None,
+        f"a local, shared-filesystem, HDFS or S3 table (delta-spark's commit to "
+        f"{scheme}:// is not tested with this sink)",
+    )

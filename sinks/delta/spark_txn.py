@@ -55,8 +55,9 @@ The rules the sink's protocol needs from it:
    opens a transaction only when it has a claim to commit, so ``twophase
    recover`` (no Spark) reads such tables; committing to them needs the job.
 
-Only local and shared-filesystem tables (what the job's Spark reaches by path),
-and only a driver whose Spark session has delta-spark's jars.
+Only tables the job's Spark reaches (:func:`~sinks.delta.spark_features.route`:
+local and shared-filesystem, HDFS, and S3 when nothing else commits while the
+job runs), and only a driver whose Spark session has delta-spark's jars.
 """
 
 from __future__ import annotations
@@ -65,7 +66,6 @@ import json
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
@@ -75,7 +75,13 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction
 
 from sinks.delta import progress
-from sinks.delta.spark_features import DeltaSparkMissingError, missing_advice, needed, session
+from sinks.delta.spark_features import (
+    DeltaSparkMissingError,
+    SparkRoute,
+    missing_advice,
+    needed,
+    session,
+)
 from sinks.errors import CommitRefusedError
 
 if TYPE_CHECKING:
@@ -96,28 +102,62 @@ def data_files(written: Sequence[Any]) -> list[Any]:
 
 
 def open_if_needed(
-    dt: DeltaTable, root: str | None, where: str, *, rewrites: bool = False
+    dt: DeltaTable, spark_route: SparkRoute, where: str, *, rewrites: bool = False
 ) -> SparkTxn | None:
     """A delta-spark transaction when the table ``dt`` needs one
     (:func:`~sinks.delta.spark_features.needed`,
     ``rewrites``: the commit removes files), else ``None`` (delta-rs commits).
-    ``dt`` is moved to the transaction's
-    snapshot, so that every check made on it (features, schema, the files
-    committed) is of the version the commit builds on: a change after it is
-    delta-spark's conflict, never unchecked (rule 1)."""
+    ``spark_route``: how delta-spark reaches the table
+    (:func:`~sinks.delta.spark_features.route`). ``dt`` is moved to the
+    transaction's snapshot, so that every check made on it (features, schema,
+    the files committed) is of the version the commit builds on: a change after
+    it is delta-spark's conflict, never unchecked (rule 1)."""
     features = needed(dt, rewrites=rewrites)
     if not features:
         return None
-    if root is None:
+    if spark_route.uri is None:
         raise CommitRefusedError(
             f"{where} has the table feature(s) {features}, which only delta-spark's commit "
-            "honours, and DeltaSink commits through delta-spark only to local or "
-            "shared-filesystem tables"
+            f"honours, and that needs {spark_route.refused}"
         )
-    txn = SparkTxn.open(root, where)
+    txn = SparkTxn.open(spark_route.uri, where)  # refuses a session without delta-spark
+    _check_same_table(dt, txn.table_id, spark_route.uri, where)
     if dt.version() != txn.read_version:
         dt.load_as_version(txn.read_version)
     return txn
+
+
+def check_reaches(dt: DeltaTable, uri: str, where: str) -> None:
+    """Refuse when delta-spark, at ``uri``, reads another table than ``dt`` (a
+    session whose S3A points at another endpoint, say); preflight's check."""
+    spark = session()
+    if spark is None:
+        raise DeltaSparkMissingError(f"{where}: " + missing_advice())
+    jvm = spark._jvm
+    assert jvm is not None
+    delta_log = jvm.org.apache.spark.sql.delta.DeltaLog
+    snapshot = _guarded(
+        spark, lambda: delta_log.forTable(spark._jsparkSession, uri).startTransaction().snapshot()
+    )  # the latest version (a transaction never committed)
+    _check_same_table(dt, _table_id(snapshot), uri, where)
+
+
+def _table_id(snapshot: Any) -> str | None:
+    """The table id of a delta-spark snapshot, ``None`` when it has no version."""
+    return None if int(snapshot.version()) < 0 else str(snapshot.metadata().id())
+
+
+def _check_same_table(dt: DeltaTable, spark_id: str | None, uri: str, where: str) -> None:
+    ours = str(dt.metadata().id)
+    if spark_id == ours:
+        return
+    seen = f"as the table {spark_id}" if spark_id is not None else "no table there"
+    raise CommitRefusedError(
+        f"{where}: delta-spark reaches {uri} and finds {seen}, not the table {ours} "
+        "deltalake reads: configure the job's Spark session for the same store as the "
+        "sink's storage_options (on S3: spark.hadoop.fs.s3a.endpoint, its credentials "
+        "and path-style access, or per bucket: spark.hadoop.fs.s3a.bucket.<bucket>.*)"
+    )
 
 
 @dataclass
@@ -128,7 +168,9 @@ class SparkTxn:
     _txn: Any
 
     @classmethod
-    def open(cls, root: str, where: str) -> SparkTxn:
+    def open(cls, uri: str, where: str) -> SparkTxn:
+        """A transaction on the table delta-spark reaches at ``uri``
+        (:attr:`~sinks.delta.spark_features.SparkRoute.uri`)."""
         spark = session()
         if spark is None:
             raise DeltaSparkMissingError(
@@ -138,7 +180,6 @@ class SparkTxn:
         jvm = spark._jvm
         assert jvm is not None  # a live session's gateway
         delta_log = jvm.org.apache.spark.sql.delta.DeltaLog
-        uri = Path(root).resolve().as_uri()  # never fs.defaultFS
         txn = _guarded(
             spark, lambda: delta_log.forTable(spark._jsparkSession, uri).startTransaction()
         )
@@ -147,6 +188,11 @@ class SparkTxn:
     @property
     def read_version(self) -> int:
         return int(self._txn.readVersion())
+
+    @property
+    def table_id(self) -> str | None:
+        """The id of the table read, ``None`` when it has no version."""
+        return _table_id(self._txn.snapshot())
 
     def transaction_version(self, app: str) -> int | None:
         """The app's version in this transaction's snapshot (recorded as read)."""
@@ -305,7 +351,7 @@ class SparkTxn:
         self._txn.registerSQLMetrics(self._spark._jsparkSession, _scala_map(jvm, metrics))
 
 
-def add_columns(root: str, fields: Sequence[pa.Field], where: str) -> None:
+def add_columns(uri: str, fields: Sequence[pa.Field], where: str) -> None:
     """Add nullable columns in one version through delta-spark's ``ALTER TABLE
     ... ADD COLUMNS`` (schema evolution of a table delta-rs cannot commit to)."""
     from pyspark.sql.pandas.types import from_arrow_type
@@ -317,7 +363,7 @@ def add_columns(root: str, fields: Sequence[pa.Field], where: str) -> None:
         "`" + f.name.replace("`", "``") + "` " + from_arrow_type(f.type).simpleString()
         for f in fields
     )
-    path = Path(root).resolve().as_uri().replace("`", "``")
+    path = uri.replace("`", "``")
     _guarded(spark, lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})"))
 
 

@@ -72,21 +72,22 @@ def layout_of(dt: DeltaTable) -> Layout:
 
 
 def check_writable(
-    dt: DeltaTable, where: str, *, removes: bool = False, delta_spark: bool = False
+    dt: DeltaTable, where: str, *, removes: bool = False, spark_blocked: str | None
 ) -> RowRules:
     """Refuse a table whose protocol or metadata asks writers for more than this
     sink does (it appends plain Parquet files whose columns carry logical names).
 
     ``removes``: the sink's commits also remove files (a keyed merge, a
     partition replace), which reads the files it replaces and asks more of the
-    table (:func:`check_rewritable`). ``delta_spark``: the driver can commit
-    through delta-spark (:mod:`sinks.delta.spark_txn`), which honours the
-    features delta-rs cannot write (:data:`~sinks.delta.spark_features.DELTA_SPARK_FEATURES`).
+    table (:func:`check_rewritable`). ``spark_blocked``: what the driver lacks
+    to commit through delta-spark (:mod:`sinks.delta.spark_txn`, which honours
+    the features delta-rs cannot write,
+    :data:`~sinks.delta.spark_features.DELTA_SPARK_FEATURES`), worded as what
+    it needs (:meth:`~sinks.delta.spark_features.SparkRoute.blocked`); ``None``
+    when it can.
     Returns the table's row rules (:class:`~sinks.delta.constraints.RowRules`),
     which the rows must satisfy."""
     proto = dt.protocol()
-    if removes:
-        check_rewritable(dt, where, delta_spark=delta_spark)
     through_spark = spark_features.needed(dt)
     unknown = sorted(set(proto.writer_features or ()) - _WRITER_FEATURES - set(through_spark))
     if proto.min_writer_version > 7 or unknown:
@@ -94,24 +95,24 @@ def check_writable(
             f"{where} needs writer protocol {proto.min_writer_version} with features "
             f"{unknown}, which DeltaSink does not implement; write to a table without them"
         )
-    if through_spark and not delta_spark:
+    if through_spark and spark_blocked is not None:
         raise DeltaSchemaError(
             f"{where} has the table feature(s) {through_spark}, which delta-rs cannot write; "
-            "DeltaSink commits such a table through delta-spark, which needs a local or "
-            "shared-filesystem table and a job whose Spark session has delta-spark: "
-            + spark_features.missing_advice()
+            f"DeltaSink commits such a table through delta-spark, which needs {spark_blocked}"
         )
+    if removes:  # after the appends' needs: its advice to append holds only then
+        check_rewritable(dt, where, spark_blocked=spark_blocked)
     return RowRules.of(dt, where)  # refuses identity columns and nested rules
 
 
-def check_rewritable(dt: DeltaTable, where: str, *, delta_spark: bool) -> None:
+def check_rewritable(dt: DeltaTable, where: str, *, spark_blocked: str | None) -> None:
     """Refuse a table whose files a keyed merge or a replace cannot remove.
 
     * **``delta.appendOnly``**: Delta forbids removing files (delta-rs refuses
       the commit), so the rewrite could never commit.
-    * **Deletion vectors, the change data feed, column mapping** without
-      ``delta_spark`` (a driver whose session has delta-spark, and a local or
-      shared-filesystem table): the rewrite reads the files it replaces, removes
+    * **Deletion vectors, the change data feed, column mapping** while
+      ``spark_blocked`` (what the driver lacks to commit through delta-spark,
+      :func:`check_writable`): the rewrite reads the files it replaces, removes
       them and writes change data through delta-spark's transaction
       (:mod:`sinks.delta.spark_rewrite`); delta-rs would read a file's deleted
       rows back, keep a file with a deletion vector live, write no change data
@@ -126,15 +127,14 @@ def check_rewritable(dt: DeltaTable, where: str, *, delta_spark: bool) -> None:
             "key=, no replace_where=), or unset the property"
         )
     needs = sorted(set(spark_features.needed(dt, rewrites=True)) - set(spark_features.needed(dt)))
-    if needs and not delta_spark:
+    if needs and spark_blocked is not None:
         raise DeltaSchemaError(
             f"{where} has the table feature(s) {needs}: a keyed DeltaSink (key=) or a replace "
             "(replace_where=) reads, removes and writes such a table's files through "
             "delta-spark (deleted rows stay deleted, files are removed with their deletion "
-            "vectors, change data is written, columns are read by physical name), which "
-            "needs a local or shared-filesystem table and a job whose Spark session has "
-            "delta-spark: " + spark_features.missing_advice() + ". Or append (no key=, no "
-            "replace_where=): appends are honoured without it"
+            f"vectors, change data is written, columns are read by physical name), which "
+            f"needs {spark_blocked}. Or append (no key=, no replace_where=): appends are "
+            "honoured without it"
         )
 
 
@@ -169,19 +169,19 @@ def committed_paths(dt: DeltaTable) -> set[str]:
 
 
 def add_columns(
-    dt: DeltaTable, fields: list[pa.Field], root: str | None = None, where: str = ""
+    dt: DeltaTable, fields: list[pa.Field], spark_uri: str | None = None, where: str = ""
 ) -> None:
     """Add nullable columns to the table, in one version (schema evolution):
-    through delta-spark when the table's commits go through it (a local table
-    at ``root`` with :func:`~sinks.delta.spark_features.needed` features), else
-    through deltalake."""
+    through delta-spark when the table's commits go through it (a table it
+    reaches at ``spark_uri`` with :func:`~sinks.delta.spark_features.needed`
+    features), else through deltalake."""
     from deltalake.schema import Schema as DeltaSchema
 
     missing = [f for f in fields if f.name not in {x.name for x in dt.schema().fields}]
     if not missing:
         return
-    if root is not None and spark_features.needed(dt):
-        spark_txn.add_columns(root, missing, where)
+    if spark_uri is not None and spark_features.needed(dt):
+        spark_txn.add_columns(spark_uri, missing, where)
     else:
         dt.alter.add_columns(list(DeltaSchema.from_arrow(pa.schema(missing)).fields))
 
@@ -209,6 +209,7 @@ def check_target(
     replace_where: str | None,
     merge_schema: bool,
     spark_writes: bool,
+    spark_route: spark_features.SparkRoute,
 ) -> Target:
     """Check (or create, with ``create_missing``) the table of ``storage`` for
     writing ``schema`` with the sink's options: writable by this sink, the
@@ -216,8 +217,10 @@ def check_target(
     ``merge_schema``), the expected partition columns (``partition_by``; None:
     whatever the table has), ``replace_where`` over them, and no column
     mapping where the sink would write logical names (``spark_writes``:
-    ``write_with="spark"``) or add columns. ``where`` names the sink in
-    messages."""
+    ``write_with="spark"``) or add columns. ``spark_route``: how delta-spark
+    reaches the table; when the sink's commits go through it, it must find the
+    table deltalake reads (:func:`~sinks.delta.spark_txn.check_reaches`).
+    ``where`` names the sink in messages."""
     if rules.keyed:
         rules.preflight(schema)
         schema = rules.written(schema)
@@ -243,12 +246,12 @@ def check_target(
         dt = load(storage.table_uri, storage.storage_options)
         if dt is None:
             raise DeltaSchemaError(f"{where} vanished right after it was created")
-    row_rules = check_writable(
-        dt,
-        where,
-        removes=rules.keyed or replace_where is not None,
-        delta_spark=spark_features.available(storage.root),
-    )
+    removes = rules.keyed or replace_where is not None
+    blocked = spark_route.blocked()
+    row_rules = check_writable(dt, where, removes=removes, spark_blocked=blocked)
+    through_spark = spark_features.needed(dt, rewrites=removes)
+    if through_spark and blocked is None and spark_route.uri is not None:
+        spark_txn.check_reaches(dt, spark_route.uri, where)
     retention = dt.metadata().configuration.get(progress.RETENTION_PROPERTY)
     if retention is not None:
         raise DeltaSchemaError(

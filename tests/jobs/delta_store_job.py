@@ -19,6 +19,8 @@ keyed sink (merge by ``id``; a row with a negative ``amount`` deletes its key).
 ``--delta-spark-sql`` runs a statement through delta-spark before the job
 (``{table}`` stands for the table's ``s3a://`` or ``hdfs://`` URI), as another
 engine writing the table; ``--other-writers`` is the sink's ``other_writers``.
+``--changes-from V`` also reads the change feed from version ``V`` and the
+rows' row tracking.
 """
 
 from __future__ import annotations
@@ -41,8 +43,13 @@ from tests.jobs._driver import finish, start_driver
 from tests.sparkutil import INPUT_SCHEMA
 
 
-def read_back(spark: Any, uri: str, versions: list[int]) -> dict[str, Any]:
-    """What delta-spark reads of the table at ``uri`` (``s3a://``)."""
+def read_back(
+    spark: Any, uri: str, versions: list[int], changes_from: int | None = None
+) -> dict[str, Any]:
+    """What delta-spark reads of the table at ``uri`` (``s3a://``, ``hdfs://``):
+    the latest rows, those of ``versions``, and with ``changes_from`` the
+    change feed from that version (``[id, change type, version, name, amount]``) and
+    each row's row id and row commit version (``[id, row id, version]``)."""
 
     def rows(df: Any) -> list[list[Any]]:
         return sorted([r["id"], r["name"], r["amount"]] for r in df.collect())
@@ -50,10 +57,29 @@ def read_back(spark: Any, uri: str, versions: list[int]) -> dict[str, Any]:
     def read(**options: int) -> list[list[Any]]:
         return rows(spark.read.format("delta").options(**options).load(uri))
 
-    return {
+    found: dict[str, Any] = {
         "latest": read(),
         "versions": {str(v): read(versionAsOf=v) for v in versions},
     }
+    if changes_from is not None:
+        feed = (
+            spark.read.format("delta")
+            .option("readChangeFeed", "true")
+            .option("startingVersion", changes_from)
+            .load(uri)
+        )
+        found["changes"] = sorted(
+            [r["id"], r["_change_type"], r["_commit_version"], r["name"], r["amount"]]
+            for r in feed.collect()
+        )
+        tracked = spark.read.format("delta").load(uri)
+        found["row_ids"] = sorted(
+            [r[0], r[1], r[2]]
+            for r in tracked.select(
+                "id", "_metadata.row_id", "_metadata.row_commit_version"
+            ).collect()
+        )
+    return found
 
 
 def main() -> int:
@@ -67,6 +93,9 @@ def main() -> int:
     ap.add_argument("--secret-key")
     ap.add_argument("--region", default="us-east-1")
     ap.add_argument("--versions", default="0,1,2", help="versions to read back")
+    ap.add_argument(
+        "--changes-from", type=int, help="read the change feed from this version, and row ids"
+    )
     ap.add_argument("--no-read-back", action="store_true", help="no delta-spark read, no S3A")
     ap.add_argument(
         "--keyed", action="store_true", help="merge by id; a negative amount deletes the key"
@@ -131,7 +160,7 @@ def main() -> int:
     if args.no_read_back:
         return finish(spark, result)
     versions = [int(v) for v in args.versions.split(",") if v]
-    read = read_back(spark, uri, versions)
+    read = read_back(spark, uri, versions, args.changes_from)
     read["seconds"] = {
         "session": round(spark_up - began, 1),
         "job": round(ran - spark_up, 1),
