@@ -201,3 +201,48 @@ def test_a_feature_table_on_hdfs_takes_merges_through_delta_spark(
     )
     check_read_back(job_output(job))
     verify.assert_nothing_left_delta(uri)
+
+
+@SLOW  # a second job on S3 (about 60 s); the route's commits are the merge test's above
+@pytest.mark.usefixtures("s3_jars")
+def test_a_partition_replace_of_a_feature_table_on_s3_goes_through_delta_spark(
+    s3a_server: Any,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A partitioned feature table (ids 0-99 in ``v0``, 100-199 in ``v1``, ids
+    190-199 then deleted by a deletion vector): a backfill replaces ``v1``
+    with ids 100-149 and new amounts in one version. ``v0`` is untouched,
+    delta-spark reads the table, its earlier versions and a change feed that
+    replays to it (the slice's live rows deleted once, the new rows inserted),
+    every row id once, and nothing is left staged."""
+    server, bucket = s3a_server, "tables"
+    second = [(i, "v1", i + 0.25) for i in range(100, 150)]
+    (tmp_path / "in").mkdir()
+    lines = [json.dumps({"id": i, "name": v, "amount": a}) for i, v, a in second]
+    (tmp_path / "in" / "part-00000.json").write_text("\n".join(lines) + "\n")
+    made = [
+        "CREATE TABLE {table} (id BIGINT, name STRING, amount DOUBLE) USING delta "
+        f"PARTITIONED BY (name) TBLPROPERTIES ({FEATURES})",
+        "INSERT INTO {table} SELECT id, IF(id < 100, 'v0', 'v1'), CAST(id AS DOUBLE) "
+        "FROM range(0, 200)",
+        "DELETE FROM {table} WHERE id >= 190",
+    ]
+    args = [
+        *job_args(server, bucket, tmp_path),
+        *(a for sql in made for a in ("--delta-spark-sql", sql)),
+        *("--partition-by", "name", "--replace-where", "name = 'v1'", "--other-writers", "none"),
+        *("--versions", "1,2", "--changes-from", str(CLAIM), "--sink-id", "v1"),
+    ]
+    job = run_job("delta_store_job.py", args, tmp_path / "job.log", timeout=400)
+    assert job.proc.returncode == 0, job.tail()
+    read = json.loads(job.output().rsplit("READ ", 1)[1].splitlines()[0])
+    inserted = {i: ("v0" if i < 100 else "v1", float(i)) for i in range(200)}
+    at_2 = {i: r for i, r in inserted.items() if i < 190}
+    want = {i: r for i, r in at_2.items() if i < 100} | {i: (v, a) for i, v, a in second}
+    assert read["latest"] == sorted([i, *r] for i, r in want.items())
+    assert read["versions"]["1"] == sorted([i, *r] for i, r in inserted.items())
+    assert read["versions"]["2"] == sorted([i, *r] for i, r in at_2.items())
+    assert replay(at_2, read["changes"]) == want
+    row_ids = [row_id for _, row_id, _ in read["row_ids"]]
+    assert len(set(row_ids)) == len(row_ids) == len(want), "a row id twice"
+    nothing_left(server, bucket)
