@@ -109,7 +109,8 @@ def twophase_postgres() -> Iterator[PostgresService]:
     if _docker():
         from testcontainers.postgres import PostgresContainer
 
-        with PostgresContainer("postgres:16", driver=None).with_command(
+        # the major of docker-compose.yml and of the native server (tests/test_compose.py)
+        with PostgresContainer("postgres:15", driver=None).with_command(
             "postgres -c max_prepared_transactions=200"
         ) as pg:
             yield PostgresService(pg.get_connection_url(), "container")
