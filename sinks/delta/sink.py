@@ -105,12 +105,10 @@ class DeltaSink(Sink):
             that commits without a conditional PUT (delta-spark), since the two
             could overwrite each other's commits; ``"stopped"`` says such
             engines write only while this job is stopped
-            (:mod:`sinks.delta.s3_writers`); ``"none"`` says nothing else
-            commits to the table while this job runs, which also lets the sink
-            commit through delta-spark itself (tables with features only
-            delta-spark writes, rewrites of tables with deletion vectors, the
-            change data feed or column mapping:
-            :func:`sinks.delta.spark_features.route`). Other stores ignore it.
+            (:mod:`sinks.delta.s3_writers`); ``"none"``: nothing else commits
+            while this job runs, which lets the sink commit through delta-spark
+            there (:func:`sinks.delta.spark_features.route`). Other stores
+            ignore it.
 
     Tables are ordinary Delta tables (protocol 1/2, or 3/7 with ``timestampNtz``
     when a column is a timestamp without time zone) that delta-spark reads.
@@ -179,6 +177,7 @@ class DeltaSink(Sink):
                 + ", ".join(repr(w) for w in s3_writers.OTHER_WRITERS)
             )
         self.other_writers = other_writers
+        self._spark_route = spark_features.route(self.table_uri, other_writers)
         self._new_columns: list[pa.Field] = []
         self._storage = TableStorage(self.table_uri, self.storage_options)
         self._layout: Layout | None = None
@@ -215,11 +214,6 @@ class DeltaSink(Sink):
     @property
     def sink_id(self) -> str:
         return self._sink_id
-
-    @property
-    def _spark_route(self) -> spark_features.SparkRoute:
-        """How delta-spark reaches the table, for commits only it can make."""
-        return spark_features.route(self.table_uri, self.other_writers)
 
     def describe(self) -> str:
         return f"Delta table {self.table_uri}"
@@ -313,7 +307,9 @@ class DeltaSink(Sink):
                 spark_writes=self.write_with == "spark",
                 spark_route=self._spark_route,
             )
-            shared = self._check_other_writers()
+            shared = s3_writers.refusal(
+                self.table_uri, self.storage_options, where, self.other_writers
+            )
         except DeltaSchemaError as e:
             raise PreflightError(str(e)) from e
         except (DeltaError, OSError) as e:
@@ -324,16 +320,6 @@ class DeltaSink(Sink):
         self._row_rules = target.row_rules
         self._new_columns = target.new_columns
         self._layout = target.layout
-
-    def _check_other_writers(self) -> str | None:
-        """Why the table's other writers make it unsafe to share on S3
-        (:func:`sinks.delta.s3_writers.check`), ``None`` when they do not."""
-        if not s3_writers.needs_check(self.table_uri):
-            return None
-        dt = self._load()
-        if dt is None:
-            return None
-        return s3_writers.check(dt, self.describe(), self.other_writers)
 
     @property
     def commits_at_finish(self) -> bool:  # type: ignore[override]
