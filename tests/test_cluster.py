@@ -331,7 +331,8 @@ def test_drain_on_the_cluster(on_cluster, pg_dsn):  # type: ignore[no-untyped-de
     assert job_prepared(pg_dsn, "life") == []
 
 
-@pytest.mark.smoke
+# not in the smoke tier, for CI time (76 s): the end-of-input flush is the default
+# run's (test_lifecycle.py), the cluster's deployment path the two smoke tests above
 def test_windowed_pipeline_flushes_every_window_on_the_cluster(on_cluster, pg_dsn):  # type: ignore[no-untyped-def]
     """An event-time aggregation ends its input on the cluster: the end-of-input
     marker reaches the query without a file on the driver's disk, and every
