@@ -21,7 +21,7 @@ overwritten: either way a commit that reported success is lost. Other stores
 make every engine's commit atomic (a local disk, HDFS: rename without
 overwrite; GCS and Azure: their own create-if-absent) and need no check here.
 
-:func:`check` runs at the sink's preflight on ``s3://`` and ``s3a://`` tables (:func:`refusal`):
+:func:`check` runs at the sink's preflight on ``s3://`` and ``s3a://`` tables :
 it reads the last :data:`HISTORY` versions' ``commitInfo`` and refuses the
 table when one was committed by an engine not known to commit by conditional
 PUT (anything but deltalake 1.x), naming the version and the engine and what
@@ -45,8 +45,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from deltalake import DeltaTable
-
-from sinks.delta.table import load
 
 log = logging.getLogger("sinks.delta")
 
@@ -92,21 +90,11 @@ def unsafe_commits(history: Iterable[Mapping[str, Any]]) -> list[tuple[int, str]
     return sorted(found, reverse=True)
 
 
-def refusal(
-    table_uri: str, storage_options: dict[str, str], where: str, other_writers: str
-) -> str | None:
-    """Why the table at ``table_uri`` cannot be shared with its other writers
-    (:func:`check`), ``None`` when it can, is not on S3, or does not exist."""
-    if not needs_check(table_uri):
-        return None
-    dt = load(table_uri, storage_options)
-    return check(dt, where, other_writers) if dt is not None else None
-
-
 def check(dt: DeltaTable, where: str, other_writers: str) -> str | None:
-    """Why ``dt`` (on S3) cannot be shared with the writers its recent history
-    shows, or ``None`` when it can (or ``other_writers`` says they are stopped)."""
-    if other_writers in ("stopped", "none"):
+    """Why ``dt`` cannot be shared with the writers its recent history shows,
+    or ``None`` when it can, is not on S3, or ``other_writers`` says they are
+    stopped."""
+    if not needs_check(dt.table_uri) or other_writers in ("stopped", "none"):
         return None
     unsafe = unsafe_commits(dt.history(HISTORY))
     if not unsafe:

@@ -307,9 +307,7 @@ class DeltaSink(Sink):
                 spark_writes=self.write_with == "spark",
                 spark_route=self._spark_route,
             )
-            shared = s3_writers.refusal(
-                self.table_uri, self.storage_options, where, self.other_writers
-            )
+            shared = s3_writers.check(target.table, where, self.other_writers)
         except DeltaSchemaError as e:
             raise PreflightError(str(e)) from e
         except (DeltaError, OSError) as e:

@@ -34,14 +34,15 @@ points at another endpoint or bucket is refused before anything is written.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deltalake import DeltaTable
 
+from sinks.delta import s3_writers
 from sinks.delta.column_mapping import MODE_KEY
+from sinks.delta.storage import local_root
 from sinks.errors import CommitRefusedError
 
 if TYPE_CHECKING:
@@ -134,7 +135,6 @@ def missing_advice() -> str:
 
 
 _SAME_URI = ("hdfs://",)
-_S3 = ("s3://", "s3a://", "s3n://")
 
 
 @dataclass(frozen=True)
@@ -161,13 +161,12 @@ def route(table_uri: str, other_writers: str = "check") -> SparkRoute:
     """How delta-spark reaches the table at ``table_uri`` (a local path or a
     URI, as :class:`~sinks.delta.sink.DeltaSink` keeps it), given the sink's
     ``other_writers`` (module doc)."""
-    lowered = table_uri.lower()
-    if "://" not in table_uri or lowered.startswith("file://"):
-        local = table_uri.removeprefix("file://") if lowered.startswith("file://") else table_uri
-        return SparkRoute(Path(os.path.expanduser(local)).resolve().as_uri())  # never fs.defaultFS
-    if lowered.startswith(_SAME_URI):
+    root = local_root(table_uri)
+    if root is not None:
+        return SparkRoute(Path(root).resolve().as_uri())  # never fs.defaultFS
+    if table_uri.lower().startswith(_SAME_URI):
         return SparkRoute(table_uri.rstrip("/"))
-    if lowered.startswith(_S3):
+    if s3_writers.needs_check(table_uri):
         if other_writers != "none":
             return SparkRoute(
                 None,

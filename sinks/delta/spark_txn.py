@@ -129,17 +129,9 @@ def open_if_needed(
 
 def check_reaches(dt: DeltaTable, uri: str, where: str) -> None:
     """Refuse when delta-spark, at ``uri``, reads another table than ``dt`` (a
-    session whose S3A points at another endpoint, say); preflight's check."""
-    spark = session()
-    if spark is None:
-        raise DeltaSparkMissingError(f"{where}: " + missing_advice())
-    jvm = spark._jvm
-    assert jvm is not None
-    delta_log = jvm.org.apache.spark.sql.delta.DeltaLog
-    snapshot = _guarded(
-        spark, lambda: delta_log.forTable(spark._jsparkSession, uri).startTransaction().snapshot()
-    )  # the latest version (a transaction never committed)
-    _check_same_table(dt, _table_id(snapshot), uri, where)
+    session whose S3A points at another endpoint, say); preflight's check, on
+    the latest version (a transaction never committed)."""
+    _check_same_table(dt, SparkTxn.open(uri, where).table_id, uri, where)
 
 
 def _table_id(snapshot: Any) -> str | None:

@@ -196,6 +196,8 @@ class Target:
     """the rules the rows must satisfy (:func:`check_writable`)"""
     new_columns: list[pa.Field]
     """the DataFrame's columns the table lacks, to add (``schema_mode="merge"``)"""
+    table: DeltaTable
+    """the table as checked"""
 
 
 def check_target(
@@ -286,4 +288,4 @@ def check_target(
                 else "write_with='spark' writes logical names; use 'auto' or 'arrow'"
             )
         )
-    return Target(layout, row_rules, new_columns)
+    return Target(layout, row_rules, new_columns, dt)
