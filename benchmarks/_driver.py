@@ -108,7 +108,7 @@ def executors(n: int = 2) -> ProcessPoolExecutor:
 
 def _task(job: tuple[bytes, JobScope, int, int, int, int, int, int | None]) -> Committable:
     """One Spark task: open the sink's writer, write ``rows`` rows, prepare
-    (``lease``: what the driver's ``Sink.lease`` gave the batch)."""
+    (``lease``: what the driver's committer leased the batch)."""
     shipped, scope, run, batch, part, tasks, rows, lease = job
     sink: Sink = pickle.loads(shipped)
     ctx = WriteContext(scope, run, batch, part, batch * tasks + part, 0, lease)
@@ -154,7 +154,7 @@ class Driver:
         """What ``tasks`` Spark tasks of ``batch`` prepare in every sink,
         ``rows`` rows each: the executors' part, done in the processes of
         ``pool`` (see :func:`executors`) as Spark's Python workers would."""
-        leases = {sid: s.lease(self.scope(sid), batch) for sid, s in self.sinks.items()}
+        leases = {sid: s.committer().lease(self.scope(sid), batch) for sid, s in self.sinks.items()}
         jobs = [
             (self._shipped[sid], self.scope(sid), self.run, batch, part, tasks, rows, leases[sid])
             for sid in self.sinks

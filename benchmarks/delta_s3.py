@@ -53,8 +53,8 @@ fresh bucket, which is deleted after the run has been checked. Three parts:
    :class:`sinks.naming.TxnName` of job ``bench``, pipeline ``load``) are
    created in a table's directory, then timed (``--sweep-repeat`` times
    each, median): the listing itself (``TableStorage.list_files`` of the
-   marker directory), ``DeltaSink.lingering`` (what ``twophase status``
-   shows) and ``DeltaSink.abort_lingering`` with no orphan among them (the
+   marker directory), the Delta committer's ``lingering`` (what ``twophase status``
+   shows) and its ``sweep`` with no orphan among them (the
    sweep after every checkpoint, :mod:`lifecycle.sweep`, when the markers
    belong to batches not yet committed). Then one sweep that finds every
    marker orphaned and deletes them all (reads each marker, deletes the file
@@ -504,9 +504,9 @@ def run_sweep(store: Store, markers: int, repeat: int, count: bool) -> SweepResu
         storage = TableStorage(uri, sink.storage_options)
         return {
             "list_files": lambda: len(storage.list_files(STAGING_DIR)),
-            "lingering": lambda: len(sink.lingering(JOB, PIPELINE)),
-            "abort_lingering, none orphaned": lambda: len(
-                sink.abort_lingering(scope, lambda n: False)
+            "lingering": lambda: len(sink.committer().lingering(JOB, PIPELINE)),
+            "sweep, none orphaned": lambda: len(
+                sink.committer().sweep(scope, lambda n: False)
             ),
         }
 
@@ -533,14 +533,14 @@ def run_sweep(store: Store, markers: int, repeat: int, count: bool) -> SweepResu
             result.requests[what] = store.proxy.take()
     # one sweep that finds every marker orphaned (reads it, deletes its file and it)
     t0 = time.perf_counter()
-    swept = timed.abort_lingering(scope, lambda n: True)
-    result.seconds["abort_lingering, all orphaned"] = [time.perf_counter() - t0]
-    result.found["abort_lingering, all orphaned"] = len(swept)
+    swept = timed.committer().sweep(scope, lambda n: True)
+    result.seconds["sweep, all orphaned"] = [time.perf_counter() - t0]
+    result.found["sweep, all orphaned"] = len(swept)
     left = TableStorage(uri, store.options()).list_files(STAGING_DIR)
     assert not left, f"the sweep left {len(left)} marker(s)"
     print(
         f"sweep: every marker orphaned, swept in "
-        f"{result.seconds['abort_lingering, all orphaned'][0]:.2f} s",
+        f"{result.seconds['sweep, all orphaned'][0]:.2f} s",
         flush=True,
     )
     if count:
@@ -548,8 +548,8 @@ def run_sweep(store: Store, markers: int, repeat: int, count: bool) -> SweepResu
         make_markers(server, bucket, "t", stems[: max(1, markers // 10)])
         counted = DeltaSink(uri, storage_options=store.options(counted=True))
         store.proxy.take()
-        counted.abort_lingering(scope, lambda n: True)
-        result.requests[f"abort_lingering, all orphaned (of {max(1, markers // 10):,})"] = (
+        counted.committer().sweep(scope, lambda n: True)
+        result.requests[f"sweep, all orphaned (of {max(1, markers // 10):,})"] = (
             store.proxy.take()
         )
     store.drop(bucket)

@@ -24,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import pyarrow as pa  # noqa: E402
+
 from benchmarks._driver import (  # noqa: E402
     PIPELINE,
     SCHEMA,
@@ -33,15 +35,15 @@ from benchmarks._driver import (  # noqa: E402
     unique,
 )
 from sinks import KafkaSink  # noqa: E402
-from sinks.base import JobScope  # noqa: E402
 from sinks.kafka.wire import KafkaWire  # noqa: E402
 
 
 class _OneIdPerTransaction(KafkaSink):
     """The sink as it was before the pool: no lease, an id per transaction."""
 
-    def lease(self, scope: JobScope, batch_id: int) -> int | None:
-        return None
+    def preflight(self, schema: pa.Schema) -> None:
+        super().preflight(schema)
+        self.pooled_ids = False  # as on a broker that cannot describe transactions: no lease
 
 
 def _count(bootstrap: str, incarnation: str) -> int:

@@ -1,11 +1,11 @@
 """``twophase audit``: do the sinks hold what the ledger says each checkpoint committed?
 
 When a checkpoint commits, the ledger keeps, with the checkpoint in its history,
-every committed transaction's *evidence* (what :meth:`sinks.base.Sink.evidence`
+every committed transaction's *evidence* (what :meth:`sinks.capabilities.Audits.evidence`
 gives: name, rows, and how to find it again). The history, and so the evidence,
 is kept for the last ``Job(audit_checkpoints=...)`` checkpoints (50 by default).
 :func:`audit` rebuilds each sink from the settings the ledger recorded and asks
-it (:meth:`sinks.base.Sink.audit`) to check that evidence against its own
+it (:meth:`sinks.capabilities.Audits.audit`) to check that evidence against its own
 records: PostgreSQL commit-marker rows, Kafka COMMIT markers at the offsets the
 records got, Delta versions with their app transaction, files and
 ``numRecords`` (see :mod:`sinks.audit`).
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lifecycle._table import aligned, local_time
+from sinks import capabilities
 from sinks.audit import CheckpointEvidence, Finding, Verdict
 from sinks.base import JobScope, Sink
 
@@ -156,7 +157,7 @@ def audit(
             continue
         scope = JobScope(doc["job"], pipeline, sid, doc.get("incarnation"))
         try:
-            findings = sink.audit(scope, [ev for _c, ev in items])
+            findings = capabilities.audit(sink.committer(), scope, [ev for _c, ev in items])
         except Exception as e:  # the sink cannot be read: every check says why
             report_unreadable[label] = f"{type(e).__name__}: {e}"
             for check, ev in items:

@@ -25,6 +25,7 @@ from lifecycle.coordinator import Coordinator
 from lifecycle.failures import TaskFailure
 from sinks import _faults
 from sinks.base import Committable, JobScope, Sink, WriteContext
+from sinks.capabilities import ExpiringWork, LeasesIds, StagesThroughSpark
 
 log = logging.getLogger("lifecycle.binding")
 
@@ -101,10 +102,12 @@ def precommit(
     """Write ``df`` through ``sink`` on the executors; return the committables.
     ``only``: write only these Spark partitions of the batch (the lost tasks'
     share of an owed batch, written again: :mod:`lifecycle.replay`)."""
-    framed = sink.frame_for_write(df)
-    if framed is not df:
-        df, schema = framed, arrow_schema(framed)
-    own = sink.precommit_frame(df, scope, run, batch_id)
+    own = None
+    if isinstance(sink, StagesThroughSpark):
+        framed = sink.frame_for_write(df)
+        if framed is not df:
+            df, schema = framed, arrow_schema(framed)
+        own = sink.precommit_frame(df, scope, run, batch_id)
     if own is not None:
         if only is not None:
             raise RuntimeError(
@@ -119,7 +122,9 @@ def precommit(
     if order:
         df = df.sortWithinPartitions(*map(column, order))
     df = _plain_names(df)
-    task = PrecommitTask(sink, scope, run, batch_id, schema, sink.lease(scope, batch_id), only)
+    committer = sink.committer()
+    lease = committer.lease(scope, batch_id) if isinstance(committer, LeasesIds) else None
+    task = PrecommitTask(sink, scope, run, batch_id, schema, lease, only)
     rows = df.mapInArrow(task, "committable string").collect()
     return [json.loads(r[0]) for r in rows]
 
@@ -150,7 +155,7 @@ def precommit_order(sinks: list[Sink]) -> list[Sink]:
     """The order a batch pre-commits its sinks in: as given, except that sinks
     whose prepared work expires (Kafka transactions) come last, so that it is
     open for as short a time as possible before the checkpoint commits it."""
-    return sorted(sinks, key=lambda s: s.prepared_work_expires)
+    return sorted(sinks, key=lambda s: isinstance(s, ExpiringWork))
 
 
 def batch_handler(

@@ -32,15 +32,15 @@ def claim_sinks(sinks: JobSinks, start_over_from: str | None = None) -> None:
     )
     for p, sid, sink in order:
         scope = sinks.scope(p, sid)
-        found = sink.progress(scope)
+        found = sink.committer().progress(scope)
         if found.owner not in (None, sinks.incarnation, start_over_from):
             raise conflict(sink.describe(), scope.key(), found, sinks.incarnation)
     for p, sid, sink in order:
         scope = sinks.scope(p, sid)
-        claimed = sink.claim(scope, start_over_from=start_over_from)
+        claimed = sink.committer().claim(scope, start_over_from=start_over_from)
         if claimed.previous is not None and claimed.previous == start_over_from:
             old = JobScope(sinks.job, p, sid, start_over_from)
-            aborted = sink.abort_lingering(old, lambda n: n.incarnation == start_over_from)
+            aborted = sink.committer().sweep(old, lambda n: n.incarnation == start_over_from)
             sinks.tell("swept", p, sid, aborted)
             log.warning(
                 "%s: started over from incarnation %s (an operator's choice, recorded "
@@ -60,7 +60,7 @@ def check_sinks_behind_ledger(sinks: JobSinks, ledger: Ledger, new_state: str) -
     for p, ps in sinks.pipelines.items():
         cut = ledger.committed_cut(p)
         for sid, sink in ps.sinks.items():
-            found: SinkProgress = sink.progress(sinks.scope(p, sid))
+            found: SinkProgress = sink.committer().progress(sinks.scope(p, sid))
             if found.held_by(sinks.incarnation) and found.batch > cut:
                 raise RecoveryRefusedError(
                     f"{sink.describe()} holds batch {found.batch} of pipeline {p!r} "

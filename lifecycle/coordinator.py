@@ -31,7 +31,7 @@ Recovery rules (``recover``, run at every start before any query starts):
    clock) and, when one was lost before it committed (a Kafka transaction the
    broker aborted at its timeout, a prepared transaction someone rolled back,
    staged files a VACUUM removed), commits none of it and raises
-   ``TransactionLostError``. Then (``Sink.classify``, :mod:`lifecycle.debts`)
+   ``TransactionLostError``. Then (the committer's ``classify``, :mod:`lifecycle.debts`)
    that sink's share from the first batch with a loss on is recorded in the
    ledger as *owed* to the sink, its surviving transactions of those batches
    are aborted, and the rest of its share commits, so the decision is final
@@ -99,8 +99,9 @@ from lifecycle.job_sinks import (
 from lifecycle.ledger import Checkpoint, Ledger
 from lifecycle.metrics import JobMetrics
 from lifecycle.sweep import Sweeper
-from sinks import _faults
+from sinks import _faults, capabilities
 from sinks.base import Committable, JobScope, Sink
+from sinks.capabilities import HoldsPreparedWork
 from sinks.errors import CommitRefusedError, ConfigError, TransactionLostError
 from sinks.naming import TxnName
 
@@ -233,13 +234,15 @@ class Coordinator:
         self.metrics.prepared(pipeline, committables)
         self._pending_changed()
         for sid, cs in committables.items():
-            reason = self._sinks.sink(pipeline, sid).checkpoint_pressure(cs)
+            sink = self._sinks.sink(pipeline, sid)
+            reason = sink.checkpoint_pressure(cs) if isinstance(sink, HoldsPreparedWork) else None
             if reason is not None:
                 self._early = reason
 
     def take_early_checkpoint(self) -> str | None:
         """Why a sink asked for the next checkpoint now (see
-        :meth:`sinks.base.Sink.checkpoint_pressure`), once; None if none did."""
+        :meth:`sinks.capabilities.HoldsPreparedWork.checkpoint_pressure`), once;
+        None if none did."""
         reason, self._early = self._early, None
         return reason
 
@@ -378,7 +381,7 @@ class Coordinator:
             self.metrics.checkpoint_failed(cp.kind, time.monotonic() - started)
             raise self._commit_error(cp, failed, sinks)
         evidence = {
-            sink_label(p, sid): [sinks[(p, sid)].evidence(c) for c in cs]
+            sink_label(p, sid): [capabilities.evidence(sinks[(p, sid)].committer(), c) for c in cs]
             for (p, sid), cs in groups.items()
             if cs
         }

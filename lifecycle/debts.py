@@ -16,7 +16,7 @@ import logging
 from lifecycle.job_sinks import JobSinks, Shares, count_rows
 from lifecycle.ledger import Checkpoint, Ledger
 from sinks import _faults
-from sinks.base import COMMITTED, LOST, PREPARED, Committable
+from sinks.base import Committable, Outcome
 from sinks.errors import TransactionLostError
 from sinks.naming import TxnName
 
@@ -56,7 +56,7 @@ class Debts:
             self.ledger.record_owed(p, {b: {sid: count_rows(cs)} for b, cs in later.items()})
             work = [c for cs in later.values() for c in cs]
             if work:
-                self._sinks.sink(p, sid).abort(work)
+                self._sinks.committer(p, sid).abort(work)
             self._sinks.metrics.recovery_action("owe_lost", p, sid, len(work))
             log.warning(
                 "%s owes batch %d of pipeline %s: its later batch(es) %s are owed too, "
@@ -77,7 +77,7 @@ class Debts:
     def owe_lost(self, cp: Checkpoint, shares: Shares) -> list[tuple[str, str]]:
         """Rule 5 for decided checkpoint ``cp``, whose shares (see
         :meth:`lifecycle.coordinator.Coordinator.shares`) are ``shares``: per
-        sink, ask the target (``Sink.classify``) about every transaction of its
+        sink, ask the target (its committer's ``classify``) about every transaction of its
         share; when one was lost before it committed, record what is owed from
         the first batch with a loss on and abort the rest of the sink's work of
         those batches. Of that first batch, the sink owes the whole batch when
@@ -96,20 +96,25 @@ class Debts:
             if sink.commits_at_finish or not work:
                 continue  # a replace commits its whole backfill at once: no batch to owe
             try:
-                verdicts = sink.classify(work)
+                verdicts = sink.committer().classify(work)
             except NotImplementedError:
                 continue  # the commit reports the loss
             lost = [
-                b for b, cs in batches.items() if any(verdicts.get(c["txn"]) == LOST for c in cs)
+                b
+                for b, cs in batches.items()
+                if any(verdicts.get(c["txn"]) == Outcome.LOST for c in cs)
             ]
             if not lost:
                 continue
             first = min(lost)
             later = [b for b in batches if b > first]
-            done_first = [c for c in batches[first] if verdicts.get(c["txn"]) == COMMITTED]
-            lost_first = [c for c in batches[first] if verdicts.get(c["txn"]) == LOST]
+            done_first = [c for c in batches[first] if verdicts.get(c["txn"]) == Outcome.COMMITTED]
+            lost_first = [c for c in batches[first] if verdicts.get(c["txn"]) == Outcome.LOST]
             done_later = [
-                c["txn"] for b in later for c in batches[b] if verdicts.get(c["txn"]) == COMMITTED
+                c["txn"]
+                for b in later
+                for c in batches[b]
+                if verdicts.get(c["txn"]) == Outcome.COMMITTED
             ]
             given_up = [
                 t
@@ -124,7 +129,9 @@ class Debts:
                     sink.describe(),
                     lost,
                     p,
-                    ", ".join(c["txn"] for c in work if verdicts.get(c["txn"]) == LOST)[:300],
+                    ", ".join(c["txn"] for c in work if verdicts.get(c["txn"]) == Outcome.LOST)[
+                        :300
+                    ],
                     f"{len(done_later)} transaction(s) of later batches committed already "
                     f"({done_later[:3]})"
                     if done_later
@@ -141,9 +148,11 @@ class Debts:
             )
             self.ledger.record_owed(p, owed, parts)
             dropped = [b for b in later] + ([] if done_first else [first])
-            alive = [c for b in dropped for c in batches[b] if verdicts.get(c["txn"]) == PREPARED]
+            alive = [
+                c for b in dropped for c in batches[b] if verdicts.get(c["txn"]) == Outcome.PREPARED
+            ]
             if alive:
-                sink.abort(alive)
+                sink.committer().abort(alive)
             owing.append((p, sid))
             self._sinks.metrics.recovery_action("owe_lost", p, sid, len(lost_first))
             log.warning(
@@ -153,7 +162,7 @@ class Debts:
                 sink.describe(),
                 lost,
                 p,
-                ", ".join(c["txn"] for c in work if verdicts.get(c["txn"]) == LOST)[:300],
+                ", ".join(c["txn"] for c in work if verdicts.get(c["txn"]) == Outcome.LOST)[:300],
                 ", ".join(
                     f"batch {b} ({n[sid]} row(s)"
                     + (f", Spark partition(s) {parts[b][sid]} only" if parts and b in parts else "")
@@ -183,18 +192,18 @@ class Debts:
         owing = self.ledger.owed().get(pipeline, {}).get(batch_id, {})
         if not work or set(work) != set(owing):
             return False
-        verdicts: dict[str, str] = {}
+        verdicts: dict[str, Outcome] = {}
         for sid, cs in work.items():
-            verdicts.update(self._sinks.sink(pipeline, sid).classify(cs) if cs else {})
-        if LOST in verdicts.values():
-            if COMMITTED in verdicts.values():
+            verdicts.update(self._sinks.committer(pipeline, sid).classify(cs) if cs else {})
+        if Outcome.LOST in verdicts.values():
+            if Outcome.COMMITTED in verdicts.values():
                 raise TransactionLostError(
                     f"batch {batch_id} of pipeline {pipeline!r}, written again for sink(s) "
                     f"{sorted(work)}, committed in part and lost in part: writing it again "
                     "would duplicate the committed part"
                 )
             for sid, cs in work.items():
-                self._sinks.sink(pipeline, sid).abort(cs)
+                self._sinks.committer(pipeline, sid).abort(cs)
             return False
         self._commit_repaid(pipeline, batch_id, work)
         return True
@@ -212,5 +221,5 @@ class Debts:
             pipeline, batch_id, {sid: count_rows(cs) for sid, cs in work.items()}
         )
         for sid, cs in work.items():
-            sinks.sink(pipeline, sid).forget(cs)
-            sinks.sink(pipeline, sid).settled(sinks.scope(pipeline, sid), batch_id)
+            sinks.committer(pipeline, sid).forget(cs)
+            sinks.settled(pipeline, sid, batch_id)

@@ -20,7 +20,8 @@ from lifecycle.metrics import JobMetrics
 from lifecycle.spark_log import SparkCommitLog
 from sinks import _retry
 from sinks._parallel import run_all
-from sinks.base import Committable, JobScope, Sink
+from sinks.base import Committable, Committer, JobScope, Sink
+from sinks.capabilities import LeasesIds
 
 
 @dataclass
@@ -121,6 +122,18 @@ class JobSinks:
             )
         return sinks[sid]
 
+    def committer(self, p: str, sid: str) -> Committer:
+        """The committer of a sink of this job (:meth:`sink`'s refusals)."""
+        return self.sink(p, sid).committer()
+
+    def settled(self, p: str, sid: str, through_batch: int) -> None:
+        """Tell a sink's committer that its batches up to ``through_batch`` are
+        decided and swept, when it leases what they used
+        (:class:`~sinks.capabilities.LeasesIds`)."""
+        committer = self.committer(p, sid)
+        if isinstance(committer, LeasesIds):
+            committer.settled(self.scope(p, sid), through_batch)
+
     def tell(
         self,
         what: str,
@@ -148,16 +161,17 @@ class JobSinks:
         """Abort the work of one batch of ``p`` (sink id -> committables)."""
         for sid, cs in sinks.items():
             if cs:
-                self.sink(p, sid).abort(cs)
+                self.committer(p, sid).abort(cs)
                 self.tell("aborted", p, sid, (c["txn"] for c in cs), rule)
 
     def commit_counted(
         self, pipeline: str, sid: str, sink: Sink, committables: list[Committable]
     ) -> None:
-        """``sink.commit(committables)``, its retries counted in the metrics."""
+        """The commit of ``committables`` by ``sink``'s committer, its retries
+        counted in the metrics."""
         counting = _retry.on_retry.set(self.metrics.retried(pipeline, sid))
         try:
-            sink.commit(committables)
+            sink.committer().commit(committables)
         finally:
             _retry.on_retry.reset(counting)
 

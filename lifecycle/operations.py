@@ -41,7 +41,7 @@ from lifecycle.spark_log import SparkCommitLog
 from lifecycle.state.pg_location import PgLocation
 from lifecycle.state.store import open_store
 from lifecycle.state.store_interface import StateStore
-from sinks.base import LOST, Committable, LingeringTxn, Sink
+from sinks.base import Committable, LingeringTxn, Outcome, Sink
 from sinks.errors import ConfigError, TwoPhaseError
 from sinks.rebuild import from_settings
 
@@ -213,7 +213,7 @@ def lingering(
     try:
         for p, by_id in sorted(sinks.items()):
             for sid, sink in sorted(by_id.items()):
-                for t in sink.lingering(doc["job"], p):
+                for t in sink.committer().lingering(doc["job"], p):
                     ours, view = ledger_view(doc, t, owned)
                     found.append(Lingering(sink_label(p, sid), sink.describe(), t, ours, view))
     finally:
@@ -338,14 +338,14 @@ class Operator:
                 continue
             sink = self.sinks[p][sid]
             label = sink_label(p, sid)
-            verdicts = sink.classify(cs)
+            verdicts = sink.committer().classify(cs)
             for c in cs:
                 state = verdicts[c["txn"]]
                 counts = found.states.setdefault(label, {})
                 counts[state] = counts.get(state, 0) + 1
                 rows = found.rows.setdefault(label, {})
                 rows[state] = rows.get(state, 0) + int(c.get("rows", 0))
-                if state == LOST:
+                if state == Outcome.LOST:
                     found.lost.append(LostTxn(label, sink.describe(), c))
         return found
 
@@ -361,7 +361,7 @@ class Operator:
                 f"batch {batch_id} of pipeline {pipeline!r} is not owed (owed: {owed or 'none'})"
             )
         for sid, work in self.ledger.owed_work(pipeline, batch_id).items():
-            self.sinks[pipeline][sid].abort(work)
+            self.sinks[pipeline][sid].committer().abort(work)
         text = (
             f"{_operator()} with twophase abandon --owed: batch {batch_id} of "
             f"{pipeline} given up, {sum(owing.values())} row(s) not written ("

@@ -12,6 +12,7 @@ from pyspark.sql import DataFrame
 
 from lifecycle.pipeline import Transform
 from sinks.base import Sink
+from sinks.capabilities import ExpiringWork, HoldsPreparedWork
 from sinks.errors import ConfigError
 
 
@@ -49,11 +50,11 @@ def check_pipeline(
             f"pipeline {name!r}: {replacing[0].describe()} replaces (replace_where), which "
             "commits once, when the pipeline finishes: pass bounded=True (a backfill)"
         )
-    holding = [s for s in sinks if s.prepared_work_holds_resources]
+    holding = [s for s in sinks if isinstance(s, HoldsPreparedWork) and s.holds_prepared_work()]
     if replacing and holding:
         why = (
             "they expire"
-            if holding[0].prepared_work_expires
+            if isinstance(holding[0], ExpiringWork)
             else "their row locks block the pipeline's next batches, and a long backfill "
             "runs out of max_prepared_transactions"
         )

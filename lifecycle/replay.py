@@ -15,7 +15,7 @@ run loop), one batch at a time in ascending order per pipeline:
 1. Work recorded as writing the batch again before a stop is settled first:
    committed where it is kept (then the debt is paid), aborted where part is
    gone (then this runs again). A sink whose own progress record
-   (:meth:`sinks.base.Sink.progress`) holds the batch was paid before a crash
+   (:meth:`sinks.committer.Committer.progress`) holds the batch was paid before a crash
    (a sink that owes a batch commits none after it): the debt is recorded as
    paid. Spark's checkpoint must still hold the offsets the batch committed
    with (the ledger's digest), else the job refuses.
@@ -109,7 +109,9 @@ def _pay(job: str, coord: Coordinator, p: Pipeline, b: int, owing: dict[str, int
         sid: n
         for sid, n in owing.items()
         if sid not in parts  # the rest of a partly owed batch is held: no proof of payment
-        and (found := sinks[sid].progress(coord.scope(p.name, sid))).held_by(coord.incarnation)
+        and (found := sinks[sid].committer().progress(coord.scope(p.name, sid))).held_by(
+            coord.incarnation
+        )
         and found.batch >= b
     }
     if held:

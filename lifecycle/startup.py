@@ -32,7 +32,8 @@ from lifecycle.ledger import Ledger
 from lifecycle.pipeline import Pipeline, PipelineState
 from lifecycle.spark_log import SparkCommitLog
 from lifecycle.state.store_interface import StateStore
-from sinks.base import ExpectedLoad, Sink
+from sinks.base import Sink
+from sinks.capabilities import ExpectedLoad, HoldsPreparedWork
 from sinks.errors import ConfigError
 
 log = logging.getLogger("lifecycle.job")  # the job's own messages
@@ -68,7 +69,8 @@ def preflight(
         for s in p.sinks:
             s.check_checkpoint_interval(checkpoint_interval)
             s.preflight(p.schema)
-            s.expect_load(expected_load(spark, p, s, checkpoint_interval))
+            if isinstance(s, HoldsPreparedWork):
+                s.expect_load(expected_load(spark, p, s, checkpoint_interval))
     # what the `twophase` commands rebuild the sinks from (no secrets)
     ledger.record_sinks(
         {sink_label(p.name, s.sink_id): s.settings() for p in pipelines.values() for s in p.sinks}

@@ -14,7 +14,8 @@ from collections.abc import Collection
 from lifecycle.job_sinks import JobSinks, by_target, sink_label
 from lifecycle.ledger import Ledger
 from sinks._parallel import raise_first, run_all
-from sinks.base import Committable, Sink
+from sinks.base import Committable, Committer
+from sinks.capabilities import RetiresEvidence
 from sinks.naming import TxnName
 
 
@@ -32,8 +33,8 @@ class Sweeper:
     ) -> None:
         """After a commit: each sink forgets what it committed, then every sink
         aborts its orphans of batches at or below ``cut`` and of earlier runs,
-        and learns that those batches are settled (``Sink.settled``: the Kafka
-        sink's pooled ids of them may be reused); sinks of different targets at
+        and learns that those batches are settled (``LeasesIds.settled``: the
+        Kafka sink's pooled ids of them may be reused); sinks of different targets at
         once, like the commit."""
         owned = self.ledger.is_owned
         run = self.run
@@ -42,16 +43,17 @@ class Sweeper:
 
         def settle(key: tuple[str, str]) -> list[str]:
             p, sid = key
+            committer = sinks[key].committer()
             if key in groups:
-                sinks[key].forget(groups[key])
-            self._retire_evidence(p, sid, sinks[key])
+                committer.forget(groups[key])
+            self._retire_evidence(p, sid, committer)
             last = cut.get(p, -1)
 
             def is_orphan(n: TxnName) -> bool:
                 return not owned(str(n)) and (n.run < run or n.batch_id <= last)
 
-            swept = sinks[key].abort_lingering(job_sinks.scope(p, sid), is_orphan)
-            sinks[key].settled(job_sinks.scope(p, sid), last)
+            swept = committer.sweep(job_sinks.scope(p, sid), is_orphan)
+            job_sinks.settled(p, sid, last)
             return swept
 
         def lane(keys: list[tuple[str, str]]) -> list[list[str]]:
@@ -65,14 +67,17 @@ class Sweeper:
                 job_sinks.tell("swept", p, sid, swept)
         raise_first(outcomes)
 
-    def _retire_evidence(self, p: str, sid: str, sink: Sink) -> None:
-        """Tell ``sink`` which of its batches the ledger no longer keeps audit
-        evidence of (once per change of that floor)."""
+    def _retire_evidence(self, p: str, sid: str, committer: Committer) -> None:
+        """Tell ``committer`` which of its batches the ledger no longer keeps
+        audit evidence of (once per change of that floor), when it keeps
+        records for audits (:class:`~sinks.capabilities.RetiresEvidence`)."""
+        if not isinstance(committer, RetiresEvidence):
+            return
         label = sink_label(p, sid)
         floor = self.ledger.evidence_floor(label)
         kept_from = floor if floor is not None else self.ledger.committed_cut(p) + 1
         if self._retired.get(label) != kept_from:
-            sink.retire_evidence(self._sinks.scope(p, sid), kept_from)
+            committer.retire_evidence(self._sinks.scope(p, sid), kept_from)
             self._retired[label] = kept_from
 
     def unowned(self, pipelines: Collection[str]) -> None:
@@ -81,5 +86,6 @@ class Sweeper:
         owned = self.ledger.is_owned
         for p in pipelines:
             for sid, sink in self._sinks.pipeline(p).sinks.items():
-                swept = sink.abort_lingering(self._sinks.scope(p, sid), lambda n: not owned(str(n)))
+                scope = self._sinks.scope(p, sid)
+                swept = sink.committer().sweep(scope, lambda n: not owned(str(n)))
                 self._sinks.tell("swept", p, sid, swept)

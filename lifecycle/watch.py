@@ -14,6 +14,7 @@ from lifecycle.pipeline import Pipeline, PipelineState
 from lifecycle.progress import ProgressView, Tracked, check_mode
 from lifecycle.state.protocol import Ledger
 from lifecycle.state.store_interface import StateStore
+from sinks.capabilities import ExpiringWork
 from sinks.errors import ConfigError
 
 log = logging.getLogger("lifecycle.watch")
@@ -78,7 +79,7 @@ class RunWatch:
                 (p.name, s.sink_id): t
                 for p in pipelines
                 for s in p.sinks
-                if (t := s.prepared_work_timeout()) is not None
+                if isinstance(s, ExpiringWork) and (t := s.prepared_work_timeout()) is not None
             },
         )
         finished = ledger.finished()

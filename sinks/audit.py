@@ -2,10 +2,10 @@
 
 After a checkpoint commits, the ledger keeps its *evidence* for a window of
 checkpoints: per sink, each committed transaction in the compact form the sink
-gives (:meth:`sinks.base.Sink.evidence`): its name, its row count, and what the
+gives (:meth:`sinks.capabilities.Audits.evidence`): its name, its row count, and what the
 sink needs to find it again (a PostgreSQL gid, a Kafka producer id and the
 offsets it wrote, the Parquet files of a Delta version). An audit
-(:meth:`sinks.base.Sink.audit`, ``twophase audit``) asks the sink's own records
+(:meth:`sinks.capabilities.Audits.audit`, ``twophase audit``) asks the sink's own records
 whether each one is there as the ledger says: the commit-marker row, the
 Kafka control marker that committed the records at those offsets, the Delta
 version with its app transaction, add actions and ``numRecords``.

@@ -20,7 +20,7 @@ from lifecycle.ledger import read_ledger
 from lifecycle.state.pg_location import is_pg_location
 from lifecycle.testing import verify
 from sinks.base import JobScope
-from sinks.delta.sink import app_id
+from sinks.delta.committer import app_id
 from tests import deltacheck
 from tests.jobs.multi_sink_job import SINK_IDS
 from tests.kafkacheck import assert_exactly_once as kafka_exactly_once

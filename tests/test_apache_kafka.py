@@ -156,7 +156,7 @@ def test_batches_fit_a_topic_whose_max_message_bytes_is_below_the_sinks_batch(
         assert sink.topic_max_bytes == 20000
         c = write_task(sink, ctx(job_name(), 0), [rows(0, 3000)])  # about 150 kB
         assert c is not None
-        sink.commit([c])
+        sink.committer().commit([c])
         big = pa.record_batch([[10_000], ["x" * 30_000], [0.5]], schema=SCHEMA)
         w = sink.open_writer(ctx(job_name(), 0), SCHEMA)
         try:
@@ -220,7 +220,7 @@ def test_an_event_with_a_null_value_is_refused_on_a_compacted_topic_only(
         assert sink.topic_cleanup_policy == "delete"
         c = write_task(sink, ctx(job_name(), 0), [rows(0, 3), null])
         assert c is not None
-        sink.commit([c])
+        sink.committer().commit([c])
     finally:
         sink.close()
     log = read_settled(bootstrap, topic)

@@ -115,11 +115,11 @@ def test_a_kafka_transaction_the_broker_aborted_is_a_mismatch(
         done = write_task(sink, ctx("kaudit", 0, batch=0), [rows(0, 20)])
         lost = write_task(sink, ctx("kaudit", 1, batch=0), [rows(20, 10)])
         assert done is not None and lost is not None
-        sink.commit([done])
-        sink.abort([lost])
+        sink.committer().commit([done])
+        sink.committer().abort([lost])
         wrong = {**done, "rows": done["rows"] + 1}
-        evidence = [sink.evidence(c) for c in (done, lost, wrong)]
-        found = sink.audit(scope, [CheckpointEvidence(1, 0.0, evidence)])
+        evidence = [sink.committer().evidence(c) for c in (done, lost, wrong)]
+        found = sink.committer().audit(scope, [CheckpointEvidence(1, 0.0, evidence)])
     finally:
         sink.close()
     verdicts = [(f.txn, f.verdict) for f in found]
@@ -150,10 +150,10 @@ def test_kafka_records_deleted_by_delete_records_are_expired_not_a_mismatch(
     try:
         old = write_task(sink, ctx("kexpire", 0, batch=0), [rows(0, 20)])
         assert old is not None
-        sink.commit([old])
+        sink.committer().commit([old])
         new = write_task(sink, ctx("kexpire", 0, batch=1), [rows(20, 10)])
         assert new is not None
-        sink.commit([new])
+        sink.committer().commit([new])
         first_new = min(first for first, _ in new["partitions"].values())
         admin = KafkaAdminClient(bootstrap_servers=bootstrap)
         try:
@@ -161,9 +161,10 @@ def test_kafka_records_deleted_by_delete_records_are_expired_not_a_mismatch(
         finally:
             admin.close()
         evidence = [
-            CheckpointEvidence(i + 1, 0.0, [sink.evidence(c)]) for i, c in enumerate([old, new])
+            CheckpointEvidence(i + 1, 0.0, [sink.committer().evidence(c)])
+            for i, c in enumerate([old, new])
         ]
-        found = sink.audit(scope, evidence)
+        found = sink.committer().audit(scope, evidence)
     finally:
         sink.close()
     assert [(f.txn, f.verdict) for f in found] == [

@@ -28,7 +28,7 @@ from sinks import DeltaSink, PreflightError, _faults
 from sinks.base import JobScope
 from sinks.delta import progress
 from sinks.delta import table as delta_table
-from sinks.delta.sink import app_id
+from sinks.delta.committer import app_id
 from tests import deltacheck
 from tests.conftest import write_input
 from tests.sparkutil import INPUT_SCHEMA

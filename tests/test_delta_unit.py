@@ -32,7 +32,7 @@ from sinks import _faults
 from sinks.audit import CheckpointEvidence, Verdict
 from sinks.base import Committable, JobScope, WriteContext
 from sinks.delta import DeltaSchemaError, DeltaSink
-from sinks.delta.sink import app_id
+from sinks.delta.committer import app_id
 from sinks.delta.storage import STAGING_DIR, TableStorage
 from sinks.errors import PreflightError, TransactionLostError
 from sinks.naming import TxnName
@@ -168,7 +168,7 @@ def test_commit_makes_rows_visible_once_in_one_version(
     assert ids(uri) == []
     assert version(uri) == 0
 
-    sink.commit(cs)
+    sink.committer().commit(cs)
     assert ids(uri) == list(range(150))
     assert version(uri) == 1
     t = DeltaTable(uri)
@@ -177,7 +177,7 @@ def test_commit_makes_rows_visible_once_in_one_version(
     assert {r["operation"] for r in t.history(1)} == {"WRITE"}
 
     # the same commit again (a retry, a restart): skipped
-    sink.commit(cs)
+    sink.committer().commit(cs)
     assert version(uri) == 1
     assert ids(uri) == list(range(150))
     # partition values round-trip, escaped directories included
@@ -186,8 +186,8 @@ def test_commit_makes_rows_visible_once_in_one_version(
     assert any("kind=c%3A%2Fd/" in p for p in staged)
     assert any("kind=__HIVE_DEFAULT_PARTITION__/" in p for p in staged)
     # the audit finds every file of the commit, escaped partition directories included
-    evidence = [sink.evidence(c) for c in cs]
-    found = sink.audit(scope, [CheckpointEvidence(1, time.time(), evidence)])
+    evidence = [sink.committer().evidence(c) for c in cs]
+    found = sink.committer().audit(scope, [CheckpointEvidence(1, time.time(), evidence)])
     assert [f.verdict for f in found] == [Verdict.OK] * len(cs), found
 
 
@@ -195,9 +195,9 @@ def test_later_checkpoints_get_new_versions_and_an_older_one_is_refused(
     sink: DeltaSink, scope: JobScope, uri: str
 ) -> None:
     c1 = [stage(sink, scope, 1, 0, [rows(0, 10)]), stage(sink, scope, 2, 0, [rows(10, 10)])]
-    sink.commit(c1)
+    sink.committer().commit(c1)
     c2 = [stage(sink, scope, 3, 0, [rows(20, 10)])]
-    sink.commit(c2)
+    sink.committer().commit(c2)
     assert version(uri) == 2
     assert DeltaTable(uri).transaction_version(app_id(scope)) == 3
     assert ids(uri) == list(range(30))
@@ -205,7 +205,7 @@ def test_later_checkpoints_get_new_versions_and_an_older_one_is_refused(
     # work of batch 2 showing up after batch 3 was committed by this incarnation (a
     # replay): recognised as done, not committed again, its staged file deleted.
     stale = [stage(sink, scope, 2, 1, [rows(30, 5)], run=2)]
-    sink.commit(stale)
+    sink.committer().commit(stale)
     assert version(uri) == 2
     assert ids(uri) == list(range(30))
     assert not os.path.exists(os.path.join(uri, stale[0]["adds"][0]["path"]))
@@ -213,11 +213,11 @@ def test_later_checkpoints_get_new_versions_and_an_older_one_is_refused(
     # the same batches written by another incarnation (a lost state_dir) are not
     # this incarnation's progress: they commit under their own app id only if it
     # holds the claim, else the commit refuses
-    sink.claim(scope)
+    sink.committer().claim(scope)
     other = JobScope(scope.job, scope.pipeline, scope.sink_id, "ba9876543210")
     foreign = [stage(sink, other, 2, 1, [rows(30, 5)], run=1)]
     with pytest.raises(IncarnationConflictError, match="another start took the claim over"):
-        sink.commit(foreign)
+        sink.committer().commit(foreign)
     assert ids(uri) == list(range(30))
 
 
@@ -232,14 +232,14 @@ def test_crash_after_the_delta_commit_then_recommit_skips(
     _faults.register("driver.mid_commit", crash)
     try:
         with pytest.raises(_faults.InjectedFault):
-            sink.commit(cs)
+            sink.committer().commit(cs)
     finally:
         _faults.clear()
     assert version(uri) == 1
     assert markers(uri)  # the crash came before the markers were removed
     # a restarted driver commits the decided checkpoint again
     restarted = DeltaSink(uri, partition_by=["kind"], sink_id="orders")
-    restarted.commit(cs)
+    restarted.committer().commit(cs)
     assert version(uri) == 1
     assert ids(uri) == list(range(30))
     assert markers(uri) == []
@@ -257,7 +257,7 @@ def test_two_sinks_committing_concurrently_both_land(uri: str) -> None:
         try:
             for b in range(5):
                 start = i * 1000 + b * 10
-                s.commit([stage(s, sc, b, 0, [rows(start, 10)])])
+                s.committer().commit([stage(s, sc, b, 0, [rows(start, 10)])])
         except BaseException as e:
             errors.append(e)
 
@@ -295,7 +295,7 @@ def test_large_partitions_roll_row_groups_and_files(
         assert "isAdjustedToUTC=true, timeUnit=microseconds" in str(ts)
     assert set(per_kind) == {"a", "b", "c:/d", None}
     assert all(n > 1 for n in per_kind.values())  # files rolled over
-    sink.commit([c])
+    sink.committer().commit([c])
     assert ids(uri) == list(range(3000))
     assert version(uri) == 1
 
@@ -308,18 +308,18 @@ def test_abort_deletes_staged_files_idempotently(
 ) -> None:
     cs = [stage(sink, scope, 1, p, [rows(p * 10, 10)]) for p in range(2)]
     assert parquet_files(uri) == paths(cs)
-    sink.abort(cs)
+    sink.committer().abort(cs)
     assert parquet_files(uri) == set()
     assert markers(uri) == []
-    sink.abort(cs)  # again: nothing left, no error
+    sink.committer().abort(cs)  # again: nothing left, no error
     assert version(uri) == 0
     assert ids(uri) == []
 
 
 def test_abort_never_deletes_committed_files(sink: DeltaSink, scope: JobScope, uri: str) -> None:
     cs = [stage(sink, scope, 1, 0, [rows(0, 10)])]
-    sink.commit(cs)
-    sink.abort(cs)  # a confused caller: the committed files stay
+    sink.committer().commit(cs)
+    sink.committer().abort(cs)  # a confused caller: the committed files stay
     assert ids(uri) == list(range(10))
 
 
@@ -355,7 +355,7 @@ def test_not_null_and_lossy_casts_are_refused_while_writing(uri: str, scope: Job
     w.write(pa.record_batch({"id": [2], "ts": pa.array([2_000], pa.timestamp("ns"))}, ns))
     c = w.prepare()
     w.close()
-    s.commit([c])
+    s.committer().commit([c])
     t = DeltaTable(uri)
     assert t.protocol().min_reader_version == 3 and "timestampNtz" in t.protocol().writer_features
     assert t.to_pyarrow_table().to_pylist() == [
@@ -384,11 +384,11 @@ def test_an_empty_string_in_a_not_null_partition_column_is_refused(
 # -- sweeping lingering work ------------------------------------------------------------
 
 
-def test_abort_lingering_deletes_orphans_never_committed_files(
+def test_the_sweep_deletes_orphans_never_committed_files(
     sink: DeltaSink, scope: JobScope, uri: str
 ) -> None:
     committed = [stage(sink, scope, 1, 0, [rows(0, 10)], attempt=10)]
-    sink.commit(committed)
+    sink.committer().commit(committed)
     # an earlier attempt of the same partition that died after writing (no close)
     w = sink.open_writer(WriteContext(scope, 1, 1, 0, 9), SCHEMA)
     w.write(rows(1000, 10))
@@ -407,7 +407,7 @@ def test_abort_lingering_deletes_orphans_never_committed_files(
         seen.append(n)
         return str(n) != owned["txn"] and n.batch_id <= 2
 
-    swept = sink.abort_lingering(scope, is_orphan)
+    swept = sink.committer().sweep(scope, is_orphan)
     assert swept == [dead]
     assert committed[0]["txn"] not in {str(n) for n in seen}  # committed: no marker left
     left = parquet_files(uri)
@@ -417,26 +417,26 @@ def test_abort_lingering_deletes_orphans_never_committed_files(
     assert ids(uri) == list(range(10))
 
     # even when told that everything is an orphan, committed files stay
-    sink.commit([owned])
+    sink.committer().commit([owned])
     m = Path(uri) / STAGING_DIR / (Path(owned["adds"][0]["path"]).name.split(".snappy")[0])
     m.write_text(owned["adds"][0]["path"])  # a marker left behind by a crash
-    swept = sink.abort_lingering(scope, lambda n: True)
+    swept = sink.committer().sweep(scope, lambda n: True)
     assert swept == [running["txn"]]
     assert paths([owned]) <= parquet_files(uri)
     assert not paths([running]) & parquet_files(uri)
     assert ids(uri) == list(range(20))
     assert markers(uri) == sorted(Path(a["path"]).name.split(".snappy")[0] for a in foreign["adds"])
-    assert sink.abort_lingering(scope, lambda n: True) == []
+    assert sink.committer().sweep(scope, lambda n: True) == []
 
 
 def test_a_damaged_marker_deletes_nothing_else(sink: DeltaSink, scope: JobScope, uri: str) -> None:
-    sink.commit([stage(sink, scope, 1, 0, [rows(0, 10)])])
+    sink.committer().commit([stage(sink, scope, 1, 0, [rows(0, 10)])])
     victim = next(iter(parquet_files(uri)))
     d = Path(uri) / STAGING_DIR
     (d / "tp1.job1.live.orders.r1.b9.p0.a1-00000").write_text(victim)
     (d / "tp1.job1.live.orders.r1.b9.p0.a2-00000").write_text("")
     (d / "tp1.job1.live.orders.r1.b9.p0.a3-00000").write_text("../../elsewhere")
-    assert sink.abort_lingering(scope, lambda n: True) == [
+    assert sink.committer().sweep(scope, lambda n: True) == [
         "tp1.job1.live.orders.r1.b9.p0.a2",
         "tp1.job1.live.orders.r1.b9.p0.a3",
     ]
@@ -453,17 +453,17 @@ def test_missing_staged_file_is_a_lost_transaction(
     cs = [stage(sink, scope, 1, p, [rows(p * 10, 10)]) for p in range(2)]
     os.remove(Path(uri) / cs[1]["adds"][0]["path"])
     with pytest.raises(TransactionLostError, match=cs[1]["adds"][0]["path"].replace("%", ".")):
-        sink.commit(cs)
+        sink.committer().commit(cs)
     assert version(uri) == 0 and ids(uri) == []
 
 
 def test_missing_files_are_fine_once_committed(sink: DeltaSink, scope: JobScope, uri: str) -> None:
     cs = [stage(sink, scope, 1, 0, [rows(0, 10)])]
-    sink.commit(cs)
+    sink.committer().commit(cs)
     # e.g. compacted by OPTIMIZE and vacuumed: the retry must still skip
     for p in paths(cs):
         os.remove(Path(uri) / p)
-    sink.commit(cs)
+    sink.committer().commit(cs)
     assert version(uri) == 1
 
 
@@ -508,7 +508,7 @@ def test_preflight_refuses_mismatched_schema_and_partitioning(sink: DeltaSink, u
             schema=ok,
         )
     )
-    s.commit([w.prepare()])
+    s.committer().commit([w.prepare()])
     got = DeltaTable(uri).to_pyarrow_table().to_pylist()
     assert got == [
         {
@@ -543,7 +543,7 @@ def test_commit_validates_staged_files_against_the_table(
     bad = json.loads(json.dumps(cs))
     bad[1]["adds"][0]["partition_values"] = {"day": "2024-01-01"}
     with pytest.raises(DeltaSchemaError, match=r"staged file .* partitioned by \['day'\]"):
-        sink.commit(bad)
+        sink.committer().commit(bad)
     assert version(uri) == 0
 
     # the table's schema changes under the staged files: amount becomes a string
@@ -562,7 +562,7 @@ def test_commit_validates_staged_files_against_the_table(
     with pytest.raises(
         DeltaSchemaError, match=r"staged file .*column 'amount' is double in the file but string"
     ):
-        sink.commit(cs)
+        sink.committer().commit(cs)
     assert version(uri) == changed
 
 
@@ -649,7 +649,7 @@ def test_stats_in_the_log_match_the_data(uri: str, scope: JobScope) -> None:
             w.write(batch(p, start))
     c = w.prepare()
     w.close()
-    sink.commit([c])
+    sink.committer().commit([c])
 
     t = DeltaTable(uri)
     actions = pa.table(t.get_add_actions(flatten=True)).to_pylist()
@@ -776,15 +776,15 @@ def test_s3_commit_abort_and_sweep(s3_options: dict[str, str], scope: JobScope) 
         return DeltaTable(uri, storage_options=s3_options, version=version)
 
     assert table().to_pyarrow_table().num_rows == 0
-    sink.commit(cs)
-    sink.commit(cs)
+    sink.committer().commit(cs)
+    sink.committer().commit(cs)
     assert table().version() == 1
     got = table().to_pyarrow_table(columns=["id"]).column("id").to_pylist()
     assert sorted(got) == list(range(3000))
 
-    sink.abort([dropped])
+    sink.committer().abort([dropped])
     assert all(store.info(a["path"]) is None for a in dropped["adds"])
-    swept = sink.abort_lingering(scope, lambda n: True)
+    swept = sink.committer().sweep(scope, lambda n: True)
     assert swept == [f"tp2.job1.live.orders.i{INCARNATION}.r1.b1.p3.a999"]
     assert store.list_files(STAGING_DIR) == []
     assert sorted(table().to_pyarrow_table(columns=["id"]).column("id").to_pylist()) == list(

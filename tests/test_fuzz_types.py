@@ -498,7 +498,7 @@ def test_postgres_binary_copy_reads_back_equal_or_refuses(pg_module_dsn: str, ca
     )
     if error is None:
         assert committable is not None
-        sink.commit([committable])
+        sink.committer().commit([committable])
 
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("SET DateStyle = ISO; SET TimeZone = UTC")
@@ -837,7 +837,7 @@ def test_delta_statistics_hold_and_data_reads_back(
     event("written and read back")
     assert not bad, f"accepted values it must refuse in {sorted(bad)}"
     assert committable is not None
-    sink.commit([committable])
+    sink.committer().commit([committable])
 
     table_schema = pa.schema(DeltaTable(uri).schema().to_arrow())
     kinds = {name: k.arrow for name, k in case.columns}

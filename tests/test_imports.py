@@ -7,6 +7,11 @@ packages, those inside functions too).
 * ``sinks`` never imports ``lifecycle``: the sinks know nothing of jobs.
 * An executor-side writer never imports its driver-side sink, not even through
   other modules: the sink hands the writer what it needs when it opens it.
+* ``lifecycle`` reaches the sinks only through the protocol's interfaces
+  (:mod:`sinks.base`, :mod:`sinks.committer`, :mod:`sinks.capabilities`) and
+  the vocabulary they share (scopes, names, progress, errors): never a sink's
+  own modules. The test kit (``lifecycle.testing``) checks real targets and
+  may read them; ``sinks.rebuild`` builds the sinks a ledger names.
 """
 
 from __future__ import annotations
@@ -22,6 +27,30 @@ WRITERS = {
     "sinks.kafka.writer": "sinks.kafka.sink",
     "sinks.delta.writer": "sinks.delta.sink",
 }
+
+
+PROTOCOL = {
+    "sinks.base",
+    "sinks.committer",
+    "sinks.capabilities",
+    "sinks.scope",
+    # the vocabulary the protocol speaks in
+    "sinks.audit",
+    "sinks.errors",
+    "sinks.naming",
+    "sinks.progress",
+    "sinks.explain",
+    "sinks.versions",
+    # shared helpers of the two packages, no sink's
+    "sinks._faults",
+    "sinks._parallel",
+    "sinks._retry",
+    # the factory the `twophase` commands rebuild recorded sinks with
+    "sinks.rebuild",
+    # the ledger in PostgreSQL keeps its connections alive as the sink does
+    "sinks.postgres.liveness",
+}
+"""every module of ``sinks`` that ``lifecycle`` (outside its test kit) may import"""
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +135,17 @@ def test_a_writer_never_imports_its_sink(graph: grimp.ImportGraph, writer: str, 
     assert writer in graph.modules, f"{writer} is gone: update WRITERS"
     chain = graph.find_shortest_chain(importer=writer, imported=sink)
     assert chain is None, f"{' -> '.join(chain or ())}"
+
+
+def test_the_lifecycle_reaches_sinks_only_through_the_protocol() -> None:
+    graph = grimp.build_graph(*PACKAGES)  # imports for type checking too
+    found = [
+        f"{m} imports {t} (line "
+        + ", ".join(str(d["line_number"]) for d in graph.get_import_details(importer=m, imported=t))
+        + ")"
+        for m in sorted(graph.modules)
+        if m.startswith("lifecycle") and not m.startswith("lifecycle.testing")
+        for t in sorted(graph.find_modules_directly_imported_by(m))
+        if t.startswith("sinks.") and t not in PROTOCOL
+    ]
+    assert not found, "\n".join(found)

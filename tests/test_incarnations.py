@@ -100,7 +100,7 @@ def test_lost_state_refuses_start_over_is_explicit_and_the_old_state_then_refuse
     assert new is not None and new["incarnation"] != old["incarnation"]
     pg = PostgresSink(pg_dsn, "orders", sink_id=SINK_IDS["pg"])
     scope = JobScope(run.job, "load", SINK_IDS["pg"], new["incarnation"])
-    found = pg.progress(scope)
+    found = pg.committer().progress(scope)
     assert found == SinkProgress(owner=new["incarnation"], batch=1, previous=old["incarnation"])
 
     # the old state comes back (a restored backup, a second copy): it refuses
@@ -156,7 +156,7 @@ def _race(sinks: list[PostgresSink] | list[DeltaSink]) -> tuple[list[str], list[
     def claim(s: PostgresSink | DeltaSink, inc: str) -> None:
         go.wait()
         try:
-            s.claim(JobScope("twin", "p", "o", inc))
+            s.committer().claim(JobScope("twin", "p", "o", inc))
             won.append(inc)
         except IncarnationConflictError as e:
             lost.append(e.owner)
@@ -180,7 +180,7 @@ def test_two_claims_at_the_same_instant_exactly_one_wins(pg_dsn: str, tmp_path: 
             s.preflight(schema)
         won, lost = _race(sinks)
         assert len(won) == 1 and lost == won, (won, lost)
-        assert sinks[0].progress(JobScope("twin", "p", "o", won[0])).owner == won[0]
+        assert sinks[0].committer().progress(JobScope("twin", "p", "o", won[0])).owner == won[0]
 
 
 @pytest.mark.crash

@@ -182,11 +182,11 @@ def test_log_producer_ids_and_transactions_survive_a_kill(
     job = job_name()
     committed = write_task(sink, ctx(job, 0), [rows(0, 100)])
     assert committed is not None
-    sink.commit([committed])
+    sink.committer().commit([committed])
     prepared = write_task(sink, ctx(job, 1), [rows(100, 100)])  # open, to commit after the kill
     fenced = write_task(sink, ctx(job, 2), [rows(200, 50)])  # aborted by a fence (epoch + 1)
     assert prepared is not None and fenced is not None
-    sink.abort([fenced])
+    sink.committer().abort([fenced])
     state = broker.meta()["transactions"][prepared["transactional_id"]]
     assert state["producer"] == prepared["producer_id"]
     assert state["epochs"][str(prepared["epoch"])]["state"] == "Begin"
@@ -209,15 +209,15 @@ def test_log_producer_ids_and_transactions_survive_a_kill(
     log = read_settled(broker.bootstrap, topic)  # Apache Kafka writes markers after EndTxn
     assert committed_ids(log) == list(range(200)) and log.n_open == 0
     assert log.markers == before.markers + len(prepared["partitions"])
-    sink.commit([prepared])  # the driver's own commit: idempotent
+    sink.committer().commit([prepared])  # the driver's own commit: idempotent
     # the fence survived: the aborted transaction cannot be committed
     with pytest.raises(TransactionLostError, match="was aborted"):
-        sink.commit([fenced])
+        sink.committer().commit([fenced])
     # producer ids are not handed out again (the log resolves markers by producer id)
     fresh = write_task(sink, ctx(job, 3), [rows(250, 10)])
     assert fresh is not None
     assert fresh["producer_id"] > max(c["producer_id"] for c in (committed, prepared, fenced))
-    sink.commit([fresh])
+    sink.committer().commit([fresh])
     log = read_settled(broker.bootstrap, topic)  # Apache Kafka writes markers after EndTxn
     assert committed_ids(log) == [*range(200), *range(250, 260)] and log.n_open == 0
 
@@ -236,7 +236,7 @@ def test_a_commit_waits_for_a_restarting_broker(any_broker: Restartable) -> None
     restart = _restart_later(broker)
     started = time.monotonic()
     try:
-        sink.commit(committables)
+        sink.committer().commit(committables)
     finally:
         sink.close()
     took = time.monotonic() - started
@@ -270,7 +270,7 @@ def test_a_writer_rides_out_a_restart_before_its_partitions_join_the_transaction
     restart.join()
     assert c is not None and took < 35, took
     try:
-        sink.commit([c])
+        sink.committer().commit([c])
     finally:
         sink.close()
     log = read_settled(broker.bootstrap, topic)  # Apache Kafka writes markers after EndTxn
@@ -297,7 +297,7 @@ def test_a_commit_the_broker_half_wrote_is_an_error_not_silence(
     restart = _restart_later(broker, 2.0)
     started = time.monotonic()
     with pytest.raises(CommitError, match=r"answered success.*no COMMIT marker"):
-        sink.commit([c])
+        sink.committer().commit([c])
     restart.join()
     assert time.monotonic() - started >= 8
     log = read_settled(broker.bootstrap, topic)  # Apache Kafka writes markers after EndTxn

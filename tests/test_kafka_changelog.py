@@ -88,7 +88,7 @@ def test_tombstones_with_a_value_column(kafka_bootstrap, kafka_topic):  # type: 
     w.write(batch)
     c = w.prepare()
     w.close()
-    sink.commit([c])
+    sink.committer().commit([c])
     log = verify.read_settled(kafka_bootstrap, topic)
     assert [(r.key, r.value) for r in log.committed] == [(b"1", b"a"), (b"2", None), (b"3", b"c")]
 

@@ -1,9 +1,9 @@
 """The bounded pool of transactional ids (``sinks/kafka/pool.py``) on Apache Kafka.
 
 The tests drive the sink as a job's driver and tasks do, without Spark: the
-driver leases each batch a lane (``KafkaSink.lease``), the tasks write with it
+driver leases each batch a lane (the committer's ``lease``), the tasks write with it
 (``WriteContext.lease``), the checkpoint commits and forgets, the sweep ends
-the orphans, and ``KafkaSink.settled`` releases the lanes. What they show:
+the orphans, and the committer's ``settled`` releases the lanes. What they show:
 
 * the transaction coordinator's count of the job's ids (ListTransactions)
   stays flat over many batches, where one id per transaction grows with each;
@@ -29,6 +29,7 @@ import pytest
 from lifecycle.testing import jars
 from sinks import KafkaSink
 from sinks.base import Committable, JobScope, WriteContext
+from sinks.kafka.committer import KafkaCommitter
 from sinks.kafka.log import read_topic
 from sinks.kafka.produce import OpenTransactionError, ProduceError
 from sinks.kafka.wire import KafkaWire
@@ -82,11 +83,11 @@ def _task(
 
 def _checkpoint(sink: KafkaSink, scope: JobScope, batch: int, done: list[Committable]) -> None:
     """What the coordinator does after the batch: commit, forget, sweep, settle."""
-    sink.commit(done)
-    sink.forget(done)
+    sink.committer().commit(done)
+    sink.committer().forget(done)
     owned = {c["txn"] for c in done}
-    sink.abort_lingering(scope, lambda n: str(n) not in owned and n.batch_id <= batch)
-    sink.settled(scope, batch)
+    sink.committer().sweep(scope, lambda n: str(n) not in owned and n.batch_id <= batch)
+    sink.committer().settled(scope, batch)
 
 
 def _ids_of(bootstrap: str, job: str) -> list[str]:
@@ -103,13 +104,13 @@ def test_the_coordinators_ids_stay_flat_over_many_batches(
     scope = JobScope(job, "p", "k", INC)
     counts = []
     for batch in range(60):
-        lane = sink.lease(scope, batch)
+        lane = sink.committer().lease(scope, batch)
         done = [_task(sink, scope, batch, p, lane) for p in (0, 1)]
         _checkpoint(sink, scope, batch, done)
         if batch % 20 == 19:
             counts.append(len(_ids_of(bootstrap, job)))
     assert counts[0] == counts[-1] <= 2, counts  # one lane, two partitions, reused
-    assert sink.pool_size(scope) == 1
+    assert sink.committer().pool_size(scope) == 1
     log = read_settled(bootstrap, topic)
     assert committed_ids(log) == sorted(
         1000 * b + 100 * p + i for b in range(60) for p in (0, 1) for i in range(5)
@@ -129,7 +130,7 @@ def test_a_late_attempt_never_aborts_a_prepared_transaction_of_its_id(
     topic = make_topic(bootstrap)
     sink = new_sink(topic)
     scope = JobScope(job_name(), "p", "k", INC)
-    lane = sink.lease(scope, 0)
+    lane = sink.committer().lease(scope, 0)
     prepared = _task(sink, scope, 0, 0, lane)
     # the same lane, partition and attempt number: a zombie of an earlier lease
     zombie = sink.open_writer(_ctx(scope, 0, 0, lane), SCHEMA)
@@ -161,10 +162,12 @@ def test_attempts_that_all_meet_open_transactions_fail_the_job_and_the_next_run_
     n = write_input(tmp_path / "in", files=1, rows_per_file=20)
     job = job_name()
     zombies: list[Any] = []
-    lease = KafkaSink.lease
+    lease = KafkaCommitter.lease
+    running: list[KafkaSink] = []
 
-    def lease_held_by_zombies(sink: KafkaSink, scope: JobScope, batch: int) -> int | None:
-        lane = lease(sink, scope, batch)
+    def lease_held_by_zombies(committer: KafkaCommitter, scope: JobScope, batch: int) -> int | None:
+        lane = lease(committer, scope, batch)
+        sink = running[-1]
         for partition in (0, 1):
             for attempt in (0, 1):
                 ctx = WriteContext(scope, 1, batch, partition, 9000 + attempt, attempt, lane)
@@ -175,6 +178,7 @@ def test_attempts_that_all_meet_open_transactions_fail_the_job_and_the_next_run_
 
     def run() -> Any:
         sink = KafkaSink(bootstrap, topic, key="id", sink_id="k", commit_timeout=30)
+        running.append(sink)
         j = Job(spark, job, tmp_path / "state", checkpoint_interval=0)
         df = spark.readStream.schema(INPUT_SCHEMA).json(str(tmp_path / "in"))
         j.add_pipeline("load", df, [sink], bounded=True)
@@ -183,7 +187,7 @@ def test_attempts_that_all_meet_open_transactions_fail_the_job_and_the_next_run_
         finally:
             sink.close()
 
-    monkeypatch.setattr(KafkaSink, "lease", lease_held_by_zombies)
+    monkeypatch.setattr(KafkaCommitter, "lease", lease_held_by_zombies)
     try:
         with pytest.raises(TaskFailedError) as failed:
             run()
@@ -214,9 +218,9 @@ def test_an_orphan_in_a_leased_lane_is_fenced_at_its_own_epoch(
     topic = make_topic(bootstrap)
     sink = new_sink(topic)
     scope = JobScope(job_name(), "p", "k", INC)
-    done = [_task(sink, scope, 0, 0, sink.lease(scope, 0))]
+    done = [_task(sink, scope, 0, 0, sink.committer().lease(scope, 0))]
     _checkpoint(sink, scope, 0, done)
-    lane = sink.lease(scope, 1)  # batch 1 holds the lane again
+    lane = sink.committer().lease(scope, 1)  # batch 1 holds the lane again
     assert lane == 0
     # a zombie of batch 0 (another task attempt with the same attempt number)
     # begins late on the lane's id, before batch 1's task does
@@ -224,7 +228,7 @@ def test_an_orphan_in_a_leased_lane_is_fenced_at_its_own_epoch(
     zombie = sink.open_writer(late, SCHEMA)
     zombie.write(rows(700, 5))
     zombie.prepare()  # flushed, never committed; its process "dies" here
-    swept = sink.abort_lingering(scope, lambda n: n.batch_id <= 0)
+    swept = sink.committer().sweep(scope, lambda n: n.batch_id <= 0)
     assert swept == [str(late.txn_name())]
     # batch 1's task on the same id begins and commits: the orphan was fenced at
     # its own epoch, nothing of it is readable, and batch 1's rows are
@@ -241,7 +245,7 @@ def test_a_lane_with_an_open_transaction_is_not_leased_again(
     topic = make_topic(bootstrap)
     sink = new_sink(topic)
     scope = JobScope(job_name(), "p", "k", INC)
-    lane = sink.lease(scope, 0)
+    lane = sink.committer().lease(scope, 0)
     lost = sink.open_writer(_ctx(scope, 0, 0, lane), SCHEMA)  # its executor dies after this
     lost.write(rows(0, 5))
     lost.prepare()
@@ -250,18 +254,18 @@ def test_a_lane_with_an_open_transaction_is_not_leased_again(
     c = retry.prepare()
     retry.close()
     assert c is not None and c["transactional_id"].endswith(f".l{lane}.p0.a1")
-    sink.commit([c])
-    sink.forget([c])
+    sink.committer().commit([c])
+    sink.committer().forget([c])
     with KafkaWire(bootstrap) as wire:
         assert sink._store is not None
         sink._store.view.refresh(wire)
-    sink.settled(scope, 0)  # no sweep yet: attempt 0's transaction is open
-    assert sink.lease(scope, 1) == 1
-    sink.abort_lingering(scope, lambda n: n.batch_id <= 0 and str(n) != c["txn"])
+    sink.committer().settled(scope, 0)  # no sweep yet: attempt 0's transaction is open
+    assert sink.committer().lease(scope, 1) == 1
+    sink.committer().sweep(scope, lambda n: n.batch_id <= 0 and str(n) != c["txn"])
     read_settled(bootstrap, topic)  # Apache Kafka writes the ABORT marker just after EndTxn
-    sink.abort_lingering(scope, lambda n: n.batch_id <= 0)  # the next checkpoint's sweep
-    sink.settled(scope, 1)
-    assert sink.lease(scope, 2) == 0  # ended by the sweep, tombstoned: back in the pool
+    sink.committer().sweep(scope, lambda n: n.batch_id <= 0)  # the next checkpoint's sweep
+    sink.committer().settled(scope, 1)
+    assert sink.committer().lease(scope, 2) == 0  # ended by the sweep, tombstoned: back in the pool
     log = read_topic(bootstrap, topic)
     assert committed_ids(log) == list(range(5))
 
@@ -275,12 +279,12 @@ def test_recovery_fences_a_pooled_orphan_and_stops_its_zombie(
     topic = make_topic(bootstrap)
     sink = new_sink(topic)
     scope = JobScope(job_name(), "p", "k", INC)
-    lane = sink.lease(scope, 0)
+    lane = sink.committer().lease(scope, 0)
     zombie = sink.open_writer(_ctx(scope, 0, 0, lane), SCHEMA)
     zombie.write(rows(0, 5))
     zombie.prepare()  # the driver dies; the task lives on
     restarted = new_sink(topic)  # a new driver: nothing leased yet
-    swept = restarted.abort_lingering(scope, lambda n: True)
+    swept = restarted.committer().sweep(scope, lambda n: True)
     assert swept == [str(_ctx(scope, 0, 0, lane).txn_name())]
     with pytest.raises(ProduceError):
         zombie.write(rows(5, 5))
@@ -315,7 +319,7 @@ def test_a_reused_id_goes_on_when_its_epoch_overflows_and_its_producer_id_rotate
     topic = make_topic(bootstrap)
     sink = new_sink(topic)
     scope = JobScope(job_name(), "p", "k", INC)
-    lane = sink.lease(scope, 0)
+    lane = sink.committer().lease(scope, 0)
     tid = sink.transactional_id(_ctx(scope, 0, 0, lane))
     with KafkaWire(bootstrap) as wire:
         coordinator = wire.find_coordinators([tid])[tid]
@@ -326,7 +330,7 @@ def test_a_reused_id_goes_on_when_its_epoch_overflows_and_its_producer_id_rotate
     pids = set()
     for batch in range(12):
         if batch:  # (batch 0 holds the lane leased above)
-            assert sink.lease(scope, batch) == lane
+            assert sink.committer().lease(scope, batch) == lane
         c = _task(sink, scope, batch, 0, lane)
         pids.add((c["producer_id"], c["epoch"] > 32_000))
         _checkpoint(sink, scope, batch, [c])

@@ -124,7 +124,7 @@ def _write_and_commit(sink: KafkaSink, batches: list[pa.RecordBatch]) -> None:
     c = w.prepare()
     w.close()
     assert c is not None
-    sink.commit([c])
+    sink.committer().commit([c])
     # Apache Kafka answers EndTxn before it writes the markers (asynchronously)
     log = verify.read_settled(sink.bootstrap_servers, sink.topic)
     assert log.n_open == 0 and log.n_aborted == 0

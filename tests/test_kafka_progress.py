@@ -66,10 +66,10 @@ def scope(job: str, incarnation: str) -> JobScope:
 
 
 def _progress_is(sink: KafkaSink, sc: JobScope, want: SinkProgress) -> None:
-    """``sink.progress(sc)`` becomes ``want`` within 10 s: Apache Kafka writes
+    """``sink.committer().progress(sc)`` becomes ``want`` within 10 s: Apache Kafka writes
     the COMMIT markers of the announcements after it answers EndTxn."""
     deadline = time.monotonic() + 10
-    while (found := sink.progress(sc)) != want and time.monotonic() < deadline:
+    while (found := sink.committer().progress(sc)) != want and time.monotonic() < deadline:
         time.sleep(0.1)
     assert found == want
 
@@ -83,9 +83,9 @@ def commit_batch(
         for p in range(2)
     ]
     committables = [c for c in cs if c is not None]
-    sink.commit(committables)
+    sink.committer().commit(committables)
     if forget:
-        sink.forget(committables)
+        sink.committer().forget(committables)
     return committables
 
 
@@ -110,13 +110,13 @@ def test_progress_after_commits_survives_tombstoning_and_ignores_aborts(
     sink = new_sink(topic)
     job = job_name()
     _progress_is(sink, scope(job, A), SinkProgress(owner=None))
-    assert sink.claim(scope(job, A)) == SinkProgress(owner=A, batch=-1)
+    assert sink.committer().claim(scope(job, A)) == SinkProgress(owner=A, batch=-1)
 
     first = commit_batch(sink, job, A, 0, forget=False)
     _progress_is(sink, scope(job, A), SinkProgress(owner=A, batch=0))  # announcements
     second = commit_batch(sink, job, A, 1, forget=False)
     _progress_is(sink, scope(job, A), SinkProgress(owner=A, batch=1))
-    sink.forget(first)  # progress record at 0; batch 1 only in its announcements
+    sink.committer().forget(first)  # progress record at 0; batch 1 only in its announcements
 
     # prepared and never committed, and aborted behind the sink's back (not tombstoned:
     # only the ABORT marker in the registry tells): neither counts
@@ -129,14 +129,14 @@ def test_progress_after_commits_survives_tombstoning_and_ignores_aborts(
     _progress_is(sink, scope(job, A), SinkProgress(owner=A, batch=1))
 
     # a fresh driver reads the same; then the announcements go, the progress record stays
-    assert new_sink(topic).progress(scope(job, A)) == SinkProgress(owner=A, batch=1)
-    sink.forget(second)
+    assert new_sink(topic).committer().progress(scope(job, A)) == SinkProgress(owner=A, batch=1)
+    sink.committer().forget(second)
     commit_batch(sink, job, A, 4)  # committed and forgotten
-    sink.abort([open_one, aborted])
+    sink.committer().abort([open_one, aborted])
     with KafkaWire(bootstrap) as wire:
         live = RegistryView(DEFAULT_TOPIC).refresh(wire)
     assert not [t for t in live if t.startswith(f"tp2.{job}.")]  # all tombstoned
-    assert new_sink(topic).progress(scope(job, A)) == SinkProgress(owner=A, batch=4)
+    assert new_sink(topic).committer().progress(scope(job, A)) == SinkProgress(owner=A, batch=4)
     _progress_is(sink, scope(job, A), SinkProgress(owner=A, batch=4))
     assert committed_ids(read_topic(bootstrap, topic)) == [*range(20), *range(40, 50)]
 
@@ -147,16 +147,18 @@ def test_a_sweep_settles_a_committed_announcement_whose_forget_was_missed(
     topic = make_topic(bootstrap)
     sink = new_sink(topic)
     job = job_name()
-    sink.claim(scope(job, A))
+    sink.committer().claim(scope(job, A))
     commit_batch(sink, job, A, 0)
     commit_batch(sink, job, A, 1, forget=False)  # the driver died before forget
     restarted = new_sink(topic)
-    restarted.claim(scope(job, A))
-    assert restarted.abort_lingering(scope(job, A), lambda n: True) == []  # nothing fenced
+    restarted.committer().claim(scope(job, A))
+    assert restarted.committer().sweep(scope(job, A), lambda n: True) == []  # nothing fenced
     with KafkaWire(bootstrap) as wire:
         live = RegistryView(DEFAULT_TOPIC).refresh(wire)
     assert not [t for t in live if t.startswith(f"tp2.{job}.")]  # tombstoned...
-    assert new_sink(topic).progress(scope(job, A)) == SinkProgress(owner=A, batch=1)  # ...kept
+    assert new_sink(topic).committer().progress(scope(job, A)) == SinkProgress(
+        owner=A, batch=1
+    )  # ...kept
     assert committed_ids(read_topic(bootstrap, topic)) == list(range(20))
 
 
@@ -169,14 +171,16 @@ def test_another_incarnation_refuses_before_writing(
     topic = make_topic(bootstrap)
     job = job_name()
     first = new_sink(topic)
-    first.claim(scope(job, A))
+    first.committer().claim(scope(job, A))
     commit_batch(first, job, A, 0)
-    assert first.claim(scope(job, A)) == SinkProgress(owner=A, batch=0)  # again: same owner
+    assert first.committer().claim(scope(job, A)) == SinkProgress(
+        owner=A, batch=0
+    )  # again: same owner
     assert len(claims_of(bootstrap, topic)) == 1  # and nothing appended
 
     second = new_sink(topic)  # another copy of the job, with its own state
     with pytest.raises(IncarnationConflictError) as err:
-        second.claim(scope(job, B))
+        second.committer().claim(scope(job, B))
     assert (err.value.owner, err.value.ours) == (A, B)
     assert f"committed output up to batch 0 of {job}/p/k from incarnation {A}" in str(err.value)
     assert "Nothing was written" in str(err.value)
@@ -197,7 +201,7 @@ def claim_race(
     def claim(inc: str) -> None:
         barrier.wait()
         try:
-            sinks[inc].claim(scope(job, inc))
+            sinks[inc].committer().claim(scope(job, inc))
             won.append(inc)
         except IncarnationConflictError as e:
             lost.append(e)
@@ -219,12 +223,14 @@ def test_simultaneous_claims_exactly_one_wins(
         job = job_name()
         sinks = {inc: new_sink(topic) for inc in (A, B)}
         for s in sinks.values():
-            s.progress(scope(job, A))  # connected and read: both start from the same view
+            s.committer().progress(
+                scope(job, A)
+            )  # connected and read: both start from the same view
         won, lost = claim_race(sinks, job)
         assert len(won) == 1 and len(lost) == 1, (won, lost)
         assert lost[0].owner == won[0]
         readers = [*sinks.values(), new_sink(topic)]
-        assert {r.progress(scope(job, C)).owner for r in readers} == {won[0]}
+        assert {r.committer().progress(scope(job, C)).owner for r in readers} == {won[0]}
 
 
 def test_claims_appended_together_first_in_the_log_wins(
@@ -243,9 +249,9 @@ def test_claims_appended_together_first_in_the_log_wins(
     producer.flush()
     producer.close()
     with pytest.raises(IncarnationConflictError) as err:
-        new_sink(topic).claim(scope(job, A))
+        new_sink(topic).committer().claim(scope(job, A))
     assert err.value.owner == B
-    assert new_sink(topic).claim(scope(job, B)).owner == B
+    assert new_sink(topic).committer().claim(scope(job, B)).owner == B
 
 
 def test_claim_replay_rule_is_the_same_for_every_reader() -> None:
@@ -280,7 +286,7 @@ def test_start_over_takes_over_and_the_old_incarnation_then_refuses(
     topic = make_topic(bootstrap)
     job = job_name()
     old = new_sink(topic)
-    old.claim(scope(job, A))
+    old.committer().claim(scope(job, A))
     commit_batch(old, job, A, 0)
     commit_batch(old, job, A, 1)
     left = write_task(old, ctx(job, 0, batch=2, incarnation=A), [rows(20, 5)])  # prepared
@@ -288,20 +294,20 @@ def test_start_over_takes_over_and_the_old_incarnation_then_refuses(
 
     new = new_sink(topic)
     with pytest.raises(IncarnationConflictError):
-        new.claim(scope(job, B), start_over_from=C)  # not the owner: refused
-    claimed = new.claim(scope(job, B), start_over_from=A)
+        new.committer().claim(scope(job, B), start_over_from=C)  # not the owner: refused
+    claimed = new.committer().claim(scope(job, B), start_over_from=A)
     assert claimed == SinkProgress(owner=B, batch=-1, previous=A)
     # what the coordinator then does: abort what the old incarnation left prepared
-    assert new.abort_lingering(scope(job, A), lambda n: n.incarnation == A) == [left["txn"]]
+    assert new.committer().sweep(scope(job, A), lambda n: n.incarnation == A) == [left["txn"]]
     commit_batch(new, job, B, 0)  # the new incarnation's batch ids start again
     _progress_is(new, scope(job, B), SinkProgress(owner=B, batch=0, previous=A))
 
     for restored in (old, new_sink(topic)):  # the old state comes back
         with pytest.raises(IncarnationConflictError) as err:
-            restored.claim(scope(job, A))
+            restored.committer().claim(scope(job, A))
         assert err.value.owner == B
     with pytest.raises(IncarnationConflictError):
-        new_sink(topic).claim(scope(job, C))  # a third one without start-over
+        new_sink(topic).committer().claim(scope(job, C))  # a third one without start-over
     assert [(c["incarnation"], c["start_over_from"]) for c in claims_of(bootstrap, topic)] == [
         (A, None),
         (B, A),
@@ -316,12 +322,12 @@ def test_commit_refuses_after_another_incarnation_took_over(
     topic = make_topic(bootstrap)
     job = job_name()
     running = new_sink(topic)
-    running.claim(scope(job, A))
+    running.committer().claim(scope(job, A))
     c = write_task(running, ctx(job, 0, batch=0, incarnation=A), [rows(0, 5)])
     assert c is not None
-    new_sink(topic).claim(scope(job, B), start_over_from=A)  # while A runs
+    new_sink(topic).committer().claim(scope(job, B), start_over_from=A)  # while A runs
     with pytest.raises(IncarnationConflictError, match="while this job was running") as err:
-        running.commit([c])
+        running.committer().commit([c])
     assert err.value.owner == B
     log = read_topic(bootstrap, topic)
     assert log.committed == [] and log.n_open == 5
@@ -333,10 +339,10 @@ def test_a_replay_at_or_below_the_progress_is_aborted_not_committed(
     topic = make_topic(bootstrap)
     job = job_name()
     sink = new_sink(topic)
-    sink.claim(scope(job, A))
+    sink.committer().claim(scope(job, A))
     batch0 = commit_batch(sink, job, A, 0)
     batch1 = commit_batch(sink, job, A, 1)
-    assert sink.progress(scope(job, A)).batch == 1
+    assert sink.committer().progress(scope(job, A)).batch == 1
 
     # Spark replays batches 0 and 1 (another run, new task attempts), and batch 2 is new
     replays = [
@@ -346,13 +352,13 @@ def test_a_replay_at_or_below_the_progress_is_aborted_not_committed(
     new = write_task(sink, ctx(job, 0, batch=2, run=2, incarnation=A), [rows(20, 5)])
     assert None not in replays and new is not None
     with caplog.at_level(logging.WARNING, logger="sinks.kafka"):
-        sink.commit([*replays, new])  # type: ignore[list-item]
+        sink.committer().commit([*replays, new])  # type: ignore[list-item]
     assert "a replay" in caplog.text
     log = read_topic(bootstrap, topic)
     assert committed_ids(log) == list(range(25))
     assert log.n_aborted == 10 and log.n_open == 0
     # the commit of batches that went through, retried: idempotent, as before
-    sink.commit([*batch0, *batch1])
+    sink.committer().commit([*batch0, *batch1])
     assert committed_ids(read_topic(bootstrap, topic)) == list(range(25))
 
 
@@ -362,8 +368,8 @@ def test_two_jobs_of_one_name_writing_different_topics_both_run(
     t1, t2 = make_topic(bootstrap), make_topic(bootstrap)
     job = job_name()  # same job, pipeline and sink id; different topics and states
     one, two = new_sink(t1), new_sink(t2)
-    assert one.claim(scope(job, A)).owner == A
-    assert two.claim(scope(job, B)).owner == B
+    assert one.committer().claim(scope(job, A)).owner == A
+    assert two.committer().claim(scope(job, B)).owner == B
     commit_batch(one, job, A, 0)
     commit_batch(two, job, B, 0)
     commit_batch(two, job, B, 1)
@@ -382,10 +388,10 @@ def test_the_sweep_leaves_another_incarnations_transactions_alone(
     theirs = write_task(sink, ctx(job, 0, incarnation=A), [rows(0, 5)])
     ours = write_task(sink, ctx(job, 0, incarnation=B), [rows(5, 5)])
     assert theirs is not None and ours is not None
-    assert sink.abort_lingering(scope(job, B), lambda n: True) == [ours["txn"]]
+    assert sink.committer().sweep(scope(job, B), lambda n: True) == [ours["txn"]]
     log = read_topic(bootstrap, topic)
     assert log.n_open == 5 and log.n_aborted == 5
-    assert sink.abort_lingering(scope(job, A), lambda n: True) == [theirs["txn"]]
+    assert sink.committer().sweep(scope(job, A), lambda n: True) == [theirs["txn"]]
     assert read_topic(bootstrap, topic).n_open == 0
 
 
@@ -398,11 +404,11 @@ def test_a_start_over_after_a_missed_forget_leaves_the_new_progress_alone(
     topic = make_topic(bootstrap)
     job = job_name()
     old = new_sink(topic)
-    old.claim(scope(job, A))
+    old.committer().claim(scope(job, A))
     commit_batch(old, job, A, 3, forget=False)
     new = new_sink(topic)
-    assert new.claim(scope(job, B), start_over_from=A).previous == A
-    assert new.abort_lingering(scope(job, A), lambda n: n.incarnation == A) == []
+    assert new.committer().claim(scope(job, B), start_over_from=A).previous == A
+    assert new.committer().sweep(scope(job, A), lambda n: n.incarnation == A) == []
     _progress_is(new, scope(job, B), SinkProgress(owner=B, batch=-1, previous=A))
     commit_batch(new, job, B, 0)  # not taken for a replay of the old batch 3
     _progress_is(new, scope(job, B), SinkProgress(owner=B, batch=0, previous=A))
@@ -452,7 +458,7 @@ def test_a_progress_or_claim_record_of_a_newer_version_is_refused(
     those without a version (the first versions'), read as before."""
     topic, registry, job = make_topic(bootstrap), _registry(), job_name()
     sink = new_sink(topic, registry_topic=registry)
-    assert sink.claim(scope(job, A)) == SinkProgress(owner=A, batch=-1)  # version 1
+    assert sink.committer().claim(scope(job, A)) == SinkProgress(owner=A, batch=-1)  # version 1
     commit_batch(sink, job, A, 0)  # a progress record of version 1 at batch 0
     _progress_is(new_sink(topic, registry_topic=registry), scope(job, A), SinkProgress(A, 0))
     older = {"kind": "progress", "topic": topic, "scope": f"{job}/p/k", "incarnation": A}
@@ -469,17 +475,17 @@ def test_a_progress_or_claim_record_of_a_newer_version_is_refused(
     _append(bootstrap, registry, key, newer)
     for reader in (sink, new_sink(topic, registry_topic=registry)):  # running, and a new start
         with pytest.raises(NewerVersionError) as err:
-            reader.progress(scope(job, A))
+            reader.committer().progress(scope(job, A))
         message = str(err.value)
         assert f"the record {key.decode()} (registry topic {registry}, partition 0" in message
         assert "is of version 2, written by a newer version of twophase" in message
         assert "reads versions up to 1" in message
         assert (err.value.version, err.value.known) == (2, 1)
     with pytest.raises(NewerVersionError):
-        new_sink(topic, registry_topic=registry).claim(scope(job, A))
+        new_sink(topic, registry_topic=registry).committer().claim(scope(job, A))
     # another target's sink reads the same registry: the record is not its
     other = make_topic(bootstrap)
-    assert new_sink(other, registry_topic=registry).claim(scope(job, C)).owner == C
+    assert new_sink(other, registry_topic=registry).committer().claim(scope(job, C)).owner == C
 
 
 def test_an_announcement_of_a_newer_version_is_refused_for_its_topic(
@@ -492,7 +498,7 @@ def test_an_announcement_of_a_newer_version_is_refused_for_its_topic(
     sink's and is left alone; version 2 and 1 announcements read as before."""
     topic, registry, job = make_topic(bootstrap), _registry(), job_name()
     sink = new_sink(topic, registry_topic=registry)
-    sink.claim(scope(job, A))
+    sink.committer().claim(scope(job, A))
     commit_batch(sink, job, A, 0, forget=False)  # version-2 announcements, committed
     _progress_is(new_sink(topic, registry_topic=registry), scope(job, A), SinkProgress(A, 0))
     v1 = str(ctx(job, 0, batch=1, incarnation=A).txn_name())  # the id names it
@@ -506,9 +512,9 @@ def test_an_announcement_of_a_newer_version_is_refused_for_its_topic(
     _announce(bootstrap, registry, later, {"topic": topic, "txn": later, "v": 3})
     for reader in (sink, new_sink(topic, registry_topic=registry)):
         with pytest.raises(NewerVersionError) as err:
-            reader.progress(scope(job, A))
+            reader.committer().progress(scope(job, A))
         message = str(err.value)
         assert f"the announcement of transactional id {later} (registry topic {registry}" in message
         assert "is of version 3" in message and "reads versions up to 2" in message
     with pytest.raises(NewerVersionError):
-        sink.abort_lingering(scope(job, A), lambda n: True)
+        sink.committer().sweep(scope(job, A), lambda n: True)

@@ -80,6 +80,6 @@ def test_a_prepared_transaction_says_when_it_opened(
         before = time.time()
         c = write_task(sink, ctx(job_name(), 0), [rows(0, 3)])
         assert c is not None and before - 0.01 <= c["opened_at"] <= time.time()
-        sink.abort([c])
+        sink.committer().abort([c])
     finally:
         sink.close()

@@ -270,7 +270,7 @@ def test_prepare_then_commit_exactly_once(
     log = read_topic(bootstrap, topic)
     assert log.committed == [] and log.n_open == 130  # invisible until the commit
 
-    sink.commit(committables)
+    sink.committer().commit(committables)
     log = read_topic(bootstrap, topic)
     assert committed_ids(log) == list(range(130))
     assert log.n_open == 0 and log.n_aborted == 0
@@ -280,11 +280,11 @@ def test_prepare_then_commit_exactly_once(
         assert json.loads(r.value)["name"] == f"name-{int(r.key)}"
     markers = log.markers
 
-    sink.commit(committables)  # again: harmless
-    sink.commit(committables[:1])
+    sink.committer().commit(committables)  # again: harmless
+    sink.committer().commit(committables[:1])
     log = read_topic(bootstrap, topic)
     assert committed_ids(log) == list(range(130)) and log.markers == markers
-    sink.forget(committables)
+    sink.committer().forget(committables)
 
 
 def test_recommit_after_the_id_was_fenced_reads_the_log(
@@ -297,11 +297,11 @@ def test_recommit_after_the_id_was_fenced_reads_the_log(
     sink.preflight(SCHEMA)
     c = write_task(sink, ctx(job_name(), 0), [rows(0, 10)])
     assert c is not None
-    sink.commit([c])
+    sink.committer().commit([c])
     with KafkaWire(bootstrap) as wire:  # bump the epoch of the committed id
         coordinator = wire.find_coordinators([c["transactional_id"]])[c["transactional_id"]]
         wire.init_producer_id(coordinator, c["transactional_id"], 60000)
-    sink.commit([c])
+    sink.committer().commit([c])
     assert committed_ids(read_topic(bootstrap, topic)) == list(range(10))
 
 
@@ -317,7 +317,7 @@ def test_commit_of_a_fenced_open_transaction_is_lost(
     intruder.init_transactions()  # what init_transactions() does to a prepared transaction
     intruder.close()
     with pytest.raises(TransactionLostError, match="was aborted"):
-        sink.commit([c])
+        sink.committer().commit([c])
     log = read_topic(bootstrap, topic)
     assert log.committed == [] and log.n_aborted == 10
 
@@ -332,12 +332,12 @@ def test_abort_is_idempotent_and_final(bootstrap: str, new_sink: Callable[..., K
     job = job_name()
     cs = [write_task(sink, ctx(job, p), [rows(p * 100, 20)]) for p in range(2)]
     committables = [c for c in cs if c is not None]
-    sink.abort(committables)
-    sink.abort(committables)  # again: harmless
+    sink.committer().abort(committables)
+    sink.committer().abort(committables)  # again: harmless
     log = read_topic(bootstrap, topic)
     assert log.committed == [] and log.n_open == 0 and log.n_aborted == 40
     with pytest.raises(TransactionLostError):
-        sink.commit(committables)
+        sink.committer().commit(committables)
 
 
 def test_close_after_prepare_keeps_the_transaction_open(
@@ -353,7 +353,7 @@ def test_close_after_prepare_keeps_the_transaction_open(
     log = read_topic(bootstrap, topic)
     assert log.n_open == 5 and log.n_aborted == 0
     assert c is not None
-    sink.commit([c])
+    sink.committer().commit([c])
     assert committed_ids(read_topic(bootstrap, topic)) == list(range(5))
 
 
@@ -381,7 +381,7 @@ def test_close_failed_after_prepare_and_close_before_prepare_abort(
 # -- sweeping lingering transactions -------------------------------------------------------
 
 
-def test_abort_lingering_aborts_only_unowned_of_the_scope(
+def test_the_sweep_aborts_only_unowned_of_the_scope(
     bootstrap: str, new_sink: Callable[..., KafkaSink]
 ) -> None:
     topic = make_topic(bootstrap, partitions=2)
@@ -401,7 +401,7 @@ def test_abort_lingering_aborts_only_unowned_of_the_scope(
     assert empty is None
     keep = {owned["txn"], retry["txn"]}  # type: ignore[index]
 
-    aborted = sink.abort_lingering(scope(job), lambda n: str(n) not in keep and n.batch_id <= 0)
+    aborted = sink.committer().sweep(scope(job), lambda n: str(n) not in keep and n.batch_id <= 0)
     assert aborted == [failed_attempt["txn"]]  # type: ignore[index]
     log = read_topic(bootstrap, topic)
     assert log.n_aborted == 10 and committed_ids(log) == []
@@ -414,27 +414,27 @@ def test_abort_lingering_aborts_only_unowned_of_the_scope(
     assert str(ctx(job, 1, attempt=8).txn_name()) in announced
 
     assert (
-        sink.abort_lingering(scope(job), lambda n: str(n) not in keep and n.batch_id <= 0) == []
+        sink.committer().sweep(scope(job), lambda n: str(n) not in keep and n.batch_id <= 0) == []
     )  # tombstoned: not seen again
-    sink.commit([owned, retry])  # type: ignore[list-item]
-    sink.forget([owned, retry])  # type: ignore[list-item]
+    sink.committer().commit([owned, retry])  # type: ignore[list-item]
+    sink.committer().forget([owned, retry])  # type: ignore[list-item]
     # recovery: everything of the scope that the ledger does not own
     # (first-format names of the scope too; never another incarnation's)
-    aborted = sink.abort_lingering(scope(job), lambda n: True)
+    aborted = sink.committer().sweep(scope(job), lambda n: True)
     assert aborted == [legacy["txn"], late_batch["txn"]]  # type: ignore[index]
     assert legacy["txn"].startswith("tp1.")  # type: ignore[index]
     log = read_topic(bootstrap, topic)
     assert committed_ids(log) == list(range(20))
     assert log.n_aborted == 30 and log.n_open == 20  # the other pipeline, the other incarnation
-    assert sink.abort_lingering(scope(job, incarnation="00000000ffff"), lambda n: True) == [
+    assert sink.committer().sweep(scope(job, incarnation="00000000ffff"), lambda n: True) == [
         other_inc["txn"]
     ]
-    assert sink.abort_lingering(scope(job, "q"), lambda n: True) == [
+    assert sink.committer().sweep(scope(job, "q"), lambda n: True) == [
         other_pipeline["txn"]  # type: ignore[index]
     ]
     # a fresh driver (new sink object) rescans the registry from the start
     fresh = new_sink(topic, key="id", sink_id="k")
-    assert fresh.abort_lingering(scope(job), lambda n: True) == []
+    assert fresh.committer().sweep(scope(job), lambda n: True) == []
 
 
 def test_two_sinks_two_topics_prefixed_ids(
@@ -450,20 +450,20 @@ def test_two_sinks_two_topics_prefixed_ids(
     cb = write_task(b, ctx(job, 0, sink_id="b"), [rows(0, 10)])
     assert ca is not None and cb is not None
     assert ca["transactional_id"] == "app1-" + ca["txn"]
-    a.commit([ca])
+    a.committer().commit([ca])
     assert read_topic(bootstrap, t2).n_open == 10  # b untouched
-    assert b.abort_lingering(scope(job, sink_id="a"), lambda n: True) == []  # not b's scope
-    b.commit([cb])
+    assert b.committer().sweep(scope(job, sink_id="a"), lambda n: True) == []  # not b's scope
+    b.committer().commit([cb])
     assert committed_ids(read_topic(bootstrap, t1)) == list(range(10))
     assert read_topic(bootstrap, t2).values() == [f"name-{i}".encode() for i in range(10)]
     # committed but not yet forgotten (a crash before forget): the sweep does not fence
     # it; it records its progress and tombstones it, as forget would have done
-    assert a.abort_lingering(scope(job, sink_id="a"), lambda n: True) == []
+    assert a.committer().sweep(scope(job, sink_id="a"), lambda n: True) == []
     assert committed_ids(read_topic(bootstrap, t1)) == list(range(10))
     with KafkaWire(bootstrap) as wire:
         assert ca["transactional_id"] not in RegistryView(DEFAULT_TOPIC).refresh(wire)
-    b.forget([cb])
-    assert b.abort_lingering(scope(job, sink_id="b"), lambda n: True) == []
+    b.committer().forget([cb])
+    assert b.committer().sweep(scope(job, sink_id="b"), lambda n: True) == []
 
 
 # -- preflight and configuration ---------------------------------------------------------------
@@ -511,7 +511,7 @@ def test_commit_retries_while_the_broker_is_down_then_gives_up(
         assert c is not None
         own.stop()
         with pytest.raises(CommitError, match="did not succeed within 4s"):
-            sink.commit([c])
+            sink.committer().commit([c])
 
 
 _KILLED_TASK = """
@@ -563,7 +563,7 @@ def test_sweep_aborts_the_work_of_killed_tasks(
         assert proc.returncode == -9, proc.stderr
     log = read_topic(bootstrap, topic)
     assert log.n_open == 20 and log.committed == []
-    aborted = sink.abort_lingering(scope(job), lambda n: True)
+    aborted = sink.committer().sweep(scope(job), lambda n: True)
     assert aborted == [str(ctx(job, p, attempt=500 + p).txn_name()) for p in (0, 1)]
     log = read_topic(bootstrap, topic)
     assert log.n_open == 0 and log.n_aborted == 20 and log.committed == []

@@ -9,7 +9,7 @@ which bumps it: the attempt's next AddPartitionsToTxn and produce are refused.
 An EndTxn(abort) with that epoch, which the driver sent before, leaves the
 epoch as it was: the attempt's next AddPartitionsToTxn began a transaction no
 registry entry names and no sweep finds. A lane is also released only once the
-broker shows none of its ids open (``KafkaSink.settled``).
+broker shows none of its ids open (the committer's ``settled``).
 
 The sink-level tests drive the sink as ``tests/test_kafka_pool.py`` does,
 without Spark, on three brokers: the session's Kafka 4.x broker (transactions
@@ -143,7 +143,7 @@ def test_an_attempt_that_lives_on_after_the_sweep_ended_its_transaction_opens_no
     topic = make_topic(bootstrap, partitions=2)
     sink = new_sink(topic)
     scope = JobScope(job_name(), "p", "k", INC)
-    lane = sink.lease(scope, 0)
+    lane = sink.committer().lease(scope, 0)
     zombie = sink.open_writer(_ctx(scope, 0, 0, lane, attempt=1), SCHEMA)
     zombie.write(_rows_on(0, 5, start=500))
     zombie.prepare()  # flushed and open; Spark keeps attempt 0's result
@@ -155,7 +155,7 @@ def test_an_attempt_that_lives_on_after_the_sweep_ended_its_transaction_opens_no
     _checkpoint(sink, scope, 0, [])  # the next checkpoint's sweep and settle
     ids = [sink.transactional_id(_ctx(scope, 0, 0, lane, a)) for a in (0, 1)]
     assert _open(bootstrap, ids) == {}
-    assert sink.lease(scope, 1) == lane
+    assert sink.committer().lease(scope, 1) == lane
     _checkpoint(sink, scope, 1, [_task(sink, scope, 1, 0, lane, attempt=1)])  # attempt 1's id
     log = read_settled(bootstrap, topic)
     assert committed_ids(log) == [*range(5), *range(1000, 1005)]
@@ -177,7 +177,7 @@ def test_a_lane_stays_leased_while_the_broker_shows_one_of_its_ids_open(
     topic = make_topic(bootstrap, partitions=2)
     sink = new_sink(topic)
     scope = JobScope(job_name(), "p", "k", INC)
-    lane = sink.lease(scope, 0)
+    lane = sink.committer().lease(scope, 0)
     zombie = sink.open_writer(_ctx(scope, 0, 0, lane, attempt=1), SCHEMA)
     zombie.write(_rows_on(0, 5, start=500))
     z = zombie.prepare()
@@ -190,11 +190,11 @@ def test_a_lane_stays_leased_while_the_broker_shows_one_of_its_ids_open(
     _checkpoint(sink, scope, 0, [_task(sink, scope, 0, 0, lane)])
     _checkpoint(sink, scope, 0, [])  # and the next checkpoint's
     assert set(_open(bootstrap, [tid])) == {tid}
-    assert sink.lease(scope, 1) == lane + 1  # lane 0 stays leased
+    assert sink.committer().lease(scope, 1) == lane + 1  # lane 0 stays leased
     with KafkaWire(bootstrap) as wire:
         txn.fence(wire, [tid], 60_000)
-    sink.settled(scope, 0)
-    assert sink.lease(scope, 2) == lane  # ended: back in the pool
+    sink.committer().settled(scope, 0)
+    assert sink.committer().lease(scope, 2) == lane  # ended: back in the pool
     zombie.close()
     log = read_settled(bootstrap, topic)
     assert committed_ids(log) == list(range(5)) and log.n_open == 0
@@ -209,7 +209,7 @@ def test_a_drain_fences_the_pooled_transactions_of_the_batch_it_interrupts(
     """``Job.stop(drain=True)`` while batch 0 of an unbounded pipeline is
     recorded in the ledger and not yet complete in Spark: the drain stops the
     query (the fault point raises, as the interruption does), the coordinator's
-    ``reset_pipeline`` aborts the batch's work (``KafkaSink.abort`` of pooled
+    ``reset_pipeline`` aborts the batch's work (the committer's ``abort`` of pooled
     ids, in the run), Spark replays the batch in the same run, and the final
     checkpoint commits it once. An attempt of the aborted work still alive,
     writing with its producer id and epoch, can begin no transaction: the

@@ -37,8 +37,8 @@ def test_a_long_module_says_why() -> None:
 
 def test_the_map_of_modules_lists_every_module() -> None:
     page = (ROOT / "docs" / "reference" / "internals.md").read_text()
+    page += (ROOT / "docs" / "reference" / "api.md").read_text()  # the public ones
     elsewhere = {
-        "sinks.base",
         "lifecycle.errors",
         "sinks.errors",
         "lifecycle.testing",

@@ -30,7 +30,7 @@ from lifecycle import BatchLostError, Job, cli
 from lifecycle.ledger import read_ledger
 from lifecycle.status import PENDING, format_text, job_status
 from sinks import DeltaSink, KafkaSink, PostgresSink, _faults
-from sinks.base import LOST
+from sinks.base import Outcome
 from tests import deltacheck, tiers
 from tests.conftest import write_input
 from tests.kafkacheck import consume_ids
@@ -224,7 +224,7 @@ def _until_lost(bootstrap: str, topic: str, state: Path, batch: str, within: flo
     sink = KafkaSink(bootstrap, topic, key="id", sink_id="kafka")
     deadline = time.monotonic() + within
     try:
-        while set((verdicts := sink.classify(work)).values()) != {LOST}:
+        while set((verdicts := sink.committer().classify(work)).values()) != {Outcome.LOST}:
             assert time.monotonic() < deadline, f"the broker did not abort them: {verdicts}"
             time.sleep(1)
     finally:

@@ -268,9 +268,9 @@ def test_settings_round_trip_per_sink(
     # a rebuilt sink reaches its target: the PostgreSQL one (trust auth) and Delta
     real = from_settings(PostgresSink(pg_dsn, "o", sink_id="pg", create_table=True).settings())
     real.preflight(SCHEMA)  # connects (PGPASSWORD is ignored by a trusting server), creates
-    assert real.progress(JobScope("j", "p", "pg", OTHER)).owner is None
+    assert real.committer().progress(JobScope("j", "p", "pg", OTHER)).owner is None
     delta.preflight(pa.schema([("id", pa.int64()), ("name", pa.string())]))
-    assert delta2.progress(JobScope("j", "p", "delta-1", OTHER)).owner is None
+    assert delta2.committer().progress(JobScope("j", "p", "delta-1", OTHER)).owner is None
 
 
 def test_the_ledger_holds_no_secret(
@@ -487,7 +487,7 @@ def test_recover_settles_a_crashed_state_without_running_the_job(
     b0 = state.register(0)
     state.spark_completed(0)
     cp = state.ledger.decide("periodic", {PIPELINE: 0}, [])
-    state.sinks["kafka"].commit(b0["kafka"])  # then the driver died
+    state.sinks["kafka"].committer().commit(b0["kafka"])  # then the driver died
     state.register(1)
     state.spark_completed(1)
     b2 = state.register(2)

@@ -28,10 +28,11 @@ from lifecycle.ledger import FileLedger
 from lifecycle.spark_log import SparkCommitLog
 from sinks import KafkaSink, PostgresSink, _faults
 from sinks._parallel import slices
-from sinks.base import REPAYS, Committable, JobScope, OrphanTest, Sink, SinkWriter, WriteContext
+from sinks.base import REPAYS, Committable, JobScope, OrphanTest, WriteContext
 from sinks.errors import ConfigError, TransactionLostError
 from sinks.kafka.log import read_topic
 from sinks.naming import TxnName
+from tests.memory_sink import MemorySink
 from tests.pgcheck import job_prepared
 
 SCHEMA = pa.schema([("id", pa.int64())])
@@ -40,7 +41,7 @@ SCHEMA = pa.schema([("id", pa.int64())])
 # -- the coordinator: sinks at once, one target at a time ---------------------------------
 
 
-class TimedSink(Sink):
+class TimedSink(MemorySink):
     """Records the interval of each of its commits; ``meet`` (a barrier shared
     with other sinks) makes a commit wait until the others' are under way."""
 
@@ -54,22 +55,13 @@ class TimedSink(Sink):
         fail: bool = False,
         sweep_meet: threading.Barrier | None = None,
     ) -> None:
-        self._sid, self.target, self.meet, self.fail = sid, target, meet, fail
+        super().__init__(sid)
+        self.target, self.meet, self.fail = target, meet, fail
         self.sweep_meet = sweep_meet
         self.commits: list[tuple[float, float, list[str]]] = []
 
-    @property
-    def sink_id(self) -> str:
-        return self._sid
-
     def describe(self) -> str:
         return self.target
-
-    def preflight(self, schema: pa.Schema) -> None:
-        pass
-
-    def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
-        raise NotImplementedError
 
     def commit(self, committables: Sequence[Committable]) -> None:
         start = time.monotonic()
@@ -80,10 +72,7 @@ class TimedSink(Sink):
             raise TransactionLostError(f"{self.target}: lost on purpose")
         self.commits.append((start, time.monotonic(), [c["txn"] for c in committables]))
 
-    def abort(self, committables: Sequence[Committable]) -> None:
-        pass
-
-    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+    def sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
         if self.sweep_meet is not None:
             self.sweep_meet.wait()
         return []
@@ -179,7 +168,7 @@ def pg_sink(pg_dsn: str) -> PostgresSink:
 
 def _prepare_pg(sink: PostgresSink, job: str, n: int) -> list[Committable]:
     scope = JobScope(job, "p", sink.sink_id, "0123456789ab")
-    sink.claim(scope)
+    sink.committer().claim(scope)
     out = []
     for part in range(n):
         w = sink.open_writer(WriteContext(scope, 1, 0, part, part), SCHEMA)
@@ -211,12 +200,12 @@ def test_postgres_commits_over_several_connections(pg_sink: PostgresSink, pg_dsn
 
     _faults.register("driver.mid_commit", hold)
     try:
-        pg_sink.commit(cs)
+        pg_sink.committer().commit(cs)
     finally:
         _faults.clear()
     assert seen == [5]
     assert job_prepared(pg_dsn, job) == []
-    pg_sink.commit(cs)  # again: recognised from the markers
+    pg_sink.committer().commit(cs)  # again: recognised from the markers
     with psycopg.connect(pg_dsn) as c:
         assert c.execute("SELECT count(*) FROM t").fetchone() == (24,)
 
@@ -230,8 +219,8 @@ def test_postgres_a_lost_transaction_fails_the_commit_and_the_rest_commits_after
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         c.execute(f"ROLLBACK PREPARED '{lost}'")
     with pytest.raises(TransactionLostError, match=lost):
-        pg_sink.commit(cs)
-    pg_sink.commit([c for c in cs if c["txn"] != lost])  # what an abandon leads to
+        pg_sink.committer().commit(cs)
+    pg_sink.committer().commit([c for c in cs if c["txn"] != lost])  # what an abandon leads to
     assert job_prepared(pg_dsn, job) == []
     with psycopg.connect(pg_dsn) as c:
         assert c.execute("SELECT count(*) FROM t").fetchone() == (15,)
@@ -250,8 +239,8 @@ def test_postgres_work_that_repays_a_batch_commits_though_the_sink_holds_it(
     cs = _prepare_pg(pg_sink, job, 2)
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         c.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(cs[1]["txn"])))
-    pg_sink.commit(cs[:1])
-    pg_sink.forget(cs[:1])
+    pg_sink.committer().commit(cs[:1])
+    pg_sink.committer().forget(cs[:1])
     scope = JobScope(job, "p", pg_sink.sink_id, "0123456789ab")
     w = pg_sink.open_writer(WriteContext(scope, 2, 0, 1, 99), SCHEMA)  # run 2, partition 1
     w.write(pa.RecordBatch.from_pydict({"id": [1]}, schema=SCHEMA))
@@ -260,7 +249,7 @@ def test_postgres_work_that_repays_a_batch_commits_though_the_sink_holds_it(
     assert again is not None
     if repays:
         again[REPAYS] = True
-    pg_sink.commit([again])
+    pg_sink.committer().commit([again])
     assert job_prepared(pg_dsn, job) == []
     with psycopg.connect(pg_dsn) as c:
         ids = [r[0] for r in c.execute("SELECT id FROM t ORDER BY id")]
@@ -323,12 +312,12 @@ def test_kafka_commits_over_several_connections_and_a_lost_one_is_named(
     intruder.init_transactions()  # aborts the prepared transaction
     intruder.close()
     with pytest.raises(TransactionLostError, match=lost):
-        sink.commit(cs)
-    sink.commit([c for c in cs if c["transactional_id"] != lost])
+        sink.committer().commit(cs)
+    sink.committer().commit([c for c in cs if c["transactional_id"] != lost])
     assert _committed(kafka_bootstrap, sink.topic) == [i for i in range(12) if i != 4]
     more = _prepare_kafka(sink, 100, 12, batch=1)
-    sink.commit(more)
-    sink.commit(more)  # again: harmless
+    sink.committer().commit(more)
+    sink.committer().commit(more)  # again: harmless
     expected = [i for i in range(12) if i != 4] + list(range(100, 112))
     assert _committed(kafka_bootstrap, sink.topic) == expected
 

@@ -66,10 +66,10 @@ def _prepare(
 
 def _write(sink: PostgresSink, batches: Sequence[pa.RecordBatch], batch_id: int = 0) -> None:
     sink.preflight(batches[0].schema)
-    sink.claim(_scope(sink))
+    sink.committer().claim(_scope(sink))
     c = _prepare(sink, batches, batch_id)
     assert c is not None
-    sink.commit([c])
+    sink.committer().commit([c])
 
 
 def test_deletes_by_a_boolean_column(pg_dsn: str) -> None:
@@ -147,7 +147,7 @@ def test_delete_configuration_is_checked(pg_dsn: str) -> None:
 def _commit_later(sink: PostgresSink, c: Committable, after: float) -> threading.Thread:
     def commit() -> None:
         time.sleep(after)
-        sink.commit([c])
+        sink.committer().commit([c])
 
     t = threading.Thread(target=commit)
     t.start()
@@ -163,7 +163,7 @@ def test_a_delete_waits_for_the_earlier_batch_that_inserted_its_key(pg_dsn: str)
     sink = PostgresSink(pg_dsn, "t", key=["id"], delete_when="gone")
     first = _batch(id=[5, 6], name=["five", "six"], gone=[False, False])
     sink.preflight(first.schema)
-    sink.claim(_scope(sink))
+    sink.committer().claim(_scope(sink))
     c0 = _prepare(sink, [first], 0)
     assert c0 is not None
     committer = _commit_later(sink, c0, after=1.5)
@@ -172,7 +172,7 @@ def test_a_delete_waits_for_the_earlier_batch_that_inserted_its_key(pg_dsn: str)
     waited = time.monotonic() - started
     committer.join()
     assert c1 is not None
-    sink.commit([c1])
+    sink.committer().commit([c1])
     assert _rows(pg_dsn, "SELECT id, name FROM t ORDER BY id") == [(6, "six")]
     assert waited >= 1.4, f"the delete did not wait for batch 0 ({waited:.2f}s)"
     assert job_prepared(pg_dsn, JOB) == []
@@ -183,7 +183,7 @@ def test_a_delete_waits_no_longer_than_lock_timeout(pg_dsn: str) -> None:
     sink = PostgresSink(pg_dsn, "t", key=["id"], delete_when="gone", lock_timeout=1)
     first = _batch(id=[5], name=["five"], gone=[False])
     sink.preflight(first.schema)
-    sink.claim(_scope(sink))
+    sink.committer().claim(_scope(sink))
     c0 = _prepare(sink, [first], 0)
     assert c0 is not None
     with pytest.raises(LockWaitError, match=r"deletes keys and waited .*b0\.p0"):
@@ -191,7 +191,7 @@ def test_a_delete_waits_no_longer_than_lock_timeout(pg_dsn: str) -> None:
     # a batch of writes only does not wait for anything it does not share
     c2 = _prepare(sink, [_batch(id=[7], name=["seven"], gone=[False])], 2)
     assert c2 is not None
-    sink.commit([c0, c2])
+    sink.committer().commit([c0, c2])
     assert _rows(pg_dsn, "SELECT id FROM t ORDER BY id") == [(5,), (7,)]
     assert job_prepared(pg_dsn, JOB) == []
 

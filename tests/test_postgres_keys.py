@@ -51,7 +51,7 @@ def _write(sink: PostgresSink, batches: Sequence[pa.RecordBatch], batch_id: int 
     schema = batches[0].schema
     sink.preflight(schema)
     scope = JobScope(JOB, "p", sink.sink_id, "0123456789ab")
-    sink.claim(scope)
+    sink.committer().claim(scope)
     w = sink.open_writer(WriteContext(scope, 1, batch_id, 0, batch_id * 10), schema)
     failed = True
     try:
@@ -62,7 +62,7 @@ def _write(sink: PostgresSink, batches: Sequence[pa.RecordBatch], batch_id: int 
     finally:
         w.close(failed=failed)
     assert c is not None
-    sink.commit([c])
+    sink.committer().commit([c])
 
 
 def _json_rows(path: Path, rows: list[dict[str, object]]) -> None:

@@ -59,7 +59,7 @@ def test_the_limit_hit_names_the_setting(dsn: str) -> None:
     sink = PostgresSink(dsn, "orders")
     sink.preflight(SCHEMA)
     scope = JobScope("limit", "p", sink.sink_id, "0123456789ab")
-    sink.claim(scope)
+    sink.committer().claim(scope)
     for part in range(LIMIT + 1):
         w = sink.open_writer(WriteContext(scope, 1, 0, part, part), SCHEMA)
         w.write(pa.RecordBatch.from_pydict({"id": [part], "name": ["x"], "amount": [1.0]}))

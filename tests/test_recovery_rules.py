@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 
 from lifecycle.coordinator import Coordinator
@@ -22,38 +21,37 @@ from lifecycle.job_sinks import PipelineSinks
 from lifecycle.ledger import Ledger
 from lifecycle.spark_log import SparkCommitLog
 from sinks.base import (
-    COMMITTED,
-    LOST,
-    PREPARED,
     Committable,
     JobScope,
     OrphanTest,
-    Sink,
-    SinkWriter,
-    WriteContext,
+    Outcome,
 )
 from sinks.errors import ConfigError, TransactionLostError
 from sinks.naming import TxnName
 from tests.ledgers import LedgerBackend
+from tests.memory_sink import MemorySink
 
 
-class RecordingSink(Sink):
+class RecordingSink(MemorySink):
+    """A sink in memory that records what it prepared, committed and aborted."""
+
     kind = "recording"
 
     def __init__(self) -> None:
+        super().__init__("s")
         self.prepared: set[str] = set()
         self.committed: list[str] = []
         self.aborted: list[str] = []
 
-    @property
-    def sink_id(self) -> str:
-        return "s"
-
-    def preflight(self, schema: pa.Schema) -> None:
-        pass
-
-    def open_writer(self, ctx: WriteContext, schema: pa.Schema) -> SinkWriter:
-        raise NotImplementedError
+    def classify(self, committables: Sequence[Committable]) -> dict[str, Outcome]:
+        return {
+            c["txn"]: Outcome.COMMITTED
+            if c["txn"] in self.committed
+            else Outcome.PREPARED
+            if c["txn"] in self.prepared
+            else Outcome.LOST
+            for c in committables
+        }
 
     def commit(self, committables: Sequence[Committable]) -> None:
         for c in committables:
@@ -69,7 +67,7 @@ class RecordingSink(Sink):
                 self.prepared.discard(c["txn"])
                 self.aborted.append(c["txn"])
 
-    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+    def sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
         gone = []
         for name in sorted(self.prepared):
             n = TxnName.parse(name)
@@ -143,7 +141,7 @@ def test_a_decided_checkpoint_is_finished_first(world: World) -> None:
     b0 = world.register(0)
     world.spark_completed(0)
     cp = ledger.decide("periodic", {"p": 0}, [])
-    sink.commit([{"txn": b0[0]}])  # crash in the middle of committing
+    sink.committer().commit([{"txn": b0[0]}])  # crash in the middle of committing
     world.coordinator().recover()
     assert sorted(sink.committed) == sorted(b0)
     assert [c.id for c in ledger.history()] == [cp.id]
@@ -272,27 +270,17 @@ def test_a_batch_committed_before_is_recognised_by_its_offsets(world: World) -> 
 
 class LosingSink(RecordingSink):
     """A recording sink that can lose prepared work, as a broker's timeout or
-    someone's ROLLBACK PREPARED does, and classifies what it holds."""
+    someone's ROLLBACK PREPARED does."""
 
     def lose(self, names: list[str]) -> None:
         self.prepared.difference_update(names)
 
     def commit(self, committables: Sequence[Committable]) -> None:
         """As the protocol asks: a loss found before committing commits none."""
-        lost = [c["txn"] for c in committables if self.classify([c])[c["txn"]] == LOST]
+        lost = [c["txn"] for c in committables if self.classify([c])[c["txn"]] is Outcome.LOST]
         if lost:
             raise TransactionLostError(f"{lost} lost")
         super().commit(committables)
-
-    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
-        return {
-            c["txn"]: COMMITTED
-            if c["txn"] in self.committed
-            else PREPARED
-            if c["txn"] in self.prepared
-            else LOST
-            for c in committables
-        }
 
 
 @pytest.fixture
@@ -359,7 +347,7 @@ def test_a_loss_after_part_of_its_batch_committed_owes_only_the_lost_share(
     b0 = losing.register(0)
     losing.spark_completed(0)
     losing.ledger.decide("periodic", {"p": 0}, [])
-    sink.commit([{"txn": b0[0]}])
+    sink.committer().commit([{"txn": b0[0]}])
     sink.lose(b0[1:])
     _replaying(losing).recover()
     assert losing.ledger.owed() == {"p": {0: {"s": 1}}}
@@ -376,7 +364,7 @@ def test_a_loss_after_a_later_batch_committed_stops_the_job(losing: World) -> No
     b0, b1 = losing.register(0), losing.register(1)
     losing.spark_completed(1)
     losing.ledger.decide("periodic", {"p": 1}, [])
-    sink.commit([{"txn": n} for n in b1])
+    sink.committer().commit([{"txn": n} for n in b1])
     sink.lose(b0)
     with pytest.raises(CheckpointCommitError):
         _replaying(losing).recover()
@@ -417,7 +405,7 @@ def test_a_payment_cut_short_is_finished_at_the_next_start(losing: World, commit
     again = [txn(0, i, run=2) for i in range(2)]
     work = _rewrite(losing, again)
     losing.ledger.record_repaying("p", 0, work)
-    losing.sink.commit(work["s"][:committed])
+    losing.sink.committer().commit(work["s"][:committed])
     coord = _replaying(losing)
     coord.recover()  # sweeps: the recorded work is owned
     assert not set(again) & set(losing.sink.aborted)  # type: ignore[attr-defined]
@@ -431,7 +419,7 @@ def test_a_payment_lost_in_part_after_part_committed_is_an_error(losing: World) 
     again = [txn(0, i, run=2) for i in range(2)]
     work = _rewrite(losing, again)
     losing.ledger.record_repaying("p", 0, work)
-    losing.sink.commit(work["s"][:1])
+    losing.sink.committer().commit(work["s"][:1])
     losing.sink.lose(again[1:])  # type: ignore[attr-defined]
     with pytest.raises(TransactionLostError, match="committed in part and lost in part"):
         _replaying(losing).finish_repay("p", 0)

@@ -239,7 +239,7 @@ def test_an_audit_without_the_key_id_says_so_in_one_plain_line(
     del options["AWS_ACCESS_KEY_ID"]
     sink = DeltaSink(f"s3://{twophase_s3_bucket}/orders", storage_options=options)
     with pytest.raises(OSError) as e:
-        sink.audit(JobScope("j", "p", sink.sink_id, "0123456789ab"), [])
+        sink.committer().audit(JobScope("j", "p", sink.sink_id, "0123456789ab"), [])
     message = str(e.value)
     assert "no credentials" in message and "AWS_ACCESS_KEY_ID" in message, message
     assert "\x1b[" not in message and twophase_s3.secret_key not in message, message

@@ -66,12 +66,12 @@ def test_add_columns_adds_them_after_preflight_and_before_any_write(pg_dsn: str)
         ("name", "text", "NO"),
         ("score", "double precision", "YES"),
     ]
-    sink.claim(scope)
+    sink.committer().claim(scope)
     w = sink.open_writer(WriteContext(scope, 1, 0, 0, 0), WIDER)
     w.write(pa.RecordBatch.from_pydict({"id": [1], "name": ["a"], "score": [0.5]}, schema=WIDER))
     c = w.prepare()
     w.close()
-    sink.commit([c])
+    sink.committer().commit([c])
     assert _sql(pg_dsn, "SELECT * FROM t") == [(1, "a", 0.5)]
 
 

@@ -131,7 +131,7 @@ def test_create_table_columns_hold_every_value_of_their_type(pg_module_dsn: str)
     ctx = WriteContext(JobScope("types", "p", "created"), 1, 0, 0, next(_attempts))
     writer = sink.open_writer(ctx, batch.schema)
     writer.write(batch)
-    sink.commit([writer.prepare()])
+    sink.committer().commit([writer.prepare()])
     writer.close()
     with psycopg.connect(pg_module_dsn, autocommit=True) as c:
         c.execute("SET TimeZone = 'America/New_York'")  # not UTC: wall clock vs instant
@@ -169,7 +169,7 @@ def _write(dsn: str, table: str, column: str, arr: pa.Array, *, key: list[str] |
         assert not _prepared(dsn, str(ctx.txn_name()))
         return e
     writer.close()
-    sink.commit([committable])
+    sink.committer().commit([committable])
     return None
 
 
@@ -354,7 +354,7 @@ def _delta_write(uri: str, batch: pa.RecordBatch, partition_by: list[str] | None
         ok = True
     finally:
         writer.close(failed=not ok)
-    sink.commit([committable])
+    sink.committer().commit([committable])
 
 
 @pytest.mark.parametrize(

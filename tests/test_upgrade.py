@@ -1,4 +1,12 @@
-"""Upgrade: a state written by the version before incarnations recovers.
+"""Upgrade: a state written by an earlier version recovers under this one.
+
+Two earlier versions are run, each taken from git:
+
+* the version before the Committer joined the sink protocol (commit 590dbb6):
+  its ledger (format 2), its transaction names (``tp2.``, pooled Kafka ids
+  ``tp3.``), its progress records and its recorded settings must all read the
+  same, though every driver-side call now goes through a committer;
+* the version before incarnations (below).
 
 The version before this change (commit e43e90d) is taken from git and run as a
 real driver on PostgreSQL, Kafka and Delta until a fault SIGKILLs it while a
@@ -26,6 +34,7 @@ from tests.pgcheck import job_prepared
 from tests.procs import JobProcess, tree_at
 
 PREVIOUS = "e43e90d"  # the last commit before incarnations
+BEFORE_COMMITTER = "590dbb6"  # the last commit before the Committer in the sink protocol
 
 pytestmark = pytest.mark.crash
 
@@ -80,3 +89,49 @@ def test_a_crashed_state_of_the_previous_version_recovers(
     doc = read_ledger(run.state)
     assert doc is not None and doc["incarnation"]
     assert (run.state / "ledger" / "ledger.json.v1").exists()
+
+
+@pytest.mark.parametrize(
+    "point",
+    tiers.params(
+        ["driver.before_commit=kill", "driver.mid_commit=kill"], keep=["driver.before_commit=kill"]
+    ),
+)
+def test_a_crashed_state_of_the_version_before_the_committer_recovers(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    kafka_topic: Callable[[int], str],
+    tmp_path: Path,
+    point: str,
+) -> None:
+    old_tree = tree_at(BEFORE_COMMITTER, tmp_path / "before")
+    n = write_input(tmp_path / "in", files=4, rows_per_file=100)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(
+            "CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8, part bigint)"
+        )
+    run = Run(tmp_path, pg_dsn, kafka_bootstrap, kafka_topic(3))
+
+    # the earlier version: one checkpoint committed, the next decided and not committed
+    args = [
+        *("--dsn", pg_dsn, "--bootstrap", kafka_bootstrap, "--topic", str(run.topic)),
+        *("--delta", str(run.delta), "--state", str(run.state), "--input", str(tmp_path / "in")),
+        *("--job", run.job, "--interval", "2", "--files-per-batch", "1"),
+    ]
+    old = JobProcess("multi_sink_job.py", args, tmp_path / "old.log", point, root=old_tree)
+    old.wait(240)
+    assert old.killed(), old.tail()
+    before = read_ledger(run.state)
+    assert before is not None and before["incarnation"] and before["decided"], before
+    incarnation = before["incarnation"]
+    if point == "driver.before_commit=kill":
+        prepared = job_prepared(pg_dsn, run.job)
+        assert prepared and all(f".i{incarnation}." in g for g in prepared), prepared
+
+    # this version on the same state_dir: the same incarnation finishes the decision
+    new = run.start()
+    assert new.proc.returncode == 0, new.tail()
+    run.check(n, per_checkpoint=False)
+    after = read_ledger(run.state)
+    assert after is not None and after["incarnation"] == incarnation
+    assert after["sinks"] == before["sinks"]  # the recorded settings read the same

@@ -1,5 +1,6 @@
 """The Delta versions a sink commits: its claims, and each checkpoint's staged
-work as one version (what Flink calls the sink's committer).
+work as one version: the Delta sink's :class:`~sinks.committer.Committer`
+(abort and the sweep of staged work it inherits from :mod:`sinks.delta.sweep`).
 
 The driver commits every staged file of one ``commit`` call (one checkpoint of
 one pipeline) as ONE Delta version, through deltalake's
@@ -47,30 +48,34 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deltalake import CommitProperties, DeltaTable, Transaction
-from deltalake.exceptions import CommitFailedError
+from deltalake import CommitProperties, Transaction
+from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction
 
 from sinks import _faults
 from sinks._retry import retry_transient
-from sinks.base import COMMITTED, LOST, PREPARED, ClaimedScopes, Committable, JobScope
-from sinks.delta import merge, progress, replace, spark_txn, table
+from sinks.audit import CheckpointEvidence, Finding
+from sinks.capabilities import Audits
+from sinks.committer import Committable, Committer, Outcome
+from sinks.delta import audit as delta_audit
+from sinks.delta import merge, progress, replace, spark_txn, store_errors, table
 from sinks.delta.constraints import RowRules
 from sinks.delta.layout import DeltaSchemaError, Layout, check_file_schema
 from sinks.delta.spark_features import SparkRoute
-from sinks.delta.storage import TableStorage, marker_path
+from sinks.delta.storage import marker_path
+from sinks.delta.sweep import TRANSIENT, DeltaSweeper
 from sinks.errors import REWRITE_ADVICE, CommitRefusedError, PreflightError, TransactionLostError
 from sinks.keys import KeyedWrite
 from sinks.naming import TxnName
 from sinks.progress import SinkProgress, conflict, may_claim
+from sinks.scope import ClaimedScopes, JobScope
 
 log = logging.getLogger("sinks.delta")
 
-TRANSIENT = (CommitFailedError, OSError)
 
 _REFUSALS = (
     "delta table is append-only",
@@ -94,29 +99,24 @@ def app_id(scope: JobScope) -> str:
 
 
 @dataclass
-class DeltaCommitter:
-    """Commits one Delta sink's claims and staged work."""
+class DeltaCommitter(DeltaSweeper, Audits, Committer):
+    """Commits one Delta sink's claims and staged work (and aborts and sweeps
+    it, as a :class:`~sinks.delta.sweep.DeltaSweeper`)."""
 
-    where: str
-    """the sink, for messages"""
-    sink_id: str
-    storage: TableStorage
-    load: Callable[[], DeltaTable | None]
     claims: ClaimedScopes
     rules: KeyedWrite
     replace_where: str | None
-    commit_timeout: float
     spark_route: SparkRoute
     """how delta-spark reaches the table (:func:`~sinks.delta.spark_features.route`)"""
 
     # -- progress and claims -----------------------------------------------------------
 
-    def read_progress(self, scope: JobScope) -> SinkProgress:
+    def progress(self, scope: JobScope) -> SinkProgress:
         """The owner of ``scope`` and the batch up to which it holds it committed."""
         dt = self.load()
         return progress.read(dt, scope) if dt is not None else SinkProgress(owner=None)
 
-    def claim(self, scope: JobScope, start_over_from: str | None) -> SinkProgress:
+    def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
         """Make ``scope.incarnation`` the owner of ``scope`` (a version of its
         own, compare-and-set) and remember the scope as this sink's."""
         ours = scope.incarnation
@@ -329,29 +329,29 @@ class DeltaCommitter:
             stats=add["stats"],
         )
 
-    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
+    def classify(self, committables: Sequence[Committable]) -> dict[str, Outcome]:
         """The checks of :meth:`commit`: committed when the table's app version of
         its scope is at or above its batch (commits carry the highest batch of
         their call, and batches only grow); else prepared when every staged file
         is there as prepared and its rows were checked against the table's row
         rules of now, lost when one is gone or changed or the rules changed."""
 
-        def read() -> dict[str, str]:
+        def read() -> dict[str, Outcome]:
             dt = self.load()
             if dt is None:
-                return {c["txn"]: LOST for c in committables}
+                return {c["txn"]: Outcome.LOST for c in committables}
             layout = table.layout_of(dt)
             try:
                 rules = RowRules.of(dt, self.where).digest
             except DeltaSchemaError:
                 rules = None  # rules no row can be checked against: nothing commits
-            found: dict[str, str] = {}
+            found: dict[str, Outcome] = {}
             for c in committables:
                 name = TxnName.require(c["txn"])
                 scope = JobScope(name.job, name.pipeline, name.sink_id, name.incarnation)
                 done = dt.transaction_version(app_id(scope))
                 if done is not None and done >= name.batch_id:
-                    found[c["txn"]] = COMMITTED
+                    found[c["txn"]] = Outcome.COMMITTED
                     continue
                 try:
                     if c.get("checked", "") != rules:
@@ -362,9 +362,9 @@ class DeltaCommitter:
                         if self.storage.info(ch["path"]) is None:
                             raise TransactionLostError(ch["path"])
                 except TransactionLostError:
-                    found[c["txn"]] = LOST
+                    found[c["txn"]] = Outcome.LOST
                 else:
-                    found[c["txn"]] = PREPARED
+                    found[c["txn"]] = Outcome.PREPARED
             return found
 
         return retry_transient(
@@ -373,3 +373,16 @@ class DeltaCommitter:
             transient=TRANSIENT,
             deadline=self.commit_timeout,
         )
+
+    # -- audits ----------------------------------------------------------------------
+
+    def evidence(self, committable: Committable) -> dict[str, Any]:
+        return delta_audit.evidence(committable)
+
+    def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
+        try:
+            dt = self.load()
+        except (DeltaError, OSError) as e:
+            said = store_errors.explain(e, self.storage.table_uri, self.storage.storage_options)
+            raise OSError(f"cannot open {self.where}: {said}") from None
+        return delta_audit.audit(self.storage, dt, app_id(scope), checkpoints)

@@ -5,8 +5,8 @@ created or checked), schema evolution and its writers (:mod:`sinks.delta.writer`
 in tasks, :mod:`sinks.delta.spark_stage` by Spark's own writer,
 :mod:`sinks.delta.changes` for keyed sinks). Executors stage Parquet files in
 the table directory, invisible until committed; claims and the commit path are
-the committer's (:mod:`sinks.delta.committer`), abort and sweep the sweeper's
-(:mod:`sinks.delta.sweep`).
+the committer's (:mod:`sinks.delta.committer`; its abort and sweep:
+:mod:`sinks.delta.sweep`).
 """
 
 from __future__ import annotations
@@ -23,21 +23,11 @@ from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 
 from sinks import settings
-from sinks.audit import CheckpointEvidence, Finding
-from sinks.base import (
-    ClaimedScopes,
-    Committable,
-    JobScope,
-    LingeringTxn,
-    OrphanTest,
-    Sink,
-    SinkWriter,
-    WriteContext,
-)
-from sinks.delta import audit as delta_audit
+from sinks.base import ClaimedScopes, Committable, JobScope, Sink, SinkWriter, WriteContext
+from sinks.capabilities import StagesThroughSpark
 from sinks.delta import replace, s3_writers, spark_features, store_errors, table
 from sinks.delta.changes import ChangeWriter
-from sinks.delta.committer import DeltaCommitter, app_id
+from sinks.delta.committer import DeltaCommitter
 from sinks.delta.constraints import RowRules
 from sinks.delta.layout import DeltaSchemaError, Layout, quoted
 from sinks.delta.spark_stage import SparkStage, nested_not_null
@@ -45,19 +35,17 @@ from sinks.delta.storage import (
     TableStorage,
     local_root,
 )
-from sinks.delta.sweep import DeltaSweeper
 from sinks.delta.writer import DeltaWriter
 from sinks.errors import ConfigError, PreflightError
 from sinks.keys import KeyedWrite
 from sinks.naming import check_id
-from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.delta")
 
 WRITE_WITH = ("auto", "spark", "arrow")
 
 
-class DeltaSink(Sink):
+class DeltaSink(Sink, StagesThroughSpark):
     """Appends a pipeline's output to a Delta table exactly once.
 
     Args:
@@ -116,7 +104,7 @@ class DeltaSink(Sink):
     """
 
     kind = "delta"
-    _driver_only = ("_committer", "_sweeper")
+    _driver_only = ("_committer",)
 
     def __init__(
         self,
@@ -197,13 +185,10 @@ class DeltaSink(Sink):
             commit_timeout=self.commit_timeout,
             spark_route=self._spark_route,
         )
-        self._sweeper = DeltaSweeper(
-            where=self.describe(),
-            sink_id=self.sink_id,
-            storage=self._storage,
-            load=self._load,
-            commit_timeout=self.commit_timeout,
-        )
+
+    def committer(self) -> DeltaCommitter:
+        """The driver's :class:`~sinks.delta.committer.DeltaCommitter`."""
+        return self._committer
 
     def _default_id(self) -> str:
         digest = hashlib.sha1(self.table_uri.encode()).hexdigest()[:6]
@@ -407,40 +392,3 @@ class DeltaSink(Sink):
             df, scope, run, batch_id
         )
         return [staged] if staged is not None else []
-
-    # -- driver side: claims, commit (sinks.delta.committer), abort, sweep (sinks.delta.sweep)
-
-    def progress(self, scope: JobScope) -> SinkProgress:
-        return self._committer.read_progress(scope)
-
-    def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
-        return self._committer.claim(scope, start_over_from)
-
-    def commit(self, committables: Sequence[Committable]) -> None:
-        """Commit every staged file (or change) of ``committables`` as one Delta
-        version with ``txn(app id, highest batch id)``; skip when the table has
-        that version (:class:`~sinks.delta.committer.DeltaCommitter`)."""
-        self._committer.commit(committables)
-
-    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
-        return self._committer.classify(committables)
-
-    def abort(self, committables: Sequence[Committable]) -> None:
-        self._sweeper.abort(committables)
-
-    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
-        return self._sweeper.lingering(job, pipeline)
-
-    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        return self._sweeper.abort_lingering(scope, is_orphan)
-
-    def evidence(self, committable: Committable) -> dict[str, Any]:
-        return delta_audit.evidence(committable)
-
-    def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
-        try:
-            dt = self._load()
-        except (DeltaError, OSError) as e:
-            said = store_errors.explain(e, self.table_uri, self.storage_options)
-            raise OSError(f"cannot open {self.describe()}: {said}") from None
-        return delta_audit.audit(self._storage, dt, app_id(scope), checkpoints)

@@ -1,7 +1,7 @@
 """Staged work of a Delta sink that will never be committed: aborted, listed, swept.
 
 Staged files are found through their staging markers (:mod:`sinks.delta.storage`):
-:meth:`DeltaSweeper.abort_lingering` lists the marker directory, never the
+:meth:`DeltaSweeper.sweep` lists the marker directory, never the
 whole table, and the commit deletes a transaction's markers once its Delta
 version exists (:mod:`sinks.delta.committer`), so a committed file is never a
 sweep candidate, even after OPTIMIZE removed it from the snapshot while time
@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from deltalake import DeltaTable
+from deltalake.exceptions import CommitFailedError
 
 from sinks._retry import retry_transient
-from sinks.base import Committable, JobScope, LingeringTxn, OrphanTest
+from sinks.committer import Committable, LingeringTxn, OrphanTest
 from sinks.delta import table
-from sinks.delta.committer import TRANSIENT
 from sinks.delta.storage import (
     DATA_SUFFIX,
     SPARK_STAGING_DIR,
@@ -30,13 +30,20 @@ from sinks.delta.storage import (
     split_stem,
 )
 from sinks.naming import TxnName, scope_prefixes
+from sinks.scope import JobScope
 
 log = logging.getLogger("sinks.delta")
+
+TRANSIENT = (CommitFailedError, OSError)
+"""what a Delta commit, abort or sweep retries: a conflict with another
+writer, and the store's errors"""
 
 
 @dataclass
 class DeltaSweeper:
-    """Deletes one Delta sink's staged work that will never be committed."""
+    """Deletes one Delta sink's staged work that will never be committed: the
+    abort, lingering and sweep roles of
+    :class:`~sinks.delta.committer.DeltaCommitter`, which extends it."""
 
     where: str
     """the sink, for messages"""
@@ -68,7 +75,7 @@ class DeltaSweeper:
                 self.storage.delete_staged(rel)
             self.storage.delete(marker_path(rel))
 
-    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+    def sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
         """Delete the staged files of every transaction of ``scope`` that has a
         staging marker and for which ``is_orphan`` is true; return their names.
 
@@ -76,7 +83,7 @@ class DeltaSweeper:
         Committed transactions have no marker (their commit deleted it); a file
         the table references is kept even so."""
         return retry_transient(
-            lambda: self._sweep(scope, is_orphan),
+            lambda: self._sweep_once(scope, is_orphan),
             what=f"sweep of lingering staged files in {self.where}",
             transient=TRANSIENT,
             deadline=self.commit_timeout,
@@ -106,8 +113,7 @@ class DeltaSweeper:
 
     def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
         """Every transaction of (``job``, ``pipeline``, this sink), of every
-        incarnation, with staging markers in the table: what :meth:`abort_lingering`
-        looks at."""
+        incarnation, with staging markers in the table: what :meth:`sweep` looks at."""
         prefixes = scope_prefixes(job, pipeline, self.sink_id)
         found, spark = retry_transient(
             lambda: (self._staged(prefixes), self._spark_staged(prefixes)),
@@ -124,7 +130,7 @@ class DeltaSweeper:
             if txn not in found
         ]
 
-    def _sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+    def _sweep_once(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
         prefixes = scope.own_prefixes()
         orphans = {
             txn: stems for txn, (name, stems) in self._staged(prefixes).items() if is_orphan(name)

@@ -1,5 +1,8 @@
-"""The driver side of the Kafka sink: commit, abort, classify, sweep and forget
-prepared transactions (what Flink calls the sink's committer).
+"""The driver side of the Kafka sink: its :class:`~sinks.committer.Committer`.
+
+Commit, abort, classify, sweep and forget prepared transactions here; claims
+and progress (:mod:`sinks.kafka.claims`) and the lanes of pooled ids
+(:mod:`sinks.kafka.lanes`) are mixed in.
 
 Commit and abort (:mod:`sinks.kafka.txn`): the transaction is resumed by EndTxn
 (never ``init_transactions()``, which aborts), idempotently, the transactions
@@ -9,7 +12,7 @@ that died inside an EndTxn may answer success without having written every
 marker). Abort fences (InitProducerId). Retried (tenacity) on retriable errors
 and dropped connections, bounded by ``commit_timeout``.
 
-Lingering transactions (``abort_lingering``): the driver cannot list them from
+Lingering transactions (``sweep``): the driver cannot list them from
 Kafka portably (ListTransactions needs Kafka 3.0+ and DESCRIBE rights; tansu
 lacks it) nor derive them (Spark task attempt ids are not enumerable). Every
 writer therefore announces its transactional id in a registry topic before it
@@ -44,7 +47,7 @@ Guarantees across a crash at any instant: a batch's data and its announcement
 commit together; the progress record is durable before its announcements are
 tombstoned, so one of them always says the batch committed (a sweep that finds
 a committed announcement left by a missed ``forget`` records its progress
-before tombstoning it). Before each commit the claim (:mod:`sinks.kafka.sink`)
+before tombstoning it). Before each commit the claim (:mod:`sinks.kafka.claims`)
 is re-read (incrementally): another owner refuses the commit (``at_commit``),
 and committables of a batch at or below this incarnation's progress record are
 replays: fenced, never committed (a retried commit of the same transactions
@@ -62,16 +65,22 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sinks import _faults, base
+from sinks import _faults
 from sinks._parallel import slices
 from sinks._retry import retry_transient
-from sinks.base import Committable, JobScope, LingeringTxn, OrphanTest
+from sinks.audit import CheckpointEvidence, Finding
+from sinks.capabilities import Audits
+from sinks.committer import REPAYS, Committable, Committer, LingeringTxn, OrphanTest, Outcome
 from sinks.errors import REWRITE_ADVICE, TransactionLostError
+from sinks.kafka import audit as kafka_audit
 from sinks.kafka import outcome, txn, txn_age
+from sinks.kafka.claims import RegistryClaims
 from sinks.kafka.connections import DriverConnections
+from sinks.kafka.lanes import PooledLanes
 from sinks.kafka.pool import IdPool, lane_of
 from sinks.kafka.progress import ProgressStore
 from sinks.kafka.registry import (
@@ -80,26 +89,22 @@ from sinks.kafka.registry import (
     OPEN,
     Announcement,
     announced_name,
-    write_tombstones,
 )
 from sinks.kafka.wire import TRANSIENT, KafkaWire
 from sinks.naming import TxnName, scope_prefixes
+from sinks.scope import JobScope
 
 log = logging.getLogger("sinks.kafka")
 
-REGISTRY_TIMEOUT_S = 30.0
-"""seconds a write to the registry (a claim, progress records, tombstones) waits
-for its acknowledgement"""
-
 
 @dataclass
-class KafkaCommitter:
+class KafkaCommitter(RegistryClaims, PooledLanes, Audits, Committer):
     """Commits, aborts, classifies and sweeps one Kafka sink's transactions, and
     records what committed in the sink's registry topic.
 
-    Lives on the driver only: :class:`~sinks.kafka.sink.KafkaSink` makes it with
-    its driver-side state (connections, progress store, pool of ids) and
-    delegates to it."""
+    Lives on the driver only: :meth:`KafkaSink.committer
+    <sinks.kafka.sink.KafkaSink.committer>` makes it with the sink's
+    driver-side state (connections, progress store, pool of ids)."""
 
     where: str
     """the sink, for messages"""
@@ -115,6 +120,8 @@ class KafkaCommitter:
     store: ProgressStore | None
     """None without a registry topic: no progress, no sweep, no tombstones"""
     pool: IdPool
+    pooled_ids: Callable[[], bool]
+    """whether the broker answers DescribeTransactions (found at preflight)"""
 
     # -- commit ---------------------------------------------------------------------------
 
@@ -154,7 +161,7 @@ class KafkaCommitter:
                 if not checked:  # a retry goes on where the last attempt stopped
                     self._check_alive(wire, list(pending.values()))
                     checked = True
-                ordinary = {t: c for t, c in pending.items() if not c.get(base.REPAYS)}
+                ordinary = {t: c for t, c in pending.items() if not c.get(REPAYS)}
                 replays = self.store.replays(wire, ordinary) if self.store else []
                 if replays:
                     log.warning(
@@ -209,7 +216,7 @@ class KafkaCommitter:
         verdicts = outcome.verdicts(wire, committables)
         if verdicts is None:
             return
-        lost = [c for c in committables if verdicts[c["txn"]] == base.LOST]
+        lost = [c for c in committables if verdicts[c["txn"]] == Outcome.LOST]
         if not lost:
             return
         raise TransactionLostError(
@@ -232,12 +239,12 @@ class KafkaCommitter:
             + REWRITE_ADVICE
         )
 
-    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
+    def classify(self, committables: Sequence[Committable]) -> dict[str, Outcome]:
         """COMMITTED, PREPARED or LOST for each of ``committables``: the broker,
         then the log (:func:`sinks.kafka.outcome.verdicts`); on a broker that
         cannot describe transactions, the log alone."""
 
-        def read() -> dict[str, str]:
+        def read() -> dict[str, Outcome]:
             with self.conns.wire() as wire:
                 found = outcome.verdicts(wire, committables)
                 if found is None:
@@ -341,7 +348,7 @@ class KafkaCommitter:
             for tid, (name, a) in found.items()
         ]
 
-    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
+    def sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
         """Fence the orphans among the ids of ``scope.own_prefixes()`` announced
         for this topic; tombstone them once the registry shows them aborted.
 
@@ -355,7 +362,7 @@ class KafkaCommitter:
 
         orphans_named: dict[str, TxnName] = {}
 
-        def sweep() -> tuple[list[TxnName], dict[str, Announcement]]:
+        def sweep_once() -> tuple[list[TxnName], dict[str, Announcement]]:
             with self.conns.wire() as wire:
                 announced = self._announced(wire, scope.own_prefixes())
                 self.pool.remember(scope, announced, self.id_prefix)  # lanes ask the broker
@@ -378,7 +385,7 @@ class KafkaCommitter:
                 return [orphans[t] for t in ending], {t: live[t] for t in orphans if t in live}
 
         ended, found = retry_transient(
-            sweep,
+            sweep_once,
             what=f"sweep of lingering transactions in {self.where}",
             transient=TRANSIENT,
             deadline=self.commit_timeout,
@@ -394,54 +401,14 @@ class KafkaCommitter:
             log.info("aborted %d lingering Kafka transaction(s): %s", len(aborted), aborted)
         return aborted
 
-    # -- forget: progress records and tombstones ----------------------------------------------
+    # -- audits ----------------------------------------------------------------------------
 
-    def forget(self, committables: Sequence[Committable]) -> None:
-        """Record the committed batches in a progress record, then tombstone
-        their announcements (which said the same until then)."""
-        ids = sorted({c["transactional_id"] for c in committables})
-        names = [TxnName.require(c["txn"]) for c in committables]
-        if ids and self._record_committed(names):
-            self._tombstone(ids)
+    def evidence(self, committable: Committable) -> dict[str, Any]:
+        return kafka_audit.evidence(committable)
 
-    def _record_committed(self, names: list[TxnName], *, as_named: bool = False) -> bool:
-        """Append the progress records of the committed transactions ``names``
-        (see :meth:`ProgressStore.record_committed`); False (and the
-        announcements must stay) when they could not be written."""
-        store = self.store
-        if store is None:
-            return True
-        try:
-            with self.conns.wire() as wire, self.conns.producer() as producer:
-                store.record_committed(wire, producer, names, REGISTRY_TIMEOUT_S, as_named=as_named)
-        except Exception as e:
-            log.warning(
-                "could not record the progress of %d committed transaction(s) in registry %s "
-                "(%r); their announcements stay and say the same",
-                len(names),
-                store.registry,
-                e,
-            )
-            return False
-        return True
-
-    def _tombstone(self, ids: list[str]) -> None:
-        """Mark ids resolved in the registry. Best effort: a missed tombstone only
-        makes a later sweep see an already finished id again (harmless)."""
-        if not ids or self.store is None:
-            return
-        try:
-            with self.conns.producer() as producer:
-                write_tombstones(producer, self.store.registry, ids, timeout_s=REGISTRY_TIMEOUT_S)
-        except Exception as e:
-            log.warning(
-                "could not tombstone %d id(s) in registry %s (%r); harmless, a later sweep retries",
-                len(ids),
-                self.store.registry,
-                e,
-            )
-            return
-        self.store.view.forget(ids)
+    def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
+        with self.conns.wire() as wire:
+            return kafka_audit.audit(wire, checkpoints)
 
 
 def _batch_of(committable: Committable) -> int:

@@ -1,6 +1,6 @@
 """How did a transaction end? Ask the broker, then the log, never a clock.
 
-:func:`verdicts` (before a commit, and for ``Sink.classify``): the broker's
+:func:`verdicts` (before a commit, and for the committer's ``classify``): the broker's
 transaction coordinator (DescribeTransactions) vouches for a transaction that
 is open or committed with its own producer id and epoch; for any other answer
 (its epoch bumped by a fence or by the broker's timeout, an abort, an id the
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sinks import base
+from sinks.committer import Outcome
 from sinks.kafka.wire import KafkaWire
 
 COMMITTED = "committed"
@@ -34,8 +34,8 @@ _COMMITTABLE_STATES = ("Ongoing", "PrepareCommit")
 _COMMITTED_STATE = "CompleteCommit"
 
 
-def verdicts(wire: KafkaWire, committables: Sequence[dict[str, Any]]) -> dict[str, str] | None:
-    """:data:`sinks.base.COMMITTED`, ``PREPARED`` or ``LOST`` for each of
+def verdicts(wire: KafkaWire, committables: Sequence[dict[str, Any]]) -> dict[str, Outcome] | None:
+    """:data:`sinks.Outcome.COMMITTED`, ``PREPARED`` or ``LOST`` for each of
     ``committables`` (by name): what the broker says of its transactional id
     when that speaks of the transaction's own producer id and epoch (Ongoing or
     PrepareCommit: prepared; CompleteCommit: committed), else the log's
@@ -45,7 +45,7 @@ def verdicts(wire: KafkaWire, committables: Sequence[dict[str, Any]]) -> dict[st
     states = wire.describe_transactions(wire.find_coordinators(ids))
     if states is None:
         return None
-    found: dict[str, str] = {}
+    found: dict[str, Outcome] = {}
     for c in committables:
         state = states.get(c["transactional_id"])
         own = (
@@ -54,22 +54,22 @@ def verdicts(wire: KafkaWire, committables: Sequence[dict[str, Any]]) -> dict[st
             and state.epoch == int(c["epoch"])
         )
         if own and state is not None and state.state in _COMMITTABLE_STATES:
-            found[c["txn"]] = base.PREPARED
+            found[c["txn"]] = Outcome.PREPARED
         elif own and state is not None and state.state == _COMMITTED_STATE:
-            found[c["txn"]] = base.COMMITTED
+            found[c["txn"]] = Outcome.COMMITTED
         else:
             found[c["txn"]] = verdict_of(wire, c)
     return found
 
 
-def verdict_of(wire: KafkaWire, committable: dict[str, Any]) -> str:
-    """The log's :func:`txn_outcome` in :meth:`sinks.base.Sink.classify`'s terms:
+def verdict_of(wire: KafkaWire, committable: dict[str, Any]) -> Outcome:
+    """The log's :func:`txn_outcome` in :meth:`sinks.committer.Committer.classify`'s terms:
     COMMIT marker: committed; no marker yet: prepared; ABORT marker, or its
     records gone: lost."""
     verdict = txn_outcome(wire, committable)
     if verdict == COMMITTED:
-        return base.COMMITTED
-    return base.PREPARED if verdict == OPEN else base.LOST
+        return Outcome.COMMITTED
+    return Outcome.PREPARED if verdict == OPEN else Outcome.LOST
 
 
 def txn_outcome(wire: KafkaWire, committable: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ So the ids are reused, fenced by epoch, and their number stays flat however
 long the job runs.
 
 **Lanes.** The driver leases each batch a *lane* (:meth:`IdPool.lease`, in
-``Sink.lease``, before the batch's tasks start); a task's transactional id is
+the committer's ``lease``, before the batch's tasks start); a task's transactional id is
 its scope's, the lane, its partition and its attempt number::
 
     <prefix>tp3.<job>.<pipeline>.<sink>.i<incarnation>.l<lane>.p<partition>.a<attempt>
@@ -27,7 +27,7 @@ numbers Spark reaches.
 **An id returns to the pool only after its transaction ended.** A lane is
 released (:meth:`IdPool.release`) once its batch is settled (its checkpoint
 committed it, or it was aborted, and the sweep that follows aborted the batch's
-orphans: ``Sink.settled``), the registry shows no transaction of the lane's
+orphans: the committer's ``settled``), the registry shows no transaction of the lane's
 ids still open or committed without its tombstone, *and* the broker shows none
 open: DescribeTransactions of every id the pool has seen in the lane (in
 announcements, committables aborted, the registry), one request per

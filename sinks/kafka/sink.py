@@ -1,14 +1,15 @@
 """Kafka exactly-once sink: one transaction per task attempt, committed by the driver.
 
 Longer than 450 lines because KafkaSink is the public API: its documented
-constructor, its settings round trip and every method the coordinator calls
-(most of them one-line delegations) stay on this one class.
+constructor with every option, and its settings round trip, stay on this one
+class.
 
 This module is the sink's face: its options and settings, its transactional
-ids, preflight (:mod:`sinks.kafka.preflight`), its writers, its claims and its
-lanes of pooled ids. The commit path, abort, the sweep of lingering
-transactions and the records of what committed are the committer's
-(:mod:`sinks.kafka.committer`).
+ids, preflight (:mod:`sinks.kafka.preflight`) and its writers. The commit
+path, abort, the sweep of lingering transactions and the records of what
+committed are the committer's (:mod:`sinks.kafka.committer`, with its claims
+in :mod:`sinks.kafka.claims` and its lanes of pooled ids in
+:mod:`sinks.kafka.lanes`).
 
 Executor side (:mod:`sinks.kafka.writer`): each Spark task writes its partition
 in its own Kafka transaction, flushes it and returns the committable ``{txn,
@@ -23,7 +24,7 @@ transaction name (:mod:`sinks.naming`: ``tp2.<job>.<pipeline>.<sink>.i<incarnati
 What the sink remembers (:mod:`sinks.kafka.progress`), all in the registry
 topic, per (target topic, job, pipeline, sink id):
 
-* the **claim**: which incarnation may commit. ``claim()`` (at start, before any
+* the **claim**: which incarnation may commit. The committer's ``claim`` (at start, before any
   data moves) appends a claim record on registry partition 0 unless this
   incarnation holds it already; the owner is decided by replaying the claim
   records in log order (a claim wins iff the owner so far is nobody, itself or
@@ -46,7 +47,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,37 +54,25 @@ import pyarrow as pa
 
 from sinks import settings
 from sinks._parallel import COMMIT_CONNECTIONS, check_connections
-from sinks._retry import retry_transient
-from sinks.audit import CheckpointEvidence, Finding
-from sinks.base import (
-    Committable,
-    JobScope,
-    LingeringTxn,
-    OrphanTest,
-    Sink,
-    SinkWriter,
-    WriteContext,
-)
+from sinks.base import Committable, Sink, SinkWriter, WriteContext
+from sinks.capabilities import ExpiringWork, HoldsPreparedWork
 from sinks.errors import ConfigError
-from sinks.kafka import audit as kafka_audit
-from sinks.kafka import checks, txn, txn_age
-from sinks.kafka.committer import REGISTRY_TIMEOUT_S, KafkaCommitter
+from sinks.kafka import checks, txn_age
+from sinks.kafka.committer import KafkaCommitter
 from sinks.kafka.connections import DriverConnections
-from sinks.kafka.pool import IdPool, lane_of, pool_prefix, pooled_id
+from sinks.kafka.pool import IdPool, pooled_id
 from sinks.kafka.preflight import check_cluster, check_schema
 from sinks.kafka.produce import ProducerOptions
 from sinks.kafka.progress import ProgressStore
 from sinks.kafka.registry import DEFAULT_TOPIC
-from sinks.kafka.wire import TRANSIENT
 from sinks.kafka.writer import KafkaWriter, WriterSettings
 from sinks.keys import KeyedWrite
 from sinks.naming import check_id
-from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.kafka")
 
 
-class KafkaSink(Sink):
+class KafkaSink(Sink, ExpiringWork, HoldsPreparedWork):
     """Writes a pipeline's output into a Kafka topic exactly once (transactions).
 
     Consumers must read with ``isolation_level='read_committed'``.
@@ -143,11 +131,9 @@ class KafkaSink(Sink):
 
     kind = "kafka"
     _driver_only = ("_conns", "_store", "_pool", "_committer")
-    prepared_work_expires = True
-    prepared_work_holds_resources = True
     speculation_safe = True  # every attempt has its own pooled id (sinks/kafka/pool.py)
 
-    def prepared_work_timeout(self) -> float | None:
+    def prepared_work_timeout(self) -> float:
         return self.transaction_timeout_ms / 1000
 
     def __init__(
@@ -341,7 +327,12 @@ class KafkaSink(Sink):
             conns=self._conns,
             store=self._store,
             pool=self._pool,
+            pooled_ids=lambda: self.pooled_ids,
         )
+
+    def committer(self) -> KafkaCommitter:
+        """The driver's :class:`~sinks.kafka.committer.KafkaCommitter`."""
+        return self._committer
 
     def close(self) -> None:
         """Release the driver's connections (optional; they are daemon threads)."""
@@ -431,6 +422,10 @@ class KafkaSink(Sink):
         )
         self._checkpoint_interval_s = checkpoint_interval_s
 
+    def holds_prepared_work(self) -> bool:
+        """An open transaction holds back read_committed consumers until it ends."""
+        return True
+
     def checkpoint_pressure(self, batch: Sequence[Committable]) -> str | None:
         """Checkpoint now when the batch's transactions, measured, may reach half
         of ``transaction_timeout_ms`` by their commit (:mod:`sinks.kafka.txn_age`)."""
@@ -462,148 +457,3 @@ class KafkaSink(Sink):
             topic_max_bytes=self.topic_max_bytes,
             topic_cleanup_policy=self.topic_cleanup_policy,
         )
-
-    # -- progress and claims (sinks.kafka.progress) --------------------------------------
-
-    def progress(self, scope: JobScope) -> SinkProgress:
-        store = self._store
-        if store is None:
-            return SinkProgress(owner=None)
-
-        def read() -> SinkProgress:
-            with self._conns.wire() as wire:
-                return store.read(wire, scope)
-
-        return retry_transient(
-            read,
-            what=f"read of the progress of {scope.key()} in {self.describe()}",
-            transient=TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-
-    def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
-        ours = scope.incarnation
-        assert ours is not None
-        self._pool.reset(scope)  # a start: recovery ends every earlier transaction first
-        store = self._store
-        if store is None:
-            log.warning(
-                "%s: registry_topic=None, so this sink keeps no progress and holds no claim: "
-                "nothing stops another copy of job %s writing the same topic",
-                self.describe(),
-                scope.job,
-            )
-            return SinkProgress(owner=ours)
-        nonce = uuid.uuid4().hex[:16]  # one per claim: a retry appends the same claim
-
-        def claim() -> SinkProgress:
-            with self._conns.wire() as wire, self._conns.producer() as producer:
-                return store.claim(
-                    wire, producer, scope, start_over_from, nonce, REGISTRY_TIMEOUT_S
-                )
-
-        return retry_transient(
-            claim,
-            what=f"claim of {scope.key()} in {self.describe()}",
-            transient=TRANSIENT,
-            deadline=self.commit_timeout,
-        )
-
-    # -- driver side: commit, abort, sweep, forget (sinks.kafka.committer) ---------------
-
-    def commit(self, committables: Sequence[Committable]) -> None:
-        """EndTxn(commit) for every transaction of ``committables``
-        (:meth:`~sinks.kafka.committer.KafkaCommitter.commit`)."""
-        self._committer.commit(committables)
-
-    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
-        return self._committer.classify(committables)
-
-    def abort(self, committables: Sequence[Committable]) -> None:
-        self._committer.abort(committables)
-
-    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
-        return self._committer.lingering(job, pipeline)
-
-    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        return self._committer.abort_lingering(scope, is_orphan)
-
-    def forget(self, committables: Sequence[Committable]) -> None:
-        self._committer.forget(committables)
-
-    def evidence(self, committable: Committable) -> dict[str, Any]:
-        return kafka_audit.evidence(committable)
-
-    def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
-        with self._conns.wire() as wire:
-            return kafka_audit.audit(wire, checkpoints)
-
-    # -- the pool of transactional ids (sinks/kafka/pool.py) ------------------------------
-
-    def lease(self, scope: JobScope, batch_id: int) -> int | None:
-        """The lane of pooled transactional ids ``batch_id``'s writers use; None
-        (an id per transaction, as before the pool) on a broker that cannot
-        describe a transaction (tansu, Kafka before 3.0: a writer could not
-        tell another's open transaction on its id) or for a ledger that never
-        claimed."""
-        if scope.incarnation is None or not self.pooled_ids:
-            return None
-        return self._pool.lease(scope, batch_id, self._busy_lanes(scope))
-
-    def settled(self, scope: JobScope, through_batch: int) -> None:
-        """Release the lanes of settled batches once their ids have ended: the
-        registry (as last read) shows none of them, and the broker none open
-        (DescribeTransactions of every id the pool has seen in the lanes about
-        to be released: a transaction a zombie opened after the driver ended
-        its attempt's was never announced). A lane found open, or that could
-        not be asked about, stays leased; the next checkpoint's settle asks
-        again."""
-        self._pool.settle(scope, through_batch)
-        busy = self._busy_lanes(scope)
-        seen = self._pool.seen(scope, self._pool.releasable(scope, busy))
-        if seen:
-            try:
-                with self._conns.wire() as wire:
-                    still_open = txn.open_ids(wire, seen) or {}
-            except Exception as e:
-                log.warning(
-                    "%s: could not ask the broker whether lanes %s of %s hold open "
-                    "transactions (%r); they stay leased until a later settle",
-                    self.describe(),
-                    sorted(set(seen.values())),
-                    scope,
-                    e,
-                )
-                busy |= set(seen.values())
-            else:
-                if still_open:
-                    ongoing = any(s.state == "Ongoing" for s in still_open.values())
-                    log.log(
-                        logging.WARNING if ongoing else logging.INFO,
-                        "%s: lanes %s of %s stay leased: the broker shows open transactions "
-                        "on their ids: %s",
-                        self.describe(),
-                        sorted({seen[t] for t in still_open}),
-                        scope,
-                        sorted(still_open.items())[:5],
-                    )
-                busy |= {seen[t] for t in still_open}
-        released = self._pool.release(scope, busy)
-        if released:
-            log.debug("%s: lanes %s of %s back in the pool", self.describe(), released, scope)
-
-    def _busy_lanes(self, scope: JobScope) -> set[int]:
-        """Lanes of ``scope`` with an id the registry (as last read) still shows:
-        its transaction open, or ended and not yet tombstoned (a tombstone
-        written after a new announcement of the id would hide that one). The
-        pool remembers those ids (:meth:`settled` asks the broker about them)."""
-        if self._store is None:
-            return set()
-        prefix = pool_prefix(self.id_prefix, scope)
-        live = [tid for tid in self._store.view.live() if tid.startswith(prefix)]
-        self._pool.remember(scope, live, self.id_prefix)
-        return {lane for tid in live for lane in [lane_of(tid, self.id_prefix)] if lane is not None}
-
-    def pool_size(self, scope: JobScope) -> int:
-        """How many lanes of pooled ids ``scope`` has used in this run."""
-        return self._pool.size(scope)

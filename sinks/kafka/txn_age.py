@@ -10,7 +10,7 @@ executor's clock, seconds since the epoch), so the driver sees the real ages:
 * after a batch is recorded, its oldest transaction's age plus one checkpoint
   interval plus the commit's retries is the age it may reach at its commit. At
   half the timeout or more, the sink warns and asks for the next checkpoint at
-  once (:meth:`sinks.base.Sink.checkpoint_pressure`);
+  once (:meth:`sinks.capabilities.HoldsPreparedWork.checkpoint_pressure`);
 * at the commit, a transaction older than 80 % of the timeout is warned about.
 
 (tansu, the test broker, never expires transactions; Apache Kafka does.)

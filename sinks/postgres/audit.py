@@ -4,7 +4,7 @@ Every transaction the sink prepares inserts a row into the marker table (its
 gid, job, batch and row count) inside the transaction itself, so the row is
 visible exactly when the transaction committed. The sink keeps the markers of
 the checkpoints whose evidence the ledger keeps (see
-:meth:`sinks.postgres.sink.PostgresSink.retire_evidence`); the audit reads them.
+:meth:`sinks.postgres.committer.PreparedCommitter.retire_evidence`); the audit reads them.
 
 Verdicts (:class:`sinks.audit.Verdict`): ``ok`` when the marker is there with
 the batch and row count the ledger says; ``mismatch`` when it is missing (the

@@ -36,21 +36,16 @@ from psycopg import sql
 from sinks import _faults
 from sinks._parallel import run_parts, slices
 from sinks._retry import retry_transient
-from sinks.base import (
-    COMMITTED,
-    LOST,
-    PREPARED,
-    REPAYS,
-    ClaimedScopes,
-    Committable,
-    JobScope,
-    LingeringTxn,
-    OrphanTest,
-)
+from sinks.audit import CheckpointEvidence, Finding
+from sinks.capabilities import Audits, RetiresEvidence
+from sinks.committer import REPAYS, Committable, Committer, LingeringTxn, OrphanTest, Outcome
 from sinks.errors import REWRITE_ADVICE, TransactionLostError
 from sinks.naming import TxnName, scope_prefixes
+from sinks.postgres import audit as pg_audit
+from sinks.postgres import catalog
 from sinks.postgres.progress import ProgressTable
 from sinks.progress import SinkProgress
+from sinks.scope import ClaimedScopes, JobScope
 
 log = logging.getLogger("sinks.postgres")
 
@@ -58,8 +53,9 @@ TRANSIENT = (psycopg.OperationalError,)
 
 
 @dataclass
-class PreparedCommitter:
-    """Commits, aborts and sweeps one sink's prepared transactions."""
+class PreparedCommitter(Audits, RetiresEvidence, Committer):
+    """Commits, aborts and sweeps one sink's prepared transactions: the
+    PostgreSQL sink's :class:`~sinks.committer.Committer`."""
 
     where: str
     """the sink, for messages"""
@@ -67,7 +63,9 @@ class PreparedCommitter:
     connect: Callable[[str], psycopg.Connection]
     """a connection of the sink, given an application name"""
     markers: sql.Composable
-    progress: Callable[[], ProgressTable]
+    marker_table: tuple[str, str]
+    """the marker table's schema and name"""
+    progress_table: Callable[[], ProgressTable]
     claims: ClaimedScopes
     ensure_markers: Callable[[psycopg.Connection], None]
     """creates the marker and progress tables when missing (before a claim)"""
@@ -81,16 +79,16 @@ class PreparedCommitter:
 
     # -- progress and claims -----------------------------------------------------------
 
-    def read_progress(self, scope: JobScope) -> SinkProgress:
+    def progress(self, scope: JobScope) -> SinkProgress:
         """The owner of ``scope`` and the batch up to which it holds it committed."""
 
         def read() -> SinkProgress:
             with self.connect("twophase-progress") as conn:
-                return self.progress().read(conn, scope)
+                return self.progress_table().read(conn, scope)
 
         return self._retry(read, f"read of the progress of {scope.key()} in")  # type: ignore[return-value]
 
-    def claim(self, scope: JobScope, start_over_from: str | None) -> SinkProgress:
+    def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
         """Make ``scope.incarnation`` the owner of ``scope``
         (:meth:`~sinks.postgres.progress.ProgressTable.claim`) and remember the
         scope as this sink's."""
@@ -98,7 +96,7 @@ class PreparedCommitter:
         def claim() -> SinkProgress:
             with self.connect("twophase-claim") as conn:
                 self.ensure_markers(conn)
-                return self.progress().claim(conn, scope, start_over_from)
+                return self.progress_table().claim(conn, scope, start_over_from)
 
         found: SinkProgress = self._retry(claim, f"claim of {scope.key()} in")  # type: ignore[assignment]
         self.claims.remember(scope)
@@ -124,7 +122,7 @@ class PreparedCommitter:
             if missing:
                 self.check_committed(conn, missing)
             replays: list[str] = []
-            progress = self.progress()
+            progress = self.progress_table()
             ordinary = (g for g in prepared if g not in repaying)
             for scope, names in self.claims.group(map(TxnName.require, ordinary)).items():
                 if scope.incarnation is None:
@@ -193,14 +191,14 @@ class PreparedCommitter:
                 + REWRITE_ADVICE
             )
 
-    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
+    def classify(self, committables: Sequence[Committable]) -> dict[str, Outcome]:
         """Prepared (in ``pg_prepared_xacts``), committed (its marker is
         visible) or lost (neither): the checks of :meth:`commit`."""
         gids = [c["txn"] for c in committables]
         if not gids:
             return {}
 
-        def read() -> dict[str, str]:
+        def read() -> dict[str, Outcome]:
             with self.connect("twophase-classify") as conn:
                 return self._classify(conn, committables)
 
@@ -208,11 +206,18 @@ class PreparedCommitter:
 
     def _classify(
         self, conn: psycopg.Connection, committables: Sequence[Committable]
-    ) -> dict[str, str]:
+    ) -> dict[str, Outcome]:
         gids = [c["txn"] for c in committables]
         prepared = self.prepared(conn, gids)
         marked = self.marked(conn, [g for g in gids if g not in prepared])
-        return {g: PREPARED if g in prepared else COMMITTED if g in marked else LOST for g in gids}
+        return {
+            g: Outcome.PREPARED
+            if g in prepared
+            else Outcome.COMMITTED
+            if g in marked
+            else Outcome.LOST
+            for g in gids
+        }
 
     # -- abort and sweep ---------------------------------------------------------------
 
@@ -286,9 +291,9 @@ class PreparedCommitter:
 
     # -- after the ledger recorded the commit --------------------------------------------
 
-    def settle(self, committables: Sequence[Committable]) -> None:
+    def forget(self, committables: Sequence[Committable]) -> None:
         """Record the committed batches in the progress row (their markers stay
-        while the ledger keeps their audit evidence: :meth:`retire`)."""
+        while the ledger keeps their audit evidence: :meth:`retire_evidence`)."""
         gids = [c["txn"] for c in committables]
         if not gids:
             return
@@ -296,7 +301,7 @@ class PreparedCommitter:
             with self.connect("twophase-cleanup") as conn:
                 for scope, names in self.claims.group(map(TxnName.require, gids)).items():
                     batch = max(n.batch_id for n in names)
-                    self.progress().settle(conn, scope, batch)
+                    self.progress_table().settle(conn, scope, batch)
         except psycopg.OperationalError as e:  # harmless: the markers still say it
             log.warning(
                 "could not record the progress of %d committed transactions (%s); their "
@@ -305,10 +310,22 @@ class PreparedCommitter:
                 e,
             )
 
-    def retire(self, scope: JobScope, before_batch: int) -> None:
+    def retire_evidence(self, scope: JobScope, before_batch: int) -> None:
         """Delete the commit markers of ``scope`` below ``before_batch``."""
         try:
             with self.connect("twophase-cleanup") as conn:
-                self.progress().retire(conn, scope, before_batch)
+                self.progress_table().retire(conn, scope, before_batch)
         except psycopg.OperationalError as e:  # harmless: the next retirement deletes them
             log.warning("could not delete old commit markers of %s: %s", self.where, e)
+
+    # -- audits ----------------------------------------------------------------------
+
+    def evidence(self, committable: Committable) -> dict[str, Any]:
+        return pg_audit.evidence(committable)
+
+    def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
+        with self.connect("twophase-audit") as conn:
+            schema, name = self.marker_table
+            have = {c.name for c in catalog.table_columns(conn, schema, name) or []}
+            complete = set(catalog.MARKER_LATER_COLUMNS) <= have
+            return pg_audit.audit(conn, self.markers, checkpoints, columns=complete)

@@ -38,12 +38,10 @@ import pyarrow as pa
 from psycopg import sql
 
 from sinks.base import (
-    COMMITTED,
-    LOST,
-    PREPARED,
     Committable,
     JobScope,
     OrphanTest,
+    Outcome,
     SinkWriter,
     WriteContext,
 )
@@ -333,7 +331,7 @@ class ReplaceCommitter(PreparedCommitter):
 
         def once() -> None:
             with self.connect("twophase-replace") as conn:
-                self.progress().check_owner(conn, scope)
+                self.progress_table().check_owner(conn, scope)
                 commit(
                     conn,
                     target=self.target,  # type: ignore[arg-type]
@@ -351,18 +349,18 @@ class ReplaceCommitter(PreparedCommitter):
 
     def _classify(
         self, conn: psycopg.Connection, committables: Sequence[Committable]
-    ) -> dict[str, str]:
+    ) -> dict[str, Outcome]:
         """Committed (marker), staged in full (prepared) or lost."""
         gids = [str(c["txn"]) for c in committables]
         marked = self.marked(conn, gids)
-        found: dict[str, str] = {}
+        found: dict[str, Outcome] = {}
         for c in committables:
             g = str(c["txn"])
             if g in marked:
-                found[g] = COMMITTED
+                found[g] = Outcome.COMMITTED
                 continue
             counts = staged_counts(conn, self._staging(_scope_of(g)), [g]) or {}
-            found[g] = PREPARED if counts.get(g) == int(c.get("rows", 0)) else LOST
+            found[g] = Outcome.PREPARED if counts.get(g) == int(c.get("rows", 0)) else Outcome.LOST
         return found
 
     def abort(self, committables: Sequence[Committable]) -> None:

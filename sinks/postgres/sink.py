@@ -1,10 +1,5 @@
 """PostgreSQL exactly-once sink: prepared transactions, committed by the driver.
 
-Longer than 450 lines because PostgresSink is the public API: its documented
-constructor and the checks of its options, its settings round trip and every
-method the lifecycle calls (most of them one-line delegations) stay on this one
-class.
-
 This module is the sink's face: its options and settings, its preflight (the
 table by :func:`sinks.postgres.catalog.check_target`, the marker tables by
 :mod:`sinks.postgres.markers`, the server's room for prepared transactions by
@@ -33,28 +28,16 @@ from sinks._parallel import (
     COMMIT_CONNECTIONS,
     check_connections,
 )
-from sinks.audit import CheckpointEvidence, Finding
-from sinks.base import (
-    ClaimedScopes,
-    Committable,
-    ExpectedLoad,
-    JobScope,
-    LingeringTxn,
-    OrphanTest,
-    Sink,
-    SinkWriter,
-    WriteContext,
-)
+from sinks.base import ClaimedScopes, Committable, JobScope, Sink, SinkWriter, WriteContext
+from sinks.capabilities import ExpectedLoad, HoldsPreparedWork
 from sinks.errors import ConfigError, PreflightError
 from sinks.naming import check_id
-from sinks.postgres import audit as pg_audit
 from sinks.postgres import capacity, catalog, liveness, markers, replace
 from sinks.postgres.capacity import PreparedCapacity
 from sinks.postgres.committer import PreparedCommitter
 from sinks.postgres.progress import ProgressTable
 from sinks.postgres.types import ddl_type
 from sinks.postgres.writer import PostgresWriter, WriterSettings
-from sinks.progress import SinkProgress
 
 log = logging.getLogger("sinks.postgres")
 
@@ -63,7 +46,7 @@ def _auto_lock_timeout(checkpoint_interval_s: float) -> float:
     return max(120.0, 3 * checkpoint_interval_s + 60.0)
 
 
-class PostgresSink(Sink):
+class PostgresSink(Sink, HoldsPreparedWork):
     """Writes a pipeline's output into a PostgreSQL table exactly once.
 
     Args:
@@ -195,7 +178,8 @@ class PostgresSink(Sink):
             "sink_id": self.sink_id,
             "connect": self.connect,
             "markers": self._marker_ident,
-            "progress": lambda: self._progress_table,
+            "marker_table": (self.marker_schema, self.marker_name),
+            "progress_table": lambda: self._progress_table,
             "claims": self._claims,
             "ensure_markers": self._ensure_markers,
             "commit_timeout": self.commit_timeout,
@@ -211,6 +195,11 @@ class PostgresSink(Sink):
             predicate=self.replace_where,
             marker_audit=lambda: bool(self._audit_columns),
         )
+
+    def committer(self) -> PreparedCommitter:
+        """The driver's :class:`~sinks.postgres.committer.PreparedCommitter`
+        (a :class:`~sinks.postgres.replace.ReplaceCommitter` for a replace)."""
+        return self._committer
 
     def close(self) -> None:
         """Release the driver's kept connection (the capacity check's)."""
@@ -403,8 +392,7 @@ class PostgresSink(Sink):
     def commits_at_finish(self) -> bool:  # type: ignore[override]
         return self.replace_where is not None
 
-    @property
-    def prepared_work_holds_resources(self) -> bool:  # type: ignore[override]
+    def holds_prepared_work(self) -> bool:
         """A batch's tasks hold prepared transactions (row locks, prepared
         slots) until the commit; a replace's tasks stage into a table instead."""
         return self.replace_where is None
@@ -449,47 +437,3 @@ class PostgresSink(Sink):
                 settings, ctx, self._wire, self._staging(ctx.scope), self.replace_where
             )
         return PostgresWriter(settings, ctx, self._wire)
-
-    # -- driver side: claims, commit, abort, sweep (sinks.postgres.committer) ---------
-
-    def progress(self, scope: JobScope) -> SinkProgress:
-        return self._committer.read_progress(scope)
-
-    def claim(self, scope: JobScope, *, start_over_from: str | None = None) -> SinkProgress:
-        return self._committer.claim(scope, start_over_from)
-
-    def commit(self, committables: Sequence[Committable]) -> None:
-        self._committer.commit(committables)
-
-    def classify(self, committables: Sequence[Committable]) -> dict[str, str]:
-        return self._committer.classify(committables)
-
-    def abort(self, committables: Sequence[Committable]) -> None:
-        self._committer.abort(committables)
-
-    def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
-        return self._committer.lingering(job, pipeline)
-
-    def abort_lingering(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
-        return self._committer.sweep(scope, is_orphan)
-
-    def evidence(self, committable: Committable) -> dict[str, Any]:
-        return pg_audit.evidence(committable)
-
-    def audit(self, scope: JobScope, checkpoints: Sequence[CheckpointEvidence]) -> list[Finding]:
-        with self.connect(application_name="twophase-audit") as conn:
-            have = {
-                c.name
-                for c in catalog.table_columns(conn, self.marker_schema, self.marker_name) or []
-            }
-            complete = set(catalog.MARKER_LATER_COLUMNS) <= have
-            return pg_audit.audit(conn, self._marker_ident, checkpoints, columns=complete)
-
-    def retire_evidence(self, scope: JobScope, before_batch: int) -> None:
-        """Delete the commit markers of ``scope`` below ``before_batch``."""
-        self._committer.retire(scope, before_batch)
-
-    def forget(self, committables: Sequence[Committable]) -> None:
-        """Record the committed batches in the progress row (their markers stay
-        while the ledger keeps their audit evidence: :meth:`retire_evidence`)."""
-        self._committer.settle(committables)

@@ -43,7 +43,7 @@ def main() -> None:
         schema = pa.schema([("id", pa.int64())])
         sink.preflight(schema)
         scope = JobScope("halfopen", "p", sink.sink_id, "0123456789ab")
-        sink.claim(scope)
+        sink.committer().claim(scope)
         committables = []
         for part in range(2):
             w = sink.open_writer(WriteContext(scope, 1, 0, part, part), schema)
@@ -58,7 +58,7 @@ def main() -> None:
 
         _faults.register("driver.mid_commit", cut_network)
         try:
-            sink.commit(committables)
+            sink.committer().commit(committables)
             out["first"] = "committed"
         except Exception as e:
             out["first"] = f"{type(e).__name__}: {e}"
@@ -66,7 +66,7 @@ def main() -> None:
             _faults.clear()
         out["seconds"] = round(time.monotonic() - cut["at"], 1) if cut else None
         _loopback("up")
-        sink.commit(committables)
+        sink.committer().commit(committables)
         with psycopg.connect(dsn) as c:
             out["rows"] = c.execute("SELECT count(*) FROM t").fetchone()[0]
             out["prepared"] = c.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone()[0]
