@@ -32,6 +32,7 @@ from lifecycle.ledger import FileLedger
 from lifecycle.spark_log import SparkCommitLog
 from sinks import DeltaSink, KafkaSink, PostgresSink
 from sinks.base import Committable, JobScope, Sink, WriteContext
+from sinks.capabilities import LeasesIds
 
 JOB = "bench"
 PIPELINE = "p"
@@ -154,7 +155,7 @@ class Driver:
         """What ``tasks`` Spark tasks of ``batch`` prepare in every sink,
         ``rows`` rows each: the executors' part, done in the processes of
         ``pool`` (see :func:`executors`) as Spark's Python workers would."""
-        leases = {sid: s.committer().lease(self.scope(sid), batch) for sid, s in self.sinks.items()}
+        leases = {sid: _lease(s, self.scope(sid), batch) for sid, s in self.sinks.items()}
         jobs = [
             (self._shipped[sid], self.scope(sid), self.run, batch, part, tasks, rows, leases[sid])
             for sid in self.sinks
@@ -176,11 +177,20 @@ class Driver:
             sink.close()
 
 
+def _lease(sink: Sink, scope: JobScope, batch: int) -> int | None:
+    """What the sink's committer leases ``batch`` (:class:`LeasesIds`), as the
+    job's pre-commit asks (:mod:`lifecycle.binding`); None for the others."""
+    committer = sink.committer()
+    return committer.lease(scope, batch) if isinstance(committer, LeasesIds) else None
+
+
 def timed(sink: Sink, method: str) -> list[float]:
-    """Seconds of each call of ``sink.<method>`` from now on (the instance's
-    method wrapped, to show where the driver's time goes)."""
+    """Seconds of each call of ``<method>`` of ``sink``'s committer from now on
+    (the instance's method wrapped, to show where the driver's time goes; the
+    committer is the same object every call)."""
     took: list[float] = []
-    call = getattr(sink, method)
+    committer = sink.committer()
+    call = getattr(committer, method)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -189,7 +199,7 @@ def timed(sink: Sink, method: str) -> list[float]:
         finally:
             took.append(time.perf_counter() - t0)
 
-    setattr(sink, method, wrapper)
+    setattr(committer, method, wrapper)
     return took
 
 

@@ -505,9 +505,7 @@ def run_sweep(store: Store, markers: int, repeat: int, count: bool) -> SweepResu
         return {
             "list_files": lambda: len(storage.list_files(STAGING_DIR)),
             "lingering": lambda: len(sink.committer().lingering(JOB, PIPELINE)),
-            "sweep, none orphaned": lambda: len(
-                sink.committer().sweep(scope, lambda n: False)
-            ),
+            "sweep, none orphaned": lambda: len(sink.committer().sweep(scope, lambda n: False)),
         }
 
     timed = DeltaSink(uri, storage_options=store.options())
@@ -539,8 +537,7 @@ def run_sweep(store: Store, markers: int, repeat: int, count: bool) -> SweepResu
     left = TableStorage(uri, store.options()).list_files(STAGING_DIR)
     assert not left, f"the sweep left {len(left)} marker(s)"
     print(
-        f"sweep: every marker orphaned, swept in "
-        f"{result.seconds['sweep, all orphaned'][0]:.2f} s",
+        f"sweep: every marker orphaned, swept in {result.seconds['sweep, all orphaned'][0]:.2f} s",
         flush=True,
     )
     if count:
@@ -549,9 +546,7 @@ def run_sweep(store: Store, markers: int, repeat: int, count: bool) -> SweepResu
         counted = DeltaSink(uri, storage_options=store.options(counted=True))
         store.proxy.take()
         counted.committer().sweep(scope, lambda n: True)
-        result.requests[f"sweep, all orphaned (of {max(1, markers // 10):,})"] = (
-            store.proxy.take()
-        )
+        result.requests[f"sweep, all orphaned (of {max(1, markers // 10):,})"] = store.proxy.take()
     store.drop(bucket)
     return result
 

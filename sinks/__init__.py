@@ -1,11 +1,21 @@
 """Exactly-once sinks for PySpark: the two-phase protocol and its adapters.
 
-See :mod:`sinks.base` for the protocol every sink implements, and
+See :mod:`sinks.base` for the protocol every sink implements (its committer:
+:mod:`sinks.committer`; what only some sinks need: :mod:`sinks.capabilities`), and
 :mod:`sinks.settings` for a sink's recorded settings and :func:`from_settings`
 (:mod:`sinks.rebuild`) for the sink built again from them.
 """
 
-from sinks.base import Committable, JobScope, LingeringTxn, Sink, SinkWriter, WriteContext
+from sinks.base import (
+    Committable,
+    Committer,
+    JobScope,
+    LingeringTxn,
+    Outcome,
+    Sink,
+    SinkWriter,
+    WriteContext,
+)
 from sinks.delta import DeltaSink
 from sinks.errors import (
     CommitError,
@@ -29,6 +39,7 @@ __all__ = [
     "CommitError",
     "CommitRefusedError",
     "Committable",
+    "Committer",
     "ConfigError",
     "DataError",
     "DeltaSink",
@@ -39,6 +50,7 @@ __all__ = [
     "LockWaitError",
     "NullKeyError",
     "NullValueError",
+    "Outcome",
     "PostgresSink",
     "PreflightError",
     "PreparedLimitError",

@@ -49,6 +49,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from sinks import capabilities
 from sinks.capabilities import ExpectedLoad
 from sinks.committer import REPAYS, Committable, Committer, LingeringTxn, OrphanTest, Outcome
 from sinks.naming import TxnName
@@ -145,6 +146,24 @@ class Sink(abc.ABC):
         self.__dict__.update(state)
         self._init_driver_state()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a sink written for the protocol before the committer: a method
+        it defines that no coordinator would call any more would be ignored."""
+        super().__init_subclass__(**kwargs)
+        stale = [
+            f"{name} ({home.__module__}.{home.__qualname__}{note})"
+            for name, (home, note) in _MOVED.items()
+            if name in vars(cls) and not issubclass(cls, home)
+        ]
+        if stale:
+            raise TypeError(
+                f"{cls.__qualname__} defines {', '.join(stale)}: the sink protocol no longer "
+                "calls these on a Sink. Its committer() returns a Committer with claim, "
+                "progress, commit, abort, classify, lingering, sweep and forget; what only "
+                "some sinks need is a capability of sinks.capabilities, inherited by the "
+                "sink or by its committer (docs: Write your own sink)"
+            )
+
     # -- options ----------------------------------------------------------------------
 
     #: short kind name used in ids and messages ("postgres", "kafka", "delta")
@@ -218,3 +237,29 @@ class Sink(abc.ABC):
 
     def close(self) -> None:  # noqa: B027
         """Release driver-side resources (called when ``Job.run`` ends)."""
+
+
+_MOVED: dict[str, tuple[type, str]] = {
+    **{
+        name: (Committer, "")
+        for name in ("commit", "abort", "classify", "lingering", "forget", "progress", "claim")
+    },
+    "abort_lingering": (Committer, ": now sweep"),
+    "evidence": (capabilities.Audits, ", on the committer"),
+    "audit": (capabilities.Audits, ", on the committer"),
+    "retire_evidence": (capabilities.RetiresEvidence, ", on the committer"),
+    "lease": (capabilities.LeasesIds, ", on the committer"),
+    "settled": (capabilities.LeasesIds, ", on the committer"),
+    "frame_for_write": (capabilities.StagesThroughSpark, ""),
+    "precommit_frame": (capabilities.StagesThroughSpark, ""),
+    "prepared_work_timeout": (capabilities.ExpiringWork, ""),
+    "prepared_work_expires": (capabilities.ExpiringWork, ": inherit it instead"),
+    "checkpoint_pressure": (capabilities.HoldsPreparedWork, ""),
+    "expect_load": (capabilities.HoldsPreparedWork, ""),
+    "prepared_work_holds_resources": (
+        capabilities.HoldsPreparedWork,
+        ": its holds_prepared_work() instead",
+    ),
+}
+"""What a Sink of the protocol before the committer defined, and where it lives
+now (a sink that defines it without being that is refused)."""

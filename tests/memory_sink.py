@@ -1,7 +1,8 @@
 """A sink in memory that is its own committer: the base of the test doubles
 that exercise the coordinator's decisions without a target (the recovery rules,
-parallel commits, the ledger's cost). It keeps no claim and no progress, and
-holds no lingering work; subclasses record what they are asked to do."""
+parallel commits, the ledger's cost). It keeps no claim and no progress,
+cannot classify or list its work, and sweeps nothing; subclasses record what
+they are asked to do."""
 
 from __future__ import annotations
 
@@ -57,10 +58,10 @@ class MemorySink(Sink, Committer):
         pass
 
     def classify(self, committables: Sequence[Committable]) -> dict[str, Outcome]:
-        return {c["txn"]: Outcome.PREPARED for c in committables}
+        raise NotImplementedError(f"{self.describe()} cannot classify its transactions")
 
     def lingering(self, job: str, pipeline: str) -> list[LingeringTxn]:
-        return []
+        raise NotImplementedError(f"{self.describe()} cannot list its lingering work")
 
     def sweep(self, scope: JobScope, is_orphan: OrphanTest) -> list[str]:
         return []

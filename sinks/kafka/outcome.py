@@ -35,11 +35,11 @@ _COMMITTED_STATE = "CompleteCommit"
 
 
 def verdicts(wire: KafkaWire, committables: Sequence[dict[str, Any]]) -> dict[str, Outcome] | None:
-    """:data:`sinks.Outcome.COMMITTED`, ``PREPARED`` or ``LOST`` for each of
-    ``committables`` (by name): what the broker says of its transactional id
-    when that speaks of the transaction's own producer id and epoch (Ongoing or
-    PrepareCommit: prepared; CompleteCommit: committed), else the log's
-    markers (:func:`verdict_of`). None on a broker that cannot describe
+    """The :class:`~sinks.committer.Outcome` of each of ``committables`` (by
+    name): what the broker says of its transactional id when that speaks of
+    the transaction's own producer id and epoch (Ongoing or PrepareCommit:
+    prepared; CompleteCommit: committed), else the log's markers
+    (:func:`verdict_of`). None on a broker that cannot describe
     transactions (tansu, Kafka before 3.0)."""
     ids = sorted({c["transactional_id"] for c in committables})
     states = wire.describe_transactions(wire.find_coordinators(ids))
