@@ -380,6 +380,7 @@ class Coordinator:
         if failed:
             self.metrics.checkpoint_failed(cp.kind, time.monotonic() - started)
             raise self._commit_error(cp, failed, sinks)
+        _faults.hit("driver.after_commit", batch=max(cp.cut.values(), default=None))
         evidence = {
             sink_label(p, sid): [capabilities.evidence(sinks[(p, sid)].committer(), c) for c in cs]
             for (p, sid), cs in groups.items()

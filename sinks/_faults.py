@@ -34,7 +34,9 @@ does so for the test jobs.
 
 Points: ``executor.write``, ``executor.prepared``, ``driver.before_record``,
 ``driver.before_record_ending_input`` (the same, in a query ending its input),
-``driver.after_record``, ``driver.before_commit``, ``driver.mid_commit``,
+``driver.after_record``, ``driver.before_commit``, ``driver.mid_commit``
+(inside the project's sinks, after the first of several transactions),
+``driver.after_commit`` (every sink committed, the ledger not yet told),
 ``driver.ending_input`` (a pipeline has recorded that its input ends),
 ``driver.before_repay`` (an owed batch was written again and its work recorded,
 not committed: :mod:`lifecycle.replay`), ``driver.merge_planned``

@@ -3,31 +3,21 @@
 A sink has two halves that run in different processes, and a few opt-in
 capabilities:
 
-==============================  ============================================
-:class:`Sink`                   the sink's face, on the driver: its options,
-                                ``preflight``, ``settings``, and the factory
-                                of its writers and of its committer
-:class:`SinkWriter`             executor side, one per task attempt:
-                                ``write`` Arrow batches, ``prepare`` (durable
-                                but invisible), ``close``
-:class:`WriteContext`           where a writer writes: scope, run, batch,
-                                partition, attempt
-:class:`~sinks.committer.Committer`
-                                driver side, one per sink: ``claim``,
-                                ``progress``, ``commit``, ``abort``,
-                                ``classify``, ``lingering``, ``sweep``,
-                                ``forget`` (:mod:`sinks.committer`)
-:data:`Committable`             what ``prepare`` returns and ``commit`` takes
-:class:`~sinks.committer.Outcome`
-                                what ``classify`` says: committed, prepared,
-                                lost
-:class:`JobScope`               the job, pipeline, sink and incarnation that
-                                write (:mod:`sinks.scope`)
-:mod:`sinks.capabilities`       what only some sinks need: staging through
-                                Spark, work that expires, work that holds the
-                                target's resources, leased ids, audits,
-                                evidence kept in the target
-==============================  ============================================
+* :class:`Sink`: the sink's face, on the driver: its options, ``preflight``,
+  ``settings``, and the factory of its writers and of its committer;
+* :class:`SinkWriter`: the executor side, one per task attempt: ``write``
+  Arrow batches, ``prepare`` (durable but invisible), ``close``; where it
+  writes is its :class:`WriteContext`;
+* :class:`~sinks.committer.Committer` (:mod:`sinks.committer`): the driver
+  side, one per sink: ``claim``, ``progress``, ``commit``, ``abort``,
+  ``classify`` (an :class:`~sinks.committer.Outcome`: committed, prepared or
+  lost), ``lingering``, ``sweep``, ``forget``;
+* :data:`Committable`: what ``prepare`` returns and ``commit`` takes;
+* :class:`~sinks.scope.JobScope` (:mod:`sinks.scope`): the job, pipeline,
+  sink and incarnation that write;
+* :mod:`sinks.capabilities`: what only some sinks need: staging through Spark,
+  work that expires, work that holds the target's resources, leased ids,
+  audits, evidence kept in the target.
 
 ``prepare`` makes the written data durable but invisible (a prepared PostgreSQL
 transaction, a flushed Kafka transaction, staged Parquet files) and returns a
@@ -201,9 +191,16 @@ class Sink(abc.ABC):
     def settings(self) -> dict[str, Any]:
         """The non-secret, JSON-able settings that build this sink again with
         :func:`sinks.rebuild.from_settings` (``kind``, ``sink_id`` and the
-        constructor's arguments). The default names the sink only: a sink of
-        another kind cannot be rebuilt by the ``twophase`` commands."""
-        return {"kind": self.kind, "sink_id": self.sink_id}
+        constructor's arguments). The default names the sink and its class
+        (``"class": "module:Name"``): a sink of your own that adds its
+        arguments and defines a classmethod ``from_settings(settings,
+        secrets)`` is rebuilt by the ``twophase`` commands too."""
+        cls = type(self)
+        return {
+            "kind": self.kind,
+            "sink_id": self.sink_id,
+            "class": f"{cls.__module__}:{cls.__qualname__}",
+        }
 
     # -- preflight: before any data moves ------------------------------------------------
 

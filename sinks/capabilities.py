@@ -3,27 +3,21 @@
 A sink (or its committer) implements a capability by inheriting it; the
 coordinator asks ``isinstance`` and, where a sink lacks one, does without:
 
-=========================  =============  ==========================================
-capability                 on             who needs it, and why
-=========================  =============  ==========================================
-:class:`StagesThroughSpark`  the sink      stages a whole micro-batch with a Spark job
-                                           of its own, and derives or checks columns
-                                           first (Delta: generated columns, CHECKs)
-:class:`ExpiringWork`      the sink       prepared work the target aborts by itself
-                                           after a timeout (a Kafka transaction)
-:class:`HoldsPreparedWork` the sink       prepared work holds the target's resources
-                                           until its commit (PostgreSQL's prepared
-                                           slots and row locks, Kafka's open
-                                           transactions): asks for early checkpoints
-:class:`LeasesIds`         the committer  gives each batch a lane of reusable ids
-                                           before its tasks start (Kafka's pooled
-                                           transactional ids)
-:class:`Audits`            the committer  keeps evidence of each commit and checks it
-                                           against the target's records later
-:class:`RetiresEvidence`   the committer  keeps records for audits in the target,
-                                           dropped when the ledger drops their evidence
-                                           (PostgreSQL's commit markers)
-=========================  =============  ==========================================
+* :class:`StagesThroughSpark` (on the sink): stages a whole micro-batch with a
+  Spark job of its own, and derives or checks columns first (Delta: generated
+  columns, CHECK constraints);
+* :class:`ExpiringWork` (on the sink): prepared work the target aborts by
+  itself after a timeout (a Kafka transaction);
+* :class:`HoldsPreparedWork` (on the sink): prepared work holds the target's
+  resources until its commit (PostgreSQL's prepared slots and row locks,
+  Kafka's open transactions), so the sink may ask for an early checkpoint;
+* :class:`LeasesIds` (on the committer): gives each batch a lane of reusable
+  ids before its tasks start (Kafka's pooled transactional ids);
+* :class:`Audits` (on the committer): keeps evidence of each commit and checks
+  it later against the target's records (``twophase audit``);
+* :class:`RetiresEvidence` (on the committer): keeps records in the target for
+  audits only, dropped when the ledger drops their evidence (PostgreSQL's
+  commit markers).
 """
 
 from __future__ import annotations

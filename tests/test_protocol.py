@@ -1,15 +1,19 @@
 """The sink protocol's shape (no services): each sink's committer and the
-capabilities it declares, a committer that stays on the driver, and a sink
-written for the protocol before the committer refused when it is defined."""
+capabilities it declares, a committer that stays on the driver, a sink
+written for the protocol before the committer refused when it is defined,
+and a sink of its own rebuilt by the ``twophase`` commands from its settings."""
 
 from __future__ import annotations
 
+import json
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from sinks import DeltaSink, KafkaSink, PostgresSink
+from sinks import DeltaSink, KafkaSink, PostgresSink, from_settings
 from sinks.base import Committer, Sink
 from sinks.capabilities import (
     Audits,
@@ -19,6 +23,8 @@ from sinks.capabilities import (
     RetiresEvidence,
     StagesThroughSpark,
 )
+from sinks.errors import ConfigError
+from tests.memory_sink import MemorySink
 
 SINK_CAPS = (StagesThroughSpark, ExpiringWork, HoldsPreparedWork)
 COMMITTER_CAPS = (LeasesIds, Audits, RetiresEvidence)
@@ -89,3 +95,41 @@ def test_a_sink_of_the_protocol_before_the_committer_is_refused() -> None:
             return 60.0
 
     assert Expiring("postgresql://h/db", "t").prepared_work_timeout() == 60.0
+
+
+class _Own(MemorySink):
+    """A sink of its own kind, rebuilt by the twophase commands from its settings."""
+
+    kind = "own"
+
+    def __init__(self, target: str, sink_id: str = "own") -> None:
+        super().__init__(sink_id)
+        self.target = target
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "target": self.target}
+
+    @classmethod
+    def from_settings(cls, s: Mapping[str, Any], secrets: Mapping[str, str]) -> _Own:
+        return cls(s["target"] + secrets.get("SUFFIX", ""), s["sink_id"])
+
+
+class _NotRebuildable(MemorySink):
+    kind = "plain"
+
+
+def test_a_sink_of_its_own_is_rebuilt_from_the_class_its_settings_name() -> None:
+    recorded = json.loads(json.dumps(_Own("t1", "s1").settings()))  # as the ledger keeps it
+    assert recorded["class"] == "tests.test_protocol:_Own"
+    again = from_settings(recorded, {"SUFFIX": "!"})
+    assert isinstance(again, _Own) and (again.target, again.sink_id) == ("t1!", "s1")
+
+    plain = _NotRebuildable().settings()
+    with pytest.raises(ConfigError, match="defines no from_settings"):
+        from_settings(plain, {})
+    with pytest.raises(ConfigError, match=r"cannot import nowhere\.at_all:Sink"):
+        from_settings({**plain, "class": "nowhere.at_all:Sink"}, {})
+    with pytest.raises(ConfigError, match="is not a sink class"):
+        from_settings({**plain, "class": "json:dumps"}, {})
+    with pytest.raises(ConfigError, match="they name no class"):
+        from_settings({"kind": "plain", "sink_id": "s"}, {})

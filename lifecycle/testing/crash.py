@@ -16,7 +16,8 @@ Each of the ``kills`` runs is SIGKILLed, alternately:
   driver kills itself there (``TWOPHASE_FAULT``; see :mod:`sinks._faults`),
   where a crash is the most dangerous: after a batch is recorded but before
   Spark knows it, between a checkpoint's decision and its commit, in the
-  middle of a commit.
+  middle of a commit (inside the project's own sinks), before a batch is
+  recorded, and after every sink committed but before the ledger says so.
 
 Each run has a session of its own, and a kill takes the whole session (the
 driver's JVM and Python workers with it), as a lost machine would. With
@@ -51,6 +52,7 @@ FAULT_POINTS = (
     "driver.before_commit",
     "driver.mid_commit",
     "driver.before_record",
+    "driver.after_commit",
 )
 """Where a named kill strikes (the first time the driver reaches the point)."""
 

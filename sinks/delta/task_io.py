@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sinks.base import Committable, JobScope, WriteContext
+from sinks.base import Committable, WriteContext
 from sinks.delta.layout import Layout
 from sinks.delta.storage import TableStorage
 from sinks.delta.writer import DeltaWriter
+from sinks.scope import JobScope
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -15,8 +15,8 @@ batches the sink's progress row already holds are replays: rolled back.
 The claim, the progress row and the commit markers are the sink's memory of
 its own progress (:mod:`sinks.postgres.progress`): claimed before any commit
 (:meth:`PreparedCommitter.claim`), raised once the ledger recorded a commit
-(:meth:`PreparedCommitter.settle`), and markers deleted once the ledger keeps
-no audit evidence of their checkpoints (:meth:`PreparedCommitter.retire`).
+(:meth:`PreparedCommitter.forget`), and markers deleted once the ledger keeps
+no audit evidence of their checkpoints (:meth:`PreparedCommitter.retire_evidence`).
 
 A partition replace commits differently (:class:`sinks.postgres.replace.ReplaceCommitter`).
 """
