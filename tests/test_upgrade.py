@@ -27,6 +27,8 @@ import psycopg
 import pytest
 
 from lifecycle.ledger import read_ledger
+from sinks.kafka.checks import check_transaction_timeout
+from sinks.kafka.wire import KafkaWire
 from tests import tiers
 from tests.conftest import write_input
 from tests.multisink import Run
@@ -39,9 +41,33 @@ BEFORE_COMMITTER = "590dbb6"  # the last commit before the Committer in the sink
 pytestmark = pytest.mark.crash
 
 
-def _previous_version(into: Path) -> Path:
-    """The project's tree at PREVIOUS, extracted from git into ``into``."""
-    return tree_at(PREVIOUS, into)
+def _killed_by(
+    commit: str, point: str, pg_dsn: str, kafka_bootstrap: str, topic: str, tmp_path: Path
+) -> tuple[Run, int]:
+    """The three-sink job of the project's tree at ``commit`` (from git),
+    SIGKILLed at ``point`` with a checkpoint decided and not committed; the
+    run to start this version on the same state, and the rows to expect."""
+    old_tree = tree_at(commit, tmp_path / commit)
+    n = write_input(tmp_path / "in", files=4, rows_per_file=100)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(
+            "CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8, part bigint)"
+        )
+    run = Run(tmp_path, pg_dsn, kafka_bootstrap, topic)
+    with KafkaWire(kafka_bootstrap) as wire:
+        # a new broker creates and loads __transaction_state at its first
+        # transaction, and e43e90d's preflight did not wait for it (it failed when
+        # it came first in a run): this version's preflight probe, which waits
+        check_transaction_timeout(wire, "warm-up", 60_000, "twophase-preflight.kafka")
+    args = [
+        *("--dsn", pg_dsn, "--bootstrap", kafka_bootstrap, "--topic", str(run.topic)),
+        *("--delta", str(run.delta), "--state", str(run.state), "--input", str(tmp_path / "in")),
+        *("--job", run.job, "--interval", "2", "--files-per-batch", "1"),
+    ]
+    old = JobProcess("multi_sink_job.py", args, tmp_path / "old.log", point, root=old_tree)
+    old.wait(240)
+    assert old.killed(), old.tail()
+    return run, n
 
 
 @pytest.mark.parametrize(
@@ -56,24 +82,7 @@ def test_a_crashed_state_of_the_previous_version_recovers(
     tmp_path: Path,
     point: str,
 ) -> None:
-    old_tree = _previous_version(tmp_path / "previous")
-    n = write_input(tmp_path / "in", files=4, rows_per_file=100)
-
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
-        c.execute(
-            "CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8, part bigint)"
-        )
-    run = Run(tmp_path, pg_dsn, kafka_bootstrap, kafka_topic(3))
-
-    # the previous version, killed with a checkpoint decided and not committed
-    args = [
-        *("--dsn", pg_dsn, "--bootstrap", kafka_bootstrap, "--topic", str(run.topic)),
-        *("--delta", str(run.delta), "--state", str(run.state), "--input", str(tmp_path / "in")),
-        *("--job", run.job, "--interval", "2", "--files-per-batch", "1"),
-    ]
-    old = JobProcess("multi_sink_job.py", args, tmp_path / "old.log", point, root=old_tree)
-    old.wait(240)
-    assert old.killed(), old.tail()
+    run, n = _killed_by(PREVIOUS, point, pg_dsn, kafka_bootstrap, kafka_topic(3), tmp_path)
     before = (run.state / "ledger" / "ledger.json").read_text()
     assert '"format": 1' in before and '"decided": {' in before, before[:500]
     if point == "driver.before_commit=kill":
@@ -103,23 +112,8 @@ def test_a_crashed_state_of_the_version_before_the_committer_recovers(
     tmp_path: Path,
     point: str,
 ) -> None:
-    old_tree = tree_at(BEFORE_COMMITTER, tmp_path / "before")
-    n = write_input(tmp_path / "in", files=4, rows_per_file=100)
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
-        c.execute(
-            "CREATE TABLE orders (id bigint PRIMARY KEY, name text, amount float8, part bigint)"
-        )
-    run = Run(tmp_path, pg_dsn, kafka_bootstrap, kafka_topic(3))
-
-    # the earlier version: one checkpoint committed, the next decided and not committed
-    args = [
-        *("--dsn", pg_dsn, "--bootstrap", kafka_bootstrap, "--topic", str(run.topic)),
-        *("--delta", str(run.delta), "--state", str(run.state), "--input", str(tmp_path / "in")),
-        *("--job", run.job, "--interval", "2", "--files-per-batch", "1"),
-    ]
-    old = JobProcess("multi_sink_job.py", args, tmp_path / "old.log", point, root=old_tree)
-    old.wait(240)
-    assert old.killed(), old.tail()
+    topic = kafka_topic(3)
+    run, n = _killed_by(BEFORE_COMMITTER, point, pg_dsn, kafka_bootstrap, topic, tmp_path)
     before = read_ledger(run.state)
     assert before is not None and before["incarnation"] and before["decided"], before
     incarnation = before["incarnation"]
