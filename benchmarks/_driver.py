@@ -30,9 +30,8 @@ from lifecycle.coordinator import Coordinator
 from lifecycle.job_sinks import PipelineSinks
 from lifecycle.ledger import FileLedger
 from lifecycle.spark_log import SparkCommitLog
-from sinks import DeltaSink, KafkaSink, PostgresSink
+from sinks import DeltaSink, KafkaSink, PostgresSink, capabilities
 from sinks.base import Committable, JobScope, Sink, WriteContext
-from sinks.capabilities import LeasesIds
 
 JOB = "bench"
 PIPELINE = "p"
@@ -155,7 +154,10 @@ class Driver:
         """What ``tasks`` Spark tasks of ``batch`` prepare in every sink,
         ``rows`` rows each: the executors' part, done in the processes of
         ``pool`` (see :func:`executors`) as Spark's Python workers would."""
-        leases = {sid: _lease(s, self.scope(sid), batch) for sid, s in self.sinks.items()}
+        leases = {
+            sid: capabilities.lease(s.committer(), self.scope(sid), batch)
+            for sid, s in self.sinks.items()
+        }
         jobs = [
             (self._shipped[sid], self.scope(sid), self.run, batch, part, tasks, rows, leases[sid])
             for sid in self.sinks
@@ -175,13 +177,6 @@ class Driver:
         self.ledger.close()
         for sink in self.sinks.values():
             sink.close()
-
-
-def _lease(sink: Sink, scope: JobScope, batch: int) -> int | None:
-    """What the sink's committer leases ``batch`` (:class:`LeasesIds`), as the
-    job's pre-commit asks (:mod:`lifecycle.binding`); None for the others."""
-    committer = sink.committer()
-    return committer.lease(scope, batch) if isinstance(committer, LeasesIds) else None
 
 
 def timed(sink: Sink, method: str) -> list[float]:

@@ -23,9 +23,9 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from lifecycle._columns import column
 from lifecycle.coordinator import Coordinator
 from lifecycle.failures import TaskFailure
-from sinks import _faults
+from sinks import _faults, capabilities
 from sinks.base import Committable, JobScope, Sink, WriteContext
-from sinks.capabilities import ExpiringWork, LeasesIds, StagesThroughSpark
+from sinks.capabilities import ExpiringWork, StagesThroughSpark
 
 log = logging.getLogger("lifecycle.binding")
 
@@ -122,8 +122,7 @@ def precommit(
     if order:
         df = df.sortWithinPartitions(*map(column, order))
     df = _plain_names(df)
-    committer = sink.committer()
-    lease = committer.lease(scope, batch_id) if isinstance(committer, LeasesIds) else None
+    lease = capabilities.lease(sink.committer(), scope, batch_id)
     task = PrecommitTask(sink, scope, run, batch_id, schema, lease, only)
     rows = df.mapInArrow(task, "committable string").collect()
     return [json.loads(r[0]) for r in rows]

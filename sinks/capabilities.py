@@ -123,6 +123,14 @@ class LeasesIds(abc.ABC):
         reused once the target shows it ended."""
 
 
+def lease(committer: object, scope: JobScope, batch_id: int) -> int | None:
+    """What ``committer`` leases ``batch_id`` before its tasks start when it
+    :class:`LeasesIds`; None for any other."""
+    if isinstance(committer, LeasesIds):
+        return committer.lease(scope, batch_id)
+    return None
+
+
 class Audits(abc.ABC):
     """A committer whose commits can be checked later against the target's records."""
 
