@@ -175,6 +175,7 @@ def batch_handler(
     def handle(df: DataFrame, batch_id: int) -> None:
         if not coordinator.admit(pipeline, batch_id):
             return  # committed before: Spark may now write its commit-log entry
+        coordinator.metrics.writing(pipeline, began=True)
         committables: dict[str, list[Committable]] = {}
         cached = len(sinks) > 1
         writing: Sink | None = None
@@ -201,6 +202,7 @@ def batch_handler(
             coordinator.abort_unregistered(pipeline, committables)
             raise
         finally:
+            coordinator.metrics.writing(pipeline, began=False)
             if cached:
                 df.unpersist()
         _faults.hit("driver.after_record", batch=batch_id)

@@ -137,6 +137,10 @@ class Job:
             :mod:`lifecycle.metrics`.
         metrics_host: the address the endpoint binds to (loopback by default;
             ``"0.0.0.0"`` for a scraper on another host).
+        metrics_linger: at the end of a run whose endpoint was scraped, the
+            seconds the endpoint waits, at most, for one more scrape, so that
+            Prometheus reads the final state (15; 0: stop at once). A job
+            never scraped ends at once.
         audit_checkpoints: how many of the newest checkpoints the ledger keeps,
             with the evidence ``twophase audit`` checks each sink's records
             against (50); a PostgreSQL sink keeps its commit markers as long.
@@ -159,6 +163,7 @@ class Job:
         ledger: str | os.PathLike[str] | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        metrics_linger: float = 15.0,
         audit_checkpoints: int = 50,
         progress: str = "auto",
     ) -> None:
@@ -166,6 +171,8 @@ class Job:
             raise ConfigError("checkpoint_interval must be >= 0 seconds")
         if stop_grace < 0:
             raise ConfigError("stop_grace must be >= 0 seconds")
+        if metrics_linger < 0:
+            raise ConfigError("metrics_linger must be >= 0 seconds")
         if audit_checkpoints < 1:
             raise ConfigError("audit_checkpoints must be >= 1")
         if final_checkpoint not in FINAL_MODES:
@@ -200,7 +207,11 @@ class Job:
             _QUICK_POLL_S if isinstance(self.store, LocalStore) else _QUICK_POLL_REMOTE_S
         )
         self._watch = RunWatch(
-            self.name, metrics_port=metrics_port, metrics_host=metrics_host, progress=progress
+            self.name,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
+            metrics_linger=metrics_linger,
+            progress=progress,
         )
 
     def add_pipeline(

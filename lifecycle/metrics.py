@@ -8,45 +8,16 @@ over HTTP by ``Job(metrics_port=...)``, and read in Python with
 ``Job.metrics()``. Every metric has the label ``job``; per pipeline and per sink
 they add ``pipeline`` and ``sink`` (the sink's ``sink_id``).
 
-=================================================  =======  ================================
-metric                                             type     labels (beyond ``job``)
-=================================================  =======  ================================
-``twophase_checkpoints_completed_total``           counter  ``kind``
-``twophase_checkpoints_failed_total``              counter  ``kind``
-``twophase_checkpoint_duration_seconds``           histo.   ``kind`` (decision to commit done)
-``twophase_rows_committed_total``                  counter  ``pipeline``, ``sink``
-``twophase_bytes_committed_total``                 counter  ``pipeline``, ``sink``
-``twophase_rows_prepared_total``                   counter  ``pipeline``, ``sink`` (pre-committed)
-``twophase_batches_prepared_total``                counter  ``pipeline``
-``twophase_commit_retries_total``                  counter  ``pipeline``, ``sink``
-``twophase_recovery_actions_total``                counter  ``pipeline``, ``sink``, ``rule``
-``twophase_batches_pending``                       gauge    ``pipeline``
-``twophase_committables_pending``                  gauge    ``pipeline``
-``twophase_prepared_transactions_open``            gauge    ``pipeline``, ``sink``
-``twophase_rows_pending``                          gauge    ``pipeline``, ``sink``
-``twophase_oldest_pending_age_seconds``            gauge    ``pipeline``
-``twophase_kafka_oldest_transaction_age_seconds``  gauge    ``pipeline``, ``sink``
-``twophase_kafka_transaction_timeout_seconds``     gauge    ``pipeline``, ``sink``
-``twophase_last_checkpoint_timestamp_seconds``     gauge
-``twophase_seconds_since_last_checkpoint``         gauge    (since the run began, before one)
-``twophase_end_of_input_timestamp_seconds``        gauge    ``pipeline``
-``twophase_final_checkpoint_timestamp_seconds``    gauge
-``twophase_end_of_input_to_final_seconds``         gauge
-``twophase_job_state``                             gauge    ``state`` (1 for the current one)
-``twophase_pipeline_state``                        gauge    ``pipeline``, ``state``
-``twophase_job_info``                              gauge    ``incarnation``, ``run``
-=================================================  =======  ================================
+Each metric, its labels and what it counts: the operating page of the docs
+("Metrics"); the alert rules that read them: ``integration/prometheus``.
 
-Recovery actions count transactions, by ``rule``: ``commit_decided`` (a
-checkpoint decided before a crash is finished), ``commit_completed`` (work
-Spark completed is committed at start), ``abort_replayed`` (work Spark did not
-complete is rolled back; Spark replays it), ``abort_rerun`` (an earlier attempt
-of a batch Spark ran again), ``sweep_orphans`` (work no ledger entry owns:
-failed or speculative task attempts, earlier runs), ``skip_abandoned``
-(transactions an operator gave up with ``twophase abandon``), ``owe_lost``
-(transactions found lost in a target, at a start or during a run, whose
-batches are owed and written again from the source: :mod:`lifecycle.replay`) and ``repay_owed``
-(the transactions that wrote it again, committed).
+Recovery actions count transactions, by ``rule`` (:data:`RECOVERY_RULES`; what
+each means: the operating page of the docs, "Metrics").
+
+The gauges are computed when read (:mod:`lifecycle.gauges`). When the endpoint
+was scraped during a run, the job at its end waits for one more scrape (at most
+``Job(metrics_linger=...)`` seconds), so that Prometheus sees the final state:
+the alert on a job that stopped with work pending reads it.
 """
 
 from __future__ import annotations
@@ -59,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.core import Metric
 
+from lifecycle.gauges import Key, LiveGauges, Snapshot
 from lifecycle.progress import Counts
 
 JOB_STATES = (
@@ -75,6 +46,21 @@ JOB_STATES = (
     "failed",
 )
 """What ``twophase_job_state`` can say (also the heartbeat's ``state``)."""
+
+RECOVERY_RULES = (
+    "commit_decided",
+    "commit_completed",
+    "abort_replayed",
+    "abort_rerun",
+    "sweep_orphans",
+    "skip_abandoned",
+    "owe_lost",
+    "repay_owed",
+)
+"""The ``rule`` label of ``twophase_recovery_actions_total``."""
+
+CHECKPOINT_KINDS = ("periodic", "final", "savepoint", "recovery")
+"""The ``kind`` label of the checkpoint metrics."""
 
 _DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -124,6 +110,13 @@ class JobMetrics:
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
+        self._commit_latency = Histogram(
+            "twophase_commit_latency_seconds",
+            "Seconds from a batch's pre-commit (recorded in the ledger) to its commit",
+            ["job", "pipeline"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
         sink_labels = ["job", "pipeline", "sink"]
         self._rows_committed = Counter(
             "twophase_rows_committed", "Rows committed", sink_labels, registry=r
@@ -161,8 +154,14 @@ class JobMetrics:
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, str], tuple[int, int]] = {}  # (p, sid) -> (txns, rows)
         self._batches: dict[str, tuple[int, float | None]] = {}  # p -> (batches, oldest at)
-        self._kafka_oldest: dict[tuple[str, str], float] = {}  # (p, sid) -> opened_at
-        self._timeouts: dict[tuple[str, str], float] = {}  # (p, sid) -> seconds
+        self._kafka_oldest: dict[Key, float] = {}  # (p, sid) -> opened_at
+        self._oldest_prepared: dict[Key, float] = {}  # (p, sid) -> opened or recorded at
+        self._writing: dict[str, float] = {}  # p -> when the batch being written began
+        self._timeouts: dict[Key, float] = {}  # (p, sid) -> seconds
+        self._age_limits: dict[Key, float] = {}
+        self._server_slots: dict[Key, Callable[[], tuple[int, int] | None]] = {}
+        self._interval: float | None = None
+        self._recovered_at: dict[tuple[str, str, str], float] = {}
         self._began = time.time()
         self._last_checkpoint: float | None = None
         self._end_of_input: dict[str, float] = {}
@@ -181,7 +180,9 @@ class JobMetrics:
         self._server_thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
         """(host, port) the endpoint listens on while :meth:`serve` runs"""
-        r.register(_Live(self))
+        self._scraped = threading.Condition(self._lock)
+        self._scrapes = 0
+        r.register(LiveGauges(self.snapshot))
 
     # -- what the job tells ----------------------------------------------------------
 
@@ -191,14 +192,34 @@ class JobMetrics:
         run: int,
         pipeline_states: Callable[[], Mapping[str, str]],
         state_names: Iterable[str],
-        sinks: Iterable[tuple[str, str]],
-        timeouts: Mapping[tuple[str, str], float],
+        sinks: Iterable[Key],
+        timeouts: Mapping[Key, float],
+        *,
+        interval: float | None = None,
+        age_limits: Mapping[Key, float] | None = None,
+        server_slots: Mapping[Key, Callable[[], tuple[int, int] | None]] | None = None,
     ) -> None:
         """A run began: its identity, where pipeline states are read (one of
         ``state_names`` each), and the transaction timeout of every sink that has
         one; ``sinks``: every (pipeline, sink id) of the job, whose gauges show
-        0 until there is something to show."""
+        0 until there is something to show; ``interval``: the checkpoint
+        interval; ``age_limits``: the age past which a sink's prepared work
+        harms its target; ``server_slots``: where a sink reads its server's
+        prepared transactions and their limit."""
         with self._lock:
+            self._interval = interval
+            self._age_limits = dict(age_limits or timeouts)
+            self._server_slots = dict(server_slots or {})
+        for p, sid in set(sinks):  # every series exists from the start, at 0
+            for rule in RECOVERY_RULES:
+                self._recovery_actions.labels(self.job, p, sid, rule)
+                with self._lock:
+                    self._recovered_at.setdefault((p, sid, rule), 0.0)
+            for counter in (self._rows_committed, self._bytes_committed, self._commit_retries):
+                counter.labels(self.job, p, sid)
+        for kind in CHECKPOINT_KINDS:
+            self._checkpoints_completed.labels(self.job, kind)
+            self._checkpoints_failed.labels(self.job, kind)
             self._state_names = tuple(state_names)
             self._sinks = sorted(set(sinks))
             self._incarnation = incarnation or ""
@@ -217,6 +238,14 @@ class JobMetrics:
             self._end_to_final = since_end_of_input
 
     # -- what the coordinator tells --------------------------------------------------
+
+    def writing(self, pipeline: str, began: bool) -> None:
+        """A batch of ``pipeline`` began (``began``) or ended being written."""
+        with self._lock:
+            if began:
+                self._writing[pipeline] = time.time()
+            else:
+                self._writing.pop(pipeline, None)
 
     def prepared(
         self, pipeline: str, committables: Mapping[str, Iterable[Mapping[str, Any]]]
@@ -241,14 +270,18 @@ class JobMetrics:
         at: float,
     ) -> None:
         most: dict[str, int] = {}
+        recorded: set[tuple[str, float]] = set()  # (pipeline, a batch's registered_at)
         for (p, sid), cs in committed.items():
             cs = list(cs)
+            recorded.update((p, float(c["registered_at"])) for c in cs if "registered_at" in c)
             rows = sum(int(c.get("rows", 0)) for c in cs)
             self._rows_committed.labels(self.job, p, sid).inc(rows)
             self._bytes_committed.labels(self.job, p, sid).inc(sum(map(committable_bytes, cs)))
             most[p] = max(most.get(p, 0), rows)
         self._checkpoints_completed.labels(self.job, kind).inc()
         self._checkpoint_duration.labels(self.job, kind).observe(seconds)
+        for p, registered in recorded:
+            self._commit_latency.labels(self.job, p).observe(max(0.0, at - registered))
         with self._lock:
             self._last_checkpoint = at
             self.checkpoints += 1
@@ -261,6 +294,9 @@ class JobMetrics:
 
     def recovery_action(self, rule: str, pipeline: str, sink: str, txns: int) -> None:
         self._recovery_actions.labels(self.job, pipeline, sink, rule).inc(txns)
+        if txns:
+            with self._lock:
+                self._recovered_at[(pipeline, sink, rule)] = time.time()
 
     def retried(self, pipeline: str, sink: str) -> Callable[[], None]:
         """What a commit of (pipeline, sink) calls at each retry."""
@@ -273,7 +309,8 @@ class JobMetrics:
         """The ledger's pending batches now (pipeline -> batch -> sink -> committables)."""
         txns: dict[tuple[str, str], tuple[int, int]] = {}
         batches: dict[str, tuple[int, float | None]] = {}
-        kafka: dict[tuple[str, str], float] = {}
+        kafka: dict[Key, float] = {}
+        first: dict[Key, float] = {}
         for p, by_batch in pending.items():
             oldest: float | None = None
             for sinks in by_batch.values():
@@ -287,11 +324,15 @@ class JobMetrics:
                         opened = c.get("opened_at")
                         if opened is not None and float(opened) < kafka.get((p, sid), 1e300):
                             kafka[(p, sid)] = float(opened)
+                        since = opened if opened is not None else at
+                        if since is not None and float(since) < first.get((p, sid), 1e300):
+                            first[(p, sid)] = float(since)
             batches[p] = (len(by_batch), oldest)
         with self._lock:
             self._pending = txns
             self._batches = batches
             self._kafka_oldest = kafka
+            self._oldest_prepared = first
 
     # -- reading ---------------------------------------------------------------------
 
@@ -300,6 +341,35 @@ class JobMetrics:
         sink that got the most)."""
         with self._lock:
             return {p: dataclasses.replace(c) for p, c in self._counts.items()}
+
+    def snapshot(self) -> Snapshot:
+        """What the gauges show now (:mod:`lifecycle.gauges`)."""
+        with self._lock:
+            return Snapshot(
+                job=self.job,
+                state=self.state,
+                state_names=JOB_STATES,
+                pipeline_state_names=self._state_names,
+                pipeline_states=dict(self._pipeline_states()),
+                sinks=list(self._sinks),
+                pending=dict(self._pending),
+                batches=dict(self._batches),
+                writing=dict(self._writing),
+                oldest_prepared=dict(self._oldest_prepared),
+                kafka_opened=dict(self._kafka_oldest),
+                timeouts=dict(self._timeouts),
+                age_limits=dict(self._age_limits),
+                server_slots=dict(self._server_slots),
+                interval=self._interval,
+                began=self._began,
+                last_checkpoint=self._last_checkpoint,
+                ends=dict(self._end_of_input),
+                final_at=self._final_at,
+                to_final=self._end_to_final,
+                incarnation=self._incarnation,
+                run=self._run,
+                recovered_at=dict(self._recovered_at),
+            )
 
     def samples(self) -> list[MetricSample]:
         """Every sample the registry holds now."""
@@ -315,12 +385,25 @@ class JobMetrics:
         if self._server is not None:
             assert self.address is not None
             return self.address
-        self._server, self._server_thread = start_http_server(port, addr, self.registry)
+        self._server, self._server_thread = start_http_server(port, addr, _Scraped(self))
         host, bound = self._server.server_address[:2]
         self.address = (str(host), int(bound))
         return self.address
 
-    def stop_serving(self) -> None:
+    def scraped(self) -> None:
+        """The endpoint was read (called by it, at each scrape)."""
+        with self._scraped:
+            self._scrapes += 1
+            self._scraped.notify_all()
+
+    def stop_serving(self, linger: float = 0.0) -> None:
+        """Stop the endpoint; when it was scraped before, first wait (at most
+        ``linger`` seconds) for one more scrape, so that Prometheus reads the
+        run's final state and not the last state before it."""
+        with self._scraped:
+            seen = self._scrapes
+            if self._server is not None and seen > 0 and linger > 0:
+                self._scraped.wait_for(lambda: self._scrapes > seen, timeout=linger)
         server, self._server = self._server, None
         if server is not None:
             server.shutdown()
@@ -331,120 +414,17 @@ class JobMetrics:
         self.address = None
 
 
-class _Live(Collector):
-    """The gauges, computed from what the job told when they are read."""
+class _Scraped:
+    """The registry as the endpoint reads it: each read is counted
+    (:meth:`JobMetrics.scraped`) once the registry is collected."""
 
     def __init__(self, metrics: JobMetrics) -> None:
-        self._m = metrics
+        self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        m, job, now = self._m, self._m.job, time.time()
-        with m._lock:
-            pending = dict(m._pending)
-            batches = dict(m._batches)
-            kafka = dict(m._kafka_oldest)
-            timeouts = dict(m._timeouts)
-            last, began = m._last_checkpoint, m._began
-            ends = dict(m._end_of_input)
-            final_at, to_final = m._final_at, m._end_to_final
-            incarnation, run = m._incarnation, m._run
-            states, names = m._pipeline_states, m._state_names
-            known = list(m._sinks)
-        P, S = ["job", "pipeline"], ["job", "pipeline", "sink"]
+        yield from self._metrics.registry.collect()
+        self._metrics.scraped()  # once every family is read
 
-        def gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=labels)
-
-        g = gauge("twophase_batches_pending", "Pre-committed batches awaiting a checkpoint", P)
-        c = gauge("twophase_committables_pending", "Committables awaiting a checkpoint", P)
-        age = gauge(
-            "twophase_oldest_pending_age_seconds",
-            "Age of the oldest batch awaiting a checkpoint (0: none)",
-            P,
-        )
-        per_pipeline: dict[str, int] = {}
-        for (p, _sid), (n, _rows) in pending.items():
-            per_pipeline[p] = per_pipeline.get(p, 0) + n
-        for p in sorted({p for p, _ in known} | set(batches)):
-            n, oldest = batches.get(p, (0, None))
-            g.add_metric([job, p], n)
-            c.add_metric([job, p], per_pipeline.get(p, 0))
-            age.add_metric([job, p], max(0.0, now - oldest) if oldest is not None else 0.0)
-        yield from (g, c, age)
-        txns = gauge(
-            "twophase_prepared_transactions_open",
-            "Transactions the sink holds prepared for this job (PostgreSQL prepared "
-            "transactions, open Kafka transactions, staged Delta file sets)",
-            S,
-        )
-        rows = gauge("twophase_rows_pending", "Rows pre-committed, awaiting a checkpoint", S)
-        for p, sid in sorted(set(known) | set(pending)):
-            n, r = pending.get((p, sid), (0, 0))
-            txns.add_metric([job, p, sid], n)
-            rows.add_metric([job, p, sid], r)
-        yield from (txns, rows)
-        kage = gauge(
-            "twophase_kafka_oldest_transaction_age_seconds",
-            "Age of the sink's oldest open Kafka transaction (0: none open)",
-            S,
-        )
-        kmax = gauge(
-            "twophase_kafka_transaction_timeout_seconds",
-            "The sink's transaction.timeout.ms, in seconds: a transaction older is aborted "
-            "by the broker",
-            S,
-        )
-        for (p, sid), timeout in sorted(timeouts.items()):
-            opened = kafka.get((p, sid))
-            kage.add_metric([job, p, sid], max(0.0, now - opened) if opened is not None else 0.0)
-            kmax.add_metric([job, p, sid], timeout)
-        yield from (kage, kmax)
-        ts = gauge(
-            "twophase_last_checkpoint_timestamp_seconds",
-            "Unix time the last checkpoint of this run committed",
-            ["job"],
-        )
-        since = gauge(
-            "twophase_seconds_since_last_checkpoint",
-            "Seconds since the last checkpoint of this run committed (since the run began, "
-            "before the first)",
-            ["job"],
-        )
-        if last is not None:
-            ts.add_metric([job], last)
-        since.add_metric([job], max(0.0, now - (last if last is not None else began)))
-        yield from (ts, since)
-        eoi = gauge(
-            "twophase_end_of_input_timestamp_seconds",
-            "Unix time the pipeline consumed its input (bounded, or drained)",
-            P,
-        )
-        for p, at in sorted(ends.items()):
-            eoi.add_metric([job, p], at)
-        fin = gauge(
-            "twophase_final_checkpoint_timestamp_seconds",
-            "Unix time the final checkpoint committed",
-            ["job"],
-        )
-        tofin = gauge(
-            "twophase_end_of_input_to_final_seconds",
-            "Seconds from the last pipeline consuming its input to the final checkpoint's commit",
-            ["job"],
-        )
-        if final_at is not None:
-            fin.add_metric([job], final_at)
-        if to_final is not None:
-            tofin.add_metric([job], to_final)
-        yield from (eoi, fin, tofin)
-        js = gauge("twophase_job_state", "1 for the job's current state", ["job", "state"])
-        for s in JOB_STATES:
-            js.add_metric([job, s], 1.0 if s == m.state else 0.0)
-        ps = gauge("twophase_pipeline_state", "1 for each pipeline's current state", [*P, "state"])
-        for p, now_in in sorted(states().items()):
-            for s in names:
-                ps.add_metric([job, p, s], 1.0 if s == now_in else 0.0)
-        info = gauge(
-            "twophase_job_info", "The job's incarnation and run", ["job", "incarnation", "run"]
-        )
-        info.add_metric([job, incarnation, str(run)], 1.0)
-        yield from (js, ps, info)
+    def restricted_registry(self, names: Iterable[str]) -> Any:
+        self._metrics.scraped()
+        return self._metrics.registry.restricted_registry(names)

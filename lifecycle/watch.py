@@ -14,7 +14,7 @@ from lifecycle.pipeline import Pipeline, PipelineState
 from lifecycle.progress import ProgressView, Tracked, check_mode
 from lifecycle.state.protocol import Ledger
 from lifecycle.state.store_interface import StateStore
-from sinks.capabilities import ExpiringWork
+from sinks.capabilities import ExpiringWork, HoldsPreparedWork
 from sinks.errors import ConfigError
 
 log = logging.getLogger("lifecycle.watch")
@@ -30,6 +30,7 @@ class RunWatch:
         metrics_port: int | None,
         metrics_host: str,
         progress: str,
+        metrics_linger: float = 0.0,
     ) -> None:
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise ConfigError(
@@ -38,6 +39,7 @@ class RunWatch:
         self.metrics = JobMetrics(job)
         self._port = metrics_port
         self._host = metrics_host
+        self._linger = metrics_linger
         self._progress_mode = check_mode(progress)
         self._progress: ProgressView | None = None
         self._heartbeat: heartbeat.Heartbeat | None = None
@@ -69,17 +71,35 @@ class RunWatch:
             "run": ledger.run,
             "checkpoint_interval": checkpoint_interval,
         }
+        timeouts = {
+            (p.name, s.sink_id): s.prepared_work_timeout()
+            for p in pipelines
+            for s in p.sinks
+            if isinstance(s, ExpiringWork)
+        }
         self.metrics.began(
             ledger.incarnation or "",
             ledger.run,
             lambda: {p.name: p.state.value for p in pipelines},
             [s.value for s in PipelineState],
             [(p.name, s.sink_id) for p in pipelines for s in p.sinks],
-            {
-                (p.name, s.sink_id): t
+            timeouts,
+            interval=checkpoint_interval,
+            age_limits={
+                **{
+                    (p.name, s.sink_id): t
+                    for p in pipelines
+                    for s in p.sinks
+                    if isinstance(s, HoldsPreparedWork)
+                    and (t := s.prepared_work_limit()) is not None
+                },
+                **timeouts,
+            },
+            server_slots={
+                (p.name, s.sink_id): s.server_prepared_transactions
                 for p in pipelines
                 for s in p.sinks
-                if isinstance(s, ExpiringWork) and (t := s.prepared_work_timeout()) is not None
+                if isinstance(s, HoldsPreparedWork) and s.holds_prepared_work()
             },
         )
         finished = ledger.finished()
@@ -124,4 +144,4 @@ class RunWatch:
         if self._heartbeat is not None:
             self._heartbeat.end(state, error, write=heartbeat)
             self._heartbeat = None
-        self.metrics.stop_serving()
+        self.metrics.stop_serving(self._linger)

@@ -91,6 +91,20 @@ class HoldsPreparedWork(abc.ABC):
         checkpoint under ``load`` (called once, after preflight). The default
         says nothing."""
 
+    def prepared_work_limit(self) -> float | None:
+        """Seconds past which prepared work harms the target or other writers,
+        for the metric an alert compares its age with
+        (``twophase_prepared_age_limit_seconds``); None (the default): no such
+        limit. An :class:`ExpiringWork` sink's limit is its timeout instead."""
+        return None
+
+    def server_prepared_transactions(self) -> tuple[int, int] | None:
+        """The target server's prepared transactions (every job's) and their
+        limit, as last seen (``twophase_server_prepared_transactions``); None
+        (the default): not known. Called when metrics are read: it must not
+        ask the server."""
+        return None
+
 
 @dataclass(frozen=True)
 class ExpectedLoad:

@@ -111,7 +111,14 @@ def test_metrics_scraped_during_a_run_and_read_after_it(  # type: ignore[no-unty
         found = status_view.job_status(doc, beat)
         assert found["alive"] and found["state"] == "running" and found["exit_code"] == 0
         job.stop(drain=True)
-        runner.join(120)
+        # Scraped during the run, the endpoint stays up at the end until one more
+        # scrape has read the final state (metrics_linger): no work is pending in it.
+        final = scraped
+        while runner.is_alive() and _value(final, "twophase_job_state", state="finished") != 1:
+            final = _scrape(address)
+        assert _value(final, "twophase_job_state", state="finished") == 1
+        assert _value(final, "twophase_committables_pending", pipeline="live") == 0
+        runner.join(10)  # at once after that scrape, not at the end of the linger (15 s)
         assert not runner.is_alive()
     finally:
         job.stop(drain=False)

@@ -53,6 +53,8 @@ class PreparedCapacity:
     """a connection of the sink, given an application name"""
     limit: Callable[[], int | None]
     """the server's ``max_prepared_transactions``, read at preflight (None before)"""
+    last_seen: tuple[int, int] | None = field(default=None, init=False)
+    """the server's prepared transactions and its limit at the last check"""
     _conn: psycopg.Connection | None = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -87,6 +89,7 @@ class PreparedCapacity:
             held = self.held()
         except psycopg.OperationalError:
             return None  # the commit will say what is wrong with the server
+        self.last_seen = (held, limit)
         if held + 2 * len(batch) <= limit:
             return None
         return (

@@ -401,6 +401,17 @@ class PostgresSink(Sink, HoldsPreparedWork):
         """The staging table of a replacing scope."""
         return sql.Identifier(self.marker_schema, replace.staging_name(scope))
 
+    def prepared_work_limit(self) -> float | None:
+        """The sink's ``lock_timeout``: a task of a later batch waiting on rows
+        a prepared transaction holds gives up after it (None when it waits
+        forever)."""
+        return self.lock_timeout or None
+
+    def server_prepared_transactions(self) -> tuple[int, int] | None:
+        """The server's prepared transactions and ``max_prepared_transactions``,
+        as the last batch's barrier read them."""
+        return self._capacity.last_seen
+
     def checkpoint_pressure(self, batch: Sequence[Committable]) -> str | None:
         """A reason to checkpoint now when the server's prepared transactions
         (all databases, all jobs) leave less room than two more batches like
