@@ -14,6 +14,15 @@ echo "checking the type hints (mypy) ..."
 # docstring that does not render) fails the run. -E: every page read anew.
 echo "building the documentation site (docs/) ..."
 .venv/bin/python -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
+# The shipped Prometheus rules and their unit tests (integration/prometheus).
+echo "checking the alert rules (promtool) ..."
+if ! command -v promtool >/dev/null 2>&1; then
+    echo "promtool is missing: apt-get install prometheus (.ci/run installs it)" >&2
+    exit 1
+fi
+(cd integration/prometheus &&
+    promtool check rules twophase-rules.yml &&
+    promtool test rules twophase-rules.test.yml twophase-rules.seconds.test.yml)
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
 # pytest exits 5 when it collected no tests: that is a failure of the suite here.
