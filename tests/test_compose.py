@@ -61,3 +61,20 @@ def test_postgresql_is_the_major_the_suite_runs() -> None:
     )
     kit = (Path(__file__).resolve().parents[1] / "lifecycle/testing/plugin.py").read_text()
     assert f'PostgresContainer("postgres:{major}"' in kit, "the kit's container runs another major"
+
+
+def test_prometheus_is_the_version_the_suite_runs() -> None:
+    """The compose service runs the Prometheus of tests/test_prometheus.py
+    (major and minor), with the shipped rules and example configuration."""
+    from lifecycle.testing.prometheus import binary
+
+    out = subprocess.run([binary(), "--version"], capture_output=True, text=True, check=True)
+    found = re.search(r"version (\d+\.\d+)", out.stdout + out.stderr)
+    assert found is not None, out.stdout + out.stderr
+    tag = _tag("prometheus")
+    assert tag.lstrip("v").startswith(found.group(1) + "."), (
+        f"docker-compose.yml runs prom/prometheus:{tag}; the suite runs {found.group(0)}"
+    )
+    mounted = " ".join(_services()["prometheus"]["volumes"])
+    assert "integration/prometheus/twophase-rules.yml" in mounted
+    assert "integration/prometheus/prometheus.yml" in mounted
