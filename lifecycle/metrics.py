@@ -35,6 +35,8 @@ metric                                             type     labels (beyond ``job
 ``twophase_job_state``                             gauge    ``state`` (1 for the current one)
 ``twophase_pipeline_state``                        gauge    ``pipeline``, ``state``
 ``twophase_job_info``                              gauge    ``incarnation``, ``run``
+``twophase_source_offsets_commit_failures_total``  counter  ``pipeline``
+``twophase_source_offsets_timestamp_seconds``      gauge    ``pipeline``
 =================================================  =======  ================================
 
 Recovery actions count transactions, by ``rule``: ``commit_decided`` (a
@@ -47,6 +49,9 @@ failed or speculative task attempts, earlier runs), ``skip_abandoned``
 (transactions found lost in a target, at a start or during a run, whose
 batches are owed and written again from the source: :mod:`lifecycle.replay`) and ``repay_owed``
 (the transactions that wrote it again, committed).
+
+The two ``twophase_source_offsets_*`` metrics, of the consumer-group offsets
+of Kafka sources, are registered by :mod:`lifecycle.source_offsets`.
 """
 
 from __future__ import annotations
