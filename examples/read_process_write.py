@@ -29,6 +29,12 @@ before the job read it stops the job instead of skipping rows.
     python examples/read_process_write.py --bootstrap HOST:PORT \\
         --dsn postgresql://... --delta DELTA_DIR --state STATE_DIR
 
+The job's lag is visible to Kafka's tools: after each checkpoint, each
+pipeline's committed offsets go to the consumer group
+``twophase.orders-rpw.history`` / ``twophase.orders-rpw.live``
+(``kafka-consumer-groups.sh --describe --group ...``; monitoring only, the
+job never reads them: ``add_pipeline(source_offsets_group=...)``).
+
 Run it, stop it, SIGKILL it, run it again: each order of both topics is in
 each of the three sinks once (``tests/test_kafka_source.py`` does exactly
 that, at random instants and at the commit protocol's dangerous points).

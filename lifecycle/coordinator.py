@@ -153,6 +153,9 @@ class Coordinator:
         self._early: str | None = None  # why the next checkpoint should not wait
         self.progress_note: Callable[[], str] | None = None
         """what the checkpoint log line adds (the progress of bounded pipelines)"""
+        self.completed: Callable[[Checkpoint], None] | None = None
+        """told of each checkpoint once the ledger recorded it complete; returns
+        at once and never raises (the job's :mod:`lifecycle.source_offsets`)"""
 
     def scope(self, pipeline: str, sink_id: str) -> JobScope:
         """The scope of a sink of this job, in this incarnation."""
@@ -388,6 +391,8 @@ class Coordinator:
         }
         done = self.ledger.complete(cp, rows, evidence)
         self.checkpoints_taken.append(done)
+        if self.completed is not None:
+            self.completed(done)
         self.metrics.checkpoint_committed(
             cp.kind, time.monotonic() - started, groups, done.committed_at or time.time()
         )

@@ -24,8 +24,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from pyspark.sql import DataFrame, SparkSession
@@ -48,6 +49,7 @@ from lifecycle.metrics import MetricSample
 from lifecycle.pipeline import Pipeline, PipelineState, Transform
 from lifecycle.pipeline_checks import check_pipeline
 from lifecycle.run_failures import RunFailures
+from lifecycle.source_offsets import SourceOffsets
 from lifecycle.spark_log import SparkCommitLog
 from lifecycle.state.store import LocalStore, open_store
 from lifecycle.state.store_interface import StateStore
@@ -213,6 +215,7 @@ class Job:
             metrics_linger=metrics_linger,
             progress=progress,
         )
+        self._source_offsets = SourceOffsets(self.name, self._watch.metrics.registry)
 
     def add_pipeline(
         self,
@@ -226,6 +229,8 @@ class Job:
         transform: Transform | None = None,
         event_time: str | None = None,
         expected_rows: int | None = None,
+        source_offsets_group: str | bool = True,
+        source_offsets_config: Mapping[str, Any] | None = None,
     ) -> None:
         """Add a pipeline: a streaming DataFrame written to ``sinks``.
 
@@ -253,6 +258,19 @@ class Job:
             expected_rows: how many rows a bounded pipeline writes, when known:
                 its progress shows the share done and an ETA (Spark's sources do
                 not tell it).
+            source_offsets_group: the consumer group that, after each completed
+                checkpoint, gets the end offsets of the pipeline's Kafka
+                sources that checkpoint covers, so that lag tools
+                (``kafka-consumer-groups.sh --describe``, Burrow, exporters)
+                see the job. True (default): ``twophase.<job>.<pipeline>``; a
+                name; False: none. For monitoring only: recovery never reads
+                the group, and a commit that fails is logged and counted, never
+                fails the job (:mod:`lifecycle.source_offsets`). Pipelines
+                without a Kafka source commit nothing.
+            source_offsets_config: kafka-python ``KafkaConsumer`` settings for
+                those commits, over the ones derived from the source's
+                ``kafka.*`` options (:mod:`lifecycle.kafka_source`): e.g.
+                ``ssl_cafile`` where the source uses a JKS trust store.
         """
         check_id("pipeline name", name)
         if self._running:
@@ -267,6 +285,7 @@ class Job:
             trigger_interval=trigger_interval,
             transform=transform,
             event_time=event_time,
+            source_offsets=(source_offsets_group, source_offsets_config),
         )
         self._pipelines[name] = Pipeline(
             name=name,
@@ -280,6 +299,8 @@ class Job:
             transform=transform,
             event_time=event_time,
             expected_rows=expected_rows,
+            source_offsets_group=source_offsets_group,
+            source_offsets_config=source_offsets_config,
         )
 
     def stop(self, drain: bool = False) -> None:
@@ -361,6 +382,7 @@ class Job:
             self._running = False
             self._stop = None
             warn_undecided(self.name, self.state_dir, ledger)
+            self._source_offsets.end()
             # a driver that lost its ledger leaves the heartbeat to the one that took it
             self._watch.end(ended, self._failures.error, heartbeat=not lost)
             ledger.close()
@@ -391,6 +413,7 @@ class Job:
             replay_lost=True,
         )
         coord.progress_note = self._watch.progress_note
+        coord.completed = self._source_offsets.checkpoint_completed
         startup.preflight(
             self.spark,
             self.store,
@@ -399,6 +422,7 @@ class Job:
             checkpoint_interval=self.checkpoint_interval,
             new_state=new_state,
         )
+        self._source_offsets.begin(self._pipelines.values(), ledger)
         startup.recover(
             self.name, self.store, coord, self._pipelines, start_over_from=self.start_over_from
         )

@@ -17,7 +17,10 @@ each means: the operating page of the docs, "Metrics").
 The gauges are computed when read (:mod:`lifecycle.gauges`). When the endpoint
 was scraped during a run, the job at its end waits for one more scrape (at most
 ``Job(metrics_linger=...)`` seconds), so that Prometheus sees the final state:
-the alert on a job that stopped with work pending reads it.
+the alert on a job that stopped with work pending reads it. The two
+``twophase_source_offsets_*`` metrics, of the consumer-group offsets
+of Kafka sources, are registered by :mod:`lifecycle.source_offsets`.
+
 """
 
 from __future__ import annotations

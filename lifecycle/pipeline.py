@@ -33,8 +33,9 @@ import enum
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 from pyspark.sql import DataFrame
@@ -81,6 +82,8 @@ class Pipeline:
     transform: Transform | None = None
     event_time: str | None = None
     expected_rows: int | None = None  # the total its progress is shown against
+    source_offsets_group: str | bool = True  # :mod:`lifecycle.source_offsets`
+    source_offsets_config: Mapping[str, Any] | None = None  # kafka-python settings, over those
     state: PipelineState = PipelineState.RUNNING
     query: StreamingQuery | None = None
     schema: pa.Schema = field(init=False)
@@ -123,7 +126,9 @@ class Pipeline:
             df = df.where(col.isNull() | (col < end))
         return df
 
-    def _dataframe(self) -> DataFrame:
+    def query_dataframe(self) -> DataFrame:
+        """The DataFrame the query runs: the source (with the end-of-input
+        marker's source beside it, with ``event_time``) through ``transform``."""
         source = self.source
         if self.event_time:
             # the marker row only in a query started after input ended (module
@@ -141,7 +146,7 @@ class Pipeline:
         """Start (or restart) the Spark query: available-now when the input is
         bounded or ending, else on a processing-time trigger."""
         w = (
-            self._dataframe()
+            self.query_dataframe()
             .writeStream.queryName(f"{job}.{self.name}")
             .outputMode(self.output_mode)
             .option("checkpointLocation", self.store.uri(self.spark_location))
@@ -164,7 +169,7 @@ class Pipeline:
         ends with one uncompleted batch, :mod:`lifecycle.replay`) that runs
         that batch again and stops (a once trigger)."""
         w = (
-            self._dataframe()
+            self.query_dataframe()
             .writeStream.queryName(f"{job}.{self.name}.replay")
             .outputMode(self.output_mode)
             .option("checkpointLocation", self.store.uri(location))

@@ -1,12 +1,15 @@
 """The refusals of ``Job.add_pipeline``: the arguments a pipeline cannot run
 exactly once with (a DataFrame that is not streaming, no sinks or a sink id
 twice, a replacing sink in an unbounded pipeline or beside one that holds its
-work open, an ``event_time`` without its ``transform``), each a
+work open, an ``event_time`` without its ``transform``, a
+``source_offsets_group`` that is no group name, ``source_offsets_config``
+keys kafka-python's consumer does not take), each a
 :class:`~sinks.errors.ConfigError` raised before anything runs."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pyspark.sql import DataFrame
 
@@ -25,6 +28,7 @@ def check_pipeline(
     trigger_interval: float,
     transform: Transform | None,
     event_time: str | None,
+    source_offsets: tuple[str | bool, Mapping[str, Any] | None] = (True, None),
 ) -> None:
     """Raise :class:`ConfigError` when pipeline ``name`` cannot run as given
     (the arguments of :meth:`lifecycle.job.Job.add_pipeline`)."""
@@ -70,3 +74,19 @@ def check_pipeline(
             f"pipeline {name!r}: event_time needs transform= (the end-of-input marker is "
             "fed into the source, before the transform)"
         )
+    group, config = source_offsets
+    if not isinstance(group, bool) and not (isinstance(group, str) and group.strip()):
+        raise ConfigError(
+            f"pipeline {name!r}: source_offsets_group must be a consumer group's name, True "
+            f"(twophase.<job>.<pipeline>) or False, not {group!r}"
+        )
+    if config:
+        from kafka import KafkaConsumer
+
+        unknown = sorted(set(config) - set(KafkaConsumer.DEFAULT_CONFIG))
+        fixed = sorted({"group_id", "enable_auto_commit"} & set(config))
+        if unknown or fixed:
+            raise ConfigError(
+                f"pipeline {name!r}: source_offsets_config takes kafka-python KafkaConsumer "
+                f"settings other than group_id and enable_auto_commit, not {unknown + fixed}"
+            )
