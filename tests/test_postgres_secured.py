@@ -389,7 +389,7 @@ def test_a_killed_job_over_tls_with_exactly_the_least_grants_is_exact_and_keeps_
     )
 
 
-@SLOW  # about a minute more; the default run kills the append
+@SLOW  # about 150 s; the default run kills the append, and every upsert path runs in-process
 def test_a_killed_upsert_over_tls_with_exactly_the_least_grants_is_exact(
     secured: Secured, tmp_path: Path
 ) -> None:
