@@ -49,6 +49,8 @@ PROTOCOL = {
     "sinks.rebuild",
     # the ledger in PostgreSQL keeps its connections alive as the sink does
     "sinks.postgres.liveness",
+    # and checks its role's privileges as the sink does
+    "sinks.postgres.grants",
 }
 """every module of ``sinks`` that ``lifecycle`` (outside its test kit) may import"""
 

@@ -10,7 +10,8 @@ another sink's default cases kill, the restart tests' cases on tansu (Apache
 Kafka's stay), and crash tests whose path a faster test of the default run
 covers (named at each: among them a broker killed while executors write or
 while the driver commits, staged Delta files a VACUUM removed, the ACL-exact
-secured job, two Delta writers racing on S3, and the kit's sample project).
+secured job, the upsert of the PostgreSQL secured tests, two Delta writers racing
+on S3, and the kit's sample project).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from lifecycle.state import pg_access
 from lifecycle.state.base import StateLedger
 from lifecycle.state.model import (
     DIGEST_WINDOW,
@@ -55,6 +56,7 @@ from lifecycle.state.pg_rows import load_doc, write_op
 from lifecycle.state.pg_schema import Statements, ensure_schema, has_evidence_column
 from lifecycle.state.protocol import LedgerLockedError, LedgerLostError, new_incarnation
 from sinks.errors import ConfigError
+from sinks.postgres import grants
 from sinks.postgres.liveness import dead_peer_options
 
 log = logging.getLogger("lifecycle.ledger")
@@ -70,6 +72,8 @@ def connect(where: PgLocation, purpose: str, **kwargs: Any) -> psycopg.Connectio
             **{**dead_peer_options(conninfo), **kwargs},
         )
     except psycopg.OperationalError as e:
+        if grants.connect_denied(e):
+            raise pg_access.connect_refused(where) from e
         raise ConfigError(f"cannot connect to the ledger at {where.display()}: {e}") from e
 
 
@@ -119,6 +123,7 @@ class PostgresLedger(StateLedger):
         self._token = 0  # the fencing token this ledger holds
         try:
             self._lock_conn = _held_session(self.location, "lock")
+            pg_access.check(self._lock_conn, self.location)
             if not ensure_schema(self._lock_conn, where.schema):
                 self._st = Statements(where.schema, evidence=False)
             doc = self._take(job, history, digest_window, new_state)

@@ -155,7 +155,10 @@ def ensure_schema(conn: psycopg.Connection, schema: str) -> bool:
             _create_owed(conn, schema)
             return _add_later_columns(conn, schema)
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_key(schema),))
-        for statement in DDL:
+        there = conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,))
+        # (CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when
+        # the schema exists: an admin may have made it for a role without that)
+        for statement in DDL[1:] if there.fetchone() else DDL:
             conn.execute(sql.SQL(statement).format(s=s))
         return True
 

@@ -3,8 +3,14 @@
 ``PostgresServer`` runs ``initdb`` into a fresh directory and starts a real
 server that listens only on 127.0.0.1, on a free TCP port, with its unix
 socket in a private directory and settings suited to tests (two-phase commit
-enabled, no fsync).  ``stop()`` followed by ``start()`` reuses the same data
-directory and port, so prepared transactions survive a restart.
+enabled, no fsync). It serves TLS with a test CA of its own
+(:mod:`lifecycle.testing.postgres_tls`; ``tls=False`` for none): every client
+connects as before (libpq's default ``sslmode=prefer`` takes TLS, about 8 ms
+more a connection), a client that checks the certificate uses
+:meth:`PostgresServer.tls_dsn`, and roles made by
+:func:`~lifecycle.testing.postgres_tls.create_role` may connect only that way.
+``stop()`` followed by ``start()`` reuses the same data directory and port, so
+prepared transactions survive a restart.
 
 PostgreSQL refuses to run as root.  When this process is root, the working
 directories are handed to the ``postgres`` system user and every PostgreSQL
@@ -32,6 +38,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import quote
 
+from lifecycle.testing.postgres_tls import ServerTls, hba, make_tls
 from lifecycle.testing.services import NativeService, free_port, serve
 
 StopMode = Literal["smart", "fast", "immediate"]
@@ -100,8 +107,10 @@ class PostgresServer(NativeService):
         datadir: str | Path | None = None,
         port: int | None = None,
         settings: dict[str, str] | None = None,
+        tls: bool = True,
     ) -> None:
-        """``settings`` override or extend ``SERVER_SETTINGS``."""
+        """``settings`` override or extend ``SERVER_SETTINGS``; ``tls``: serve
+        TLS (module docstring)."""
         self.settings = {**SERVER_SETTINGS, **(settings or {})}
         self.bindir: Path = find_pg_bindir()
         self.port: int | None = port
@@ -129,6 +138,13 @@ class PostgresServer(NativeService):
         self.datadir: Path = self.workdir / "data" if datadir is None else Path(datadir).resolve()
         self._chown(self.workdir, self.sockdir)
         self._initialized = (self.datadir / "PG_VERSION").is_file()
+        self.tls: ServerTls | None = None
+        """the server's TLS files (None: ``tls=False``)"""
+        if tls:
+            self.tls = make_tls(self.workdir / "tls", lambda p: self._chown(p))
+        self.hba_file: Path = self.workdir / "pg_hba.conf"
+        self.hba_file.write_text(hba(tls))
+        self._chown(self.hba_file)
 
     # -- helpers ---------------------------------------------------------
 
@@ -194,7 +210,9 @@ class PostgresServer(NativeService):
         if self.port is None:
             self.port = free_port()
         opts = [f"-p {self.port}", f"-k {shlex.quote(str(self.sockdir))}"]
-        opts += [f"-c {k}={v}" for k, v in self.settings.items()]
+        settings = {**self.settings, "hba_file": str(self.hba_file)}
+        settings.update(self.tls.settings() if self.tls is not None else {})
+        opts += [f"-c {k}={shlex.quote(v)}" for k, v in settings.items()]
         self._run(
             "pg_ctl",
             "-D",
@@ -230,6 +248,18 @@ class PostgresServer(NativeService):
         if self.port is None:
             raise PostgresServerError("server has not been started yet")
         return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{quote(dbname, safe='')}"
+
+    def tls_dsn(self, user: str = SUPERUSER, dbname: str = "postgres") -> str:
+        """libpq URI of ``user`` on ``dbname`` over TLS, checking the server's
+        certificate and name (``sslmode=verify-full``, the test CA as
+        ``sslrootcert``); no password (the caller adds it)."""
+        if self.port is None or self.tls is None:
+            raise PostgresServerError("the server has not been started, or serves no TLS")
+        params = "&".join(f"{k}={quote(v, safe='')}" for k, v in self.tls.client_params().items())
+        return (
+            f"postgresql://{quote(user, safe='')}@127.0.0.1:{self.port}/"
+            f"{quote(dbname, safe='')}?{params}"
+        )
 
     def create_database(self, name: str) -> str:
         """Create database ``name`` and return its DSN."""

@@ -16,16 +16,33 @@ from sinks.postgres.progress import PROGRESS_DDL
 log = logging.getLogger("sinks.postgres")
 
 
+_TABLE = (
+    "EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+    " WHERE n.nspname = %(s)s AND c.relname = {})"
+)
+_FOUND = (
+    "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = %(s)s), "
+    + _TABLE.format("%(m)s")
+    + ", "
+    + _TABLE.format("'progress'")
+)
+"""whether the marker schema, the marker table and the progress table exist"""
+
+
 def ensure(conn: psycopg.Connection, schema: str, name: str, where: str) -> bool:
     """Create the marker schema, the marker table ``schema.name`` and the
-    progress table when missing; return whether the marker table has the audit
-    columns (:func:`_upgrade`)."""
+    progress table when missing (only those: ``CREATE ... IF NOT EXISTS`` would
+    need CREATE on the database and the schema even when they exist, and an
+    admin may have created them for a role without it); return whether the
+    marker table has the audit columns (:func:`_upgrade`)."""
     markers = sql.Identifier(schema, name)
-    for stmt in (
+    found = conn.execute(_FOUND, {"s": schema, "m": name}).fetchone() or (False,) * 3
+    statements = (
         sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)),
         sql.SQL(catalog.MARKER_DDL).format(marker=markers),
         sql.SQL(PROGRESS_DDL).format(progress=sql.Identifier(schema, "progress")),
-    ):
+    )
+    for stmt in (stmt for stmt, there in zip(statements, found, strict=True) if not there):
         try:
             conn.execute(stmt)
         except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject):

@@ -1,7 +1,8 @@
 """PostgreSQL exactly-once sink: prepared transactions, committed by the driver.
 
 This module is the sink's face: its options and settings, its preflight (the
-table by :func:`sinks.postgres.catalog.check_target`, the marker tables by
+role's privileges by :mod:`sinks.postgres.access`, the table by
+:func:`sinks.postgres.catalog.check_target`, the marker tables by
 :mod:`sinks.postgres.markers`, the server's room for prepared transactions by
 :mod:`sinks.postgres.capacity`) and its writers (:mod:`sinks.postgres.writer`,
 :mod:`sinks.postgres.upsert`, :mod:`sinks.postgres.replace`). Claims, the
@@ -12,6 +13,7 @@ commit path, abort, sweep and the progress they record are the committer's
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import logging
 import re
@@ -32,7 +34,7 @@ from sinks.base import ClaimedScopes, Committable, JobScope, Sink, SinkWriter, W
 from sinks.capabilities import ExpectedLoad, HoldsPreparedWork
 from sinks.errors import ConfigError, PreflightError
 from sinks.naming import check_id
-from sinks.postgres import capacity, catalog, liveness, markers, replace
+from sinks.postgres import access, capacity, catalog, grants, liveness, markers, replace
 from sinks.postgres.capacity import PreparedCapacity
 from sinks.postgres.committer import PreparedCommitter
 from sinks.postgres.progress import ProgressTable
@@ -337,13 +339,19 @@ class PostgresSink(Sink, HoldsPreparedWork):
     # -- preflight ----------------------------------------------------------------
 
     def preflight(self, schema: pa.Schema) -> None:
-        """Check the server (:func:`sinks.postgres.capacity.max_prepared`), the
-        marker tables and the table (:func:`sinks.postgres.catalog.check_target`)."""
+        """Check the role's privileges (:func:`sinks.postgres.access.required`),
+        the server (:func:`sinks.postgres.capacity.max_prepared`), the marker
+        tables and the table (:func:`sinks.postgres.catalog.check_target`)."""
+        needs = access.required(self.settings())
         try:
             conn = self.connect(application_name="twophase-preflight")
         except psycopg.OperationalError as e:
+            if grants.connect_denied(e):
+                role = conninfo_to_dict(self.dsn).get("user") or getpass.getuser()
+                raise grants.denied(self.describe(), needs[:1], str(role)) from e
             raise PreflightError(f"cannot connect to {self.describe()}: {e}".strip()) from e
         with conn:
+            grants.check(conn, self.describe(), needs)
             self.max_prepared = capacity.max_prepared(conn, self.describe())
             self._ensure_markers(conn)
             target = catalog.check_target(

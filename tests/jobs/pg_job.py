@@ -4,10 +4,14 @@ separate driver process by the crash tests (which SIGKILL it)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from psycopg.conninfo import make_conninfo
 
 from lifecycle import Job
 from sinks import PostgresSink
@@ -26,7 +30,16 @@ def main() -> int:
     ap.add_argument("--files-per-batch", type=int, default=1)
     ap.add_argument("--key", default=None)
     ap.add_argument("--ledger", default=None, help="Job(ledger=...): a PostgreSQL URI")
+    ap.add_argument(
+        "--password-env", default=None, help="the password of --dsn and --ledger, from here"
+    )
     args = ap.parse_args()
+    if args.password_env:  # in the DSN and the URI, as a job given a secret passes it on
+        password = os.environ[args.password_env]
+        args.dsn = make_conninfo(args.dsn, password=password)
+        if args.ledger:
+            sep = "&" if "?" in args.ledger else "?"
+            args.ledger += f"{sep}password={quote(password, safe='')}"
     spark = start_driver(args.job)
     df = (
         spark.readStream.schema(INPUT_SCHEMA)
