@@ -122,6 +122,8 @@ def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
         "batchsize": "10000",
         "reWriteBatchedInserts": "true",
     }
+    if "sslmode" in info:  # the same transport as the sink's (the kit's DSN: no TLS)
+        props["sslmode"] = str(info["sslmode"])
     return url, props
 
 

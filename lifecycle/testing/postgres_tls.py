@@ -6,8 +6,8 @@ P-256, a week long) with the ``cryptography`` package, in a directory the
 server reads; :meth:`ServerTls.settings` turns ``ssl`` on with them. Clients
 that trust :attr:`ServerTls.cafile` connect with ``sslmode=verify-full``
 (:meth:`ServerTls.client_params`); clients that do not ask for TLS keep
-working, since libpq's default ``sslmode=prefer`` takes TLS when the server
-offers it.
+working (libpq's default ``sslmode=prefer`` takes TLS when the server offers
+it; the kit's plain DSNs say ``sslmode=disable``, which saves the handshake).
 
 The server's ``pg_hba.conf`` (:func:`hba`) lets every role in as before
 (``trust`` on loopback) except the members of :data:`HOSTSSL_GROUP`: those

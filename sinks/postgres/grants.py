@@ -13,6 +13,7 @@ ledger's, :mod:`lifecycle.state.pg_access`.
 
 from __future__ import annotations
 
+import getpass
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -176,3 +177,14 @@ def denied(
 def connect_denied(e: psycopg.OperationalError) -> bool:
     """Whether a failed connection was refused for want of CONNECT on the database."""
     return "CONNECT privilege" in str(e)
+
+
+def connect_failed(
+    e: psycopg.OperationalError, where: str, dsn: str, needs: Sequence[Grant]
+) -> Exception:
+    """The preflight error for a connection that failed: the missing CONNECT
+    (the first of ``needs``) with its ``GRANT`` when that was the cause."""
+    if connect_denied(e):
+        role = conninfo_to_dict(dsn).get("user") or getpass.getuser()
+        return denied(where, needs[:1], str(role))
+    return PreflightError(f"cannot connect to {where}: {e}".strip())

@@ -13,7 +13,6 @@ commit path, abort, sweep and the progress they record are the committer's
 
 from __future__ import annotations
 
-import getpass
 import hashlib
 import logging
 import re
@@ -346,10 +345,7 @@ class PostgresSink(Sink, HoldsPreparedWork):
         try:
             conn = self.connect(application_name="twophase-preflight")
         except psycopg.OperationalError as e:
-            if grants.connect_denied(e):
-                role = conninfo_to_dict(self.dsn).get("user") or getpass.getuser()
-                raise grants.denied(self.describe(), needs[:1], str(role)) from e
-            raise PreflightError(f"cannot connect to {self.describe()}: {e}".strip()) from e
+            raise grants.connect_failed(e, self.describe(), self.dsn, needs) from e
         with conn:
             grants.check(conn, self.describe(), needs)
             self.max_prepared = capacity.max_prepared(conn, self.describe())
@@ -401,8 +397,7 @@ class PostgresSink(Sink, HoldsPreparedWork):
         return self.replace_where is not None
 
     def holds_prepared_work(self) -> bool:
-        """A batch's tasks hold prepared transactions (row locks, prepared
-        slots) until the commit; a replace's tasks stage into a table instead."""
+        """Prepared transactions hold row locks and slots (a replace stages instead)."""
         return self.replace_where is None
 
     def _staging(self, scope: JobScope) -> sql.Composable:
@@ -410,14 +405,11 @@ class PostgresSink(Sink, HoldsPreparedWork):
         return sql.Identifier(self.marker_schema, replace.staging_name(scope))
 
     def prepared_work_limit(self) -> float | None:
-        """The sink's ``lock_timeout``: a task of a later batch waiting on rows
-        a prepared transaction holds gives up after it (None when it waits
-        forever)."""
+        """``lock_timeout`` (None: none): later tasks waiting on its rows fail after it."""
         return self.lock_timeout or None
 
     def server_prepared_transactions(self) -> tuple[int, int] | None:
-        """The server's prepared transactions and ``max_prepared_transactions``,
-        as the last batch's barrier read them."""
+        """Prepared transactions and their limit, as the last barrier read them."""
         return self._capacity.last_seen
 
     def checkpoint_pressure(self, batch: Sequence[Committable]) -> str | None:
