@@ -420,12 +420,28 @@ def test_status_watch_refreshes_until_interrupted(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(2.0)
+    seen: dict[str, list[str]] = {"out": [], "err": []}
+
+    def read(stream: Any, into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+
+    readers = [
+        threading.Thread(target=read, args=(watch.stdout, seen["out"]), daemon=True),
+        threading.Thread(target=read, args=(watch.stderr, seen["err"]), daemon=True),
+    ]
+    for r in readers:
+        r.start()
+    # the watch's own pace, not a sleep that a slow start (a loaded machine) outruns
+    wait_for(lambda: sum("no ledger in" in x for x in seen["err"]) >= 2, 60, "no ledger, twice")
     ledger = open_ledger(None, state, "watched")
     ledger.begin_run()
-    time.sleep(2.0)
+    wait_for(lambda: sum("job watched" in x for x in seen["out"]) >= 2, 60, "the job, twice")
     watch.send_signal(signal.SIGINT)
-    out, err = watch.communicate(timeout=30)
+    watch.wait(timeout=30)
+    for r in readers:
+        r.join(10)
+    out, err = "".join(seen["out"]), "".join(seen["err"])
     ledger.close()
     assert out.count("Ctrl-C to stop") >= 4, out
     assert "no ledger in" in err and "job watched" in out, (out, err)
