@@ -2,7 +2,8 @@
 :mod:`lifecycle.kafka_source`), in process: which sources of a query read
 Kafka and their line in Spark's offset log, the end offsets read from it, the
 kafka-python settings derived from the source's options, the commits on a real
-Apache Kafka broker (read back with the Admin API), and a cluster that cannot
+Apache Kafka broker (read back with the Admin API and with
+``kafka-consumer-groups.sh --describe``), and a cluster that cannot
 be reached, which is counted and logged once and never stalls.
 
 The job-level checks (lag 0 once a job has caught up, never beyond a completed
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -38,6 +40,7 @@ from lifecycle.source_offsets import SourceOffsets, group_name
 from lifecycle.state.store import LocalStore
 from lifecycle.testing import jars
 from lifecycle.testing.kafka_security import SecureListener
+from lifecycle.testing.services import java
 from sinks.errors import ConfigError
 
 
@@ -207,6 +210,44 @@ def _end_offsets(bootstrap: str, topic: str) -> dict[tuple[str, int], int]:
         consumer.close(autocommit=False)
 
 
+def _produce(bootstrap: str, topic: str, counts: dict[int, int]) -> None:
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    try:
+        for partition, n in counts.items():
+            for i in range(n):
+                producer.send(topic, value=str(i).encode(), partition=partition)
+        producer.flush(30)
+    finally:
+        producer.close()
+
+
+def _lag_described(bootstrap: str, group: str) -> dict[tuple[str, int], tuple[int, int, int]]:
+    """(current offset, log-end offset, lag) per partition, as ``kafka-consumer-groups.sh
+    --describe`` prints them (Apache Kafka's ``ConsumerGroupCommand``, run by Java)."""
+    classpath = ":".join(str(p) for p in jars.require("kafka-tools"))
+    out = subprocess.run(
+        [
+            java("kafka-consumer-groups"),
+            "-cp",
+            classpath,
+            "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
+            "--bootstrap-server",
+            bootstrap,
+            "--describe",
+            "--group",
+            group,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith(group + " ")]
+    return {(r[1], int(r[2])): (int(r[3]), int(r[4]), int(r[5])) for r in rows}
+
+
 def _sample(offsets: SourceOffsets, registry: CollectorRegistry, name: str) -> float | None:
     return registry.get_sample_value(name, {"job": offsets.job, "pipeline": "p"})
 
@@ -221,6 +262,7 @@ def test_each_completed_checkpoint_commits_its_end_offsets_to_the_group(
 
     bootstrap = twophase_apache_kafka.bootstrap
     topic = _topic(bootstrap, partitions=2)
+    _produce(bootstrap, topic, {0: 12, 1: 6})
     job = f"so{uuid.uuid4().hex[:8]}"
     registry = CollectorRegistry()
     offsets = SourceOffsets(job, registry)
@@ -234,6 +276,8 @@ def test_each_completed_checkpoint_commits_its_end_offsets_to_the_group(
     finally:
         offsets.end()
     assert _group_offsets(bootstrap, group) == {(topic, 0): 9, (topic, 1): 4}
+    # and the lag Apache Kafka's own tool shows (the topic holds 12 and 6 records)
+    assert _lag_described(bootstrap, group) == {(topic, 0): (9, 12, 3), (topic, 1): (4, 6, 2)}
     assert _sample(offsets, registry, "twophase_source_offsets_commit_failures_total") == 0
     assert (
         time.time() - (_sample(offsets, registry, "twophase_source_offsets_timestamp_seconds") or 0)

@@ -11,6 +11,9 @@ The wheel ships no jar. What needs one:
   (``spark-sql-kafka-0-10_2.13``) for the pyspark in use;
 * ``kafka-broker``: the Apache Kafka broker (``kafka_2.13`` with its runtime
   dependencies), run by Java in KRaft mode;
+* ``kafka-tools``: Apache Kafka's command-line tools (``kafka-tools``), for
+  the lag ``kafka-consumer-groups.sh --describe`` shows
+  (``ConsumerGroupCommand``);
 * ``jdbc``: the PostgreSQL JDBC driver (the benchmarks' JDBC baselines).
 * ``hdfs``: Hadoop's minicluster (``hadoop-client-minicluster``, with the
   shaded Hadoop client it runs on, and ``slf4j-simple`` for its log), a
@@ -131,6 +134,7 @@ def artifacts(spark: str | None = None) -> dict[str, list[Artifact]]:
         ],
         "spark-kafka": [Artifact("org.apache.spark", "spark-sql-kafka-0-10_2.13", spark)],
         "kafka-broker": [Artifact("org.apache.kafka", "kafka_2.13", KAFKA_VERSION)],
+        "kafka-tools": [Artifact("org.apache.kafka", "kafka-tools", KAFKA_VERSION)],
         "jdbc": [Artifact("org.postgresql", "postgresql", POSTGRES_JDBC_VERSION, False)],
         "hdfs": [
             Artifact("org.apache.hadoop", "hadoop-client-minicluster", HADOOP_MINICLUSTER_VERSION),
