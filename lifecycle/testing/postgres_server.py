@@ -4,9 +4,10 @@
 server that listens only on 127.0.0.1, on a free TCP port, with its unix
 socket in a private directory and settings suited to tests (two-phase commit
 enabled, no fsync). It serves TLS with a test CA of its own
-(:mod:`lifecycle.testing.postgres_tls`; ``tls=False`` for none): :meth:`dsn`
-says ``sslmode=disable`` (a TLS handshake costs about 4 ms a connection, which
-every test and benchmark would pay), a client that checks the certificate uses
+(:mod:`lifecycle.testing.postgres_tls`; ``tls=False`` for none):
+:meth:`PostgresServer.dsn` says ``sslmode=disable`` (a TLS handshake costs
+about 4 ms a connection, which every test and benchmark would pay), a client
+that checks the certificate uses
 :meth:`PostgresServer.tls_dsn`, and roles made by
 :func:`~lifecycle.testing.postgres_tls.create_role` may connect only that way.
 ``stop()`` followed by ``start()`` reuses the same data directory and port, so
