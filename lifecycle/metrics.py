@@ -185,6 +185,7 @@ class JobMetrics:
         """(host, port) the endpoint listens on while :meth:`serve` runs"""
         self._scraped = threading.Condition(self._lock)
         self._scrapes = 0
+        self._last_read_from = 0.0  # when the newest scrape that completed began
         r.register(LiveGauges(self.snapshot))
 
     # -- what the job tells ----------------------------------------------------------
@@ -393,20 +394,22 @@ class JobMetrics:
         self.address = (str(host), int(bound))
         return self.address
 
-    def scraped(self) -> None:
-        """The endpoint was read (called by it, at each scrape)."""
+    def scraped(self, began: float) -> None:
+        """The endpoint was read, by a scrape that began at ``began`` (monotonic)."""
         with self._scraped:
             self._scrapes += 1
+            self._last_read_from = max(self._last_read_from, began)
             self._scraped.notify_all()
 
-    def stop_serving(self, linger: float = 0.0) -> None:
+    def stop_serving(self, linger: float = 0.0, final_since: float | None = None) -> None:
         """Stop the endpoint; when it was scraped before, first wait (at most
-        ``linger`` seconds) for one more scrape, so that Prometheus reads the
-        run's final state and not the last state before it."""
+        ``linger`` seconds) for a scrape that began at or after ``final_since``
+        (monotonic; default now: when the run's final state was set), so that
+        Prometheus reads that state and not the last one before it."""
         with self._scraped:
-            seen = self._scrapes
-            if self._server is not None and seen > 0 and linger > 0:
-                self._scraped.wait_for(lambda: self._scrapes > seen, timeout=linger)
+            since = time.monotonic() if final_since is None else final_since
+            if self._server is not None and self._scrapes > 0 and linger > 0:
+                self._scraped.wait_for(lambda: self._last_read_from >= since, timeout=linger)
         server, self._server = self._server, None
         if server is not None:
             server.shutdown()
@@ -425,9 +428,10 @@ class _Scraped:
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
+        began = time.monotonic()
         yield from self._metrics.registry.collect()
-        self._metrics.scraped()  # once every family is read
+        self._metrics.scraped(began)  # once every family is read
 
     def restricted_registry(self, names: Iterable[str]) -> Any:
-        self._metrics.scraped()
+        self._metrics.scraped(time.monotonic())
         return self._metrics.registry.restricted_registry(names)

@@ -7,6 +7,7 @@ state and ends, and calls :meth:`RunWatch.tick` from its run loop.
 from __future__ import annotations
 
 import logging
+import time
 
 from lifecycle import heartbeat
 from lifecycle.metrics import JOB_STATES, JobMetrics
@@ -136,6 +137,7 @@ class RunWatch:
         """The run ended in ``state`` (``finished``, ``stopped`` or ``failed``);
         ``heartbeat=False``: stop renewing the heartbeat without writing it (a
         driver that lost its ledger to another one, whose heartbeat it is now)."""
+        final_since = time.monotonic()  # a scrape from now on reads the final state
         self.set_state(state)
         if self._progress is not None:
             self.tick()
@@ -144,4 +146,4 @@ class RunWatch:
         if self._heartbeat is not None:
             self._heartbeat.end(state, error, write=heartbeat)
             self._heartbeat = None
-        self.metrics.stop_serving(self._linger)
+        self.metrics.stop_serving(self._linger, final_since)

@@ -303,7 +303,7 @@ def test_a_savepoint_of_the_file_marker_version_resumes(  # type: ignore[no-unty
         return self._output(self.source.unionByName(marker))
 
     with monkeypatch.context() as m:
-        m.setattr(Pipeline, "_dataframe", file_marker_dataframe)
+        m.setattr(Pipeline, "query_dataframe", file_marker_dataframe)
         first = run_until(
             unbounded_windowed_job(spark, pg_dsn, tmp_path, "upgrade"),
             lambda: len(window_rows(pg_dsn)) >= 4,
