@@ -99,11 +99,10 @@ def test_a_crashed_state_of_the_previous_version_recovers(
     assert (run.state / "ledger" / "ledger.json.v1").exists()
 
 
+# Both in the slow tier since the stop after the committer landed (CI's budget;
+# a change of the ledger's or the names' format brings one back to the default).
 @pytest.mark.parametrize(
-    "point",
-    tiers.params(
-        ["driver.before_commit=kill", "driver.mid_commit=kill"], keep=["driver.before_commit=kill"]
-    ),
+    "point", tiers.params(["driver.before_commit=kill", "driver.mid_commit=kill"], keep=[])
 )
 def test_a_crashed_state_of_the_version_before_the_committer_recovers(
     pg_dsn: str,
