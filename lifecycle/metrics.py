@@ -37,6 +37,7 @@ from prometheus_client.core import Metric
 
 from lifecycle.gauges import Key, LiveGauges, Snapshot
 from lifecycle.progress import Counts
+from lifecycle.state.model import KINDS
 
 JOB_STATES = (
     "starting",
@@ -61,9 +62,6 @@ RECOVERY_RULES = (
     "repay_owed",
 )
 """The ``rule`` label of ``twophase_recovery_actions_total``."""
-
-CHECKPOINT_KINDS = ("periodic", "final", "savepoint", "recovery")
-"""The ``kind`` label of the checkpoint metrics."""
 
 _DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -221,7 +219,7 @@ class JobMetrics:
                     self._recovered_at.setdefault((p, sid, rule), 0.0)
             for counter in (self._rows_committed, self._bytes_committed, self._commit_retries):
                 counter.labels(self.job, p, sid)
-        for kind in CHECKPOINT_KINDS:
+        for kind in KINDS:  # the ``kind`` label of the checkpoint metrics
             self._checkpoints_completed.labels(self.job, kind)
             self._checkpoints_failed.labels(self.job, kind)
             self._state_names = tuple(state_names)
