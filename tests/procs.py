@@ -163,7 +163,7 @@ def tree_at(commit: str, into: Path) -> Path:
 
 
 def twophase(
-    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
     """``twophase ARGS`` in a process (and, for a URI STATE_DIR, a JVM) of its
     own; ``env``: variables added to this process's."""
@@ -171,7 +171,7 @@ def twophase(
         [sys.executable, "-m", "lifecycle.cli", *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         env={**os.environ, **(env or {})},
         cwd=cwd,
     )

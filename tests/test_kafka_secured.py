@@ -15,10 +15,7 @@ docs/sinks/kafka.md gives. Two tests derive that list from both sides:
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
@@ -33,7 +30,7 @@ from lifecycle.testing import jars
 from sinks.kafka import access
 from tests.conftest import write_input
 from tests.kafkacheck import consume_ids
-from tests.procs import ROOT, run_job
+from tests.procs import ROOT, run_job, twophase
 from tests.test_apache_kafka import _transaction_version
 from tests.tiers import SLOW
 
@@ -206,17 +203,10 @@ def test_a_killed_job_with_exactly_the_listed_acls_is_exact_and_shows_no_secret(
     assert read_topic(s.broker.bootstrap, s.topic, admin).n_aborted > 0  # the kill's work
 
     # the operator's commands, with the password only in the environment
-    cli_env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cli_env["TWOPHASE_KAFKA_SASL_PLAIN_PASSWORD"] = s.password()
+    cli_env = {"PYTHONPATH": str(ROOT), "TWOPHASE_KAFKA_SASL_PLAIN_PASSWORD": s.password()}
     outputs = []
     for command in (["status", str(state)], ["audit", str(state), "--all"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "lifecycle.cli", *command],
-            capture_output=True,
-            text=True,
-            env=cli_env,
-            timeout=180,
-        )
+        done = twophase(*command, env=cli_env, timeout=180)
         outputs.append(done.stdout + done.stderr)
         assert done.returncode == 0, f"twophase {command[0]}:\n{outputs[-1]}"
     assert "mismatch" not in outputs[1] and "expired" not in outputs[1], outputs[1]

@@ -23,9 +23,6 @@ in a database where PUBLIC's defaults (CONNECT, USAGE on ``public``, SELECT on
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,7 +49,7 @@ from sinks.errors import ConfigError
 from sinks.postgres import access
 from sinks.postgres.grants import Grant, quote
 from tests.conftest import write_input
-from tests.procs import ROOT
+from tests.procs import ROOT, twophase
 from tests.tiers import SLOW
 
 PASSWORD_ENV = "TWOPHASE_TEST_PG_PASSWORD"
@@ -343,16 +340,10 @@ def _crash(s: Secured, tmp_path: Path, key: str | None, files: int, **kw: Any) -
     assert prepared_postgres(s.admin) == []
 
     # the operator's commands, as the role, with the password in the environment
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PGPASSWORD": s.password}
+    env = {"PYTHONPATH": str(ROOT), "PGPASSWORD": s.password}
     outputs = []
     for command in (["status", str(state)], ["audit", str(state), "--all", "--json"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "lifecycle.cli", *command],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=180,
-        )
+        done = twophase(*command, env=env, timeout=180)
         outputs.append(done.stdout + done.stderr)
         assert done.returncode == 0, f"twophase {command[0]}:\n{outputs[-1]}"
     checks = json.loads(outputs[1])["checks"]
