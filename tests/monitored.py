@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from lifecycle import Job
 from lifecycle.testing.prometheus import Prometheus
 from lifecycle.testing.services import free_port
 from sinks import PostgresSink
+from tests.procs import wait_for
 
 RULES = Path(__file__).resolve().parents[1] / "integration" / "prometheus" / "twophase-rules.yml"
 DASHBOARD = (
@@ -102,7 +102,7 @@ class MonitoredJob:
         self.prometheus.start()
         try:
             self._runner.start()
-            self.wait_for(
+            wait_for(
                 lambda: (
                     self.value(f'twophase_checkpoints_completed_total{{job="{self.name}"}}') >= 2
                 ),
@@ -133,14 +133,6 @@ class MonitoredJob:
             if a["labels"]["alertname"] == name and a["state"] == "firing":
                 return dict(a)
         return None
-
-    @staticmethod
-    def wait_for(check: Any, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-            time.sleep(0.5)
 
     @contextlib.contextmanager
     def stall(self) -> Iterator[None]:

@@ -23,6 +23,7 @@ import yaml
 
 from tests.monitored import DASHBOARD, RULES, MonitoredJob, rules_scaled_down
 from tests.pgcheck import assert_exactly_once, job_prepared
+from tests.procs import wait_for
 
 pytestmark = pytest.mark.usefixtures("prometheus_installed")
 
@@ -64,7 +65,7 @@ def test_every_rule_evaluates_on_the_jobs_series(monitored: MonitoredJob) -> Non
         held = {re.sub(r"_bucket$", "", n) for n in monitored.prometheus.series_names()}
         return wanted - held
 
-    monitored.wait_for(lambda: not missing(), 30, f"every series the rules read: {missing()}")
+    wait_for(lambda: not missing(), 30, f"every series the rules read: {missing()}")
     for name in sorted(wanted):
         found = monitored.prometheus.query(f'{{__name__=~"{name}|{name}_bucket"}}')
         assert found, name
@@ -73,7 +74,7 @@ def test_every_rule_evaluates_on_the_jobs_series(monitored: MonitoredJob) -> Non
     rules = [r for g in groups for r in g["rules"]]
     shipped = sum(len(g["rules"]) for g in doc["groups"])
     assert len(rules) == shipped
-    monitored.wait_for(
+    wait_for(
         lambda: all(
             r["health"] == "ok"
             for g in monitored.prometheus.api("rules")["groups"]
@@ -92,13 +93,13 @@ def test_a_held_back_checkpoint_fires_the_stall_alerts_and_they_clear(
     ages past the stall threshold (2 intervals + 15 s here) and the prepared
     transactions past half the sink's lock_timeout, and both alerts fire; once
     the lock is released the checkpoint commits and both clear."""
-    monitored.wait_for(
+    wait_for(
         lambda: monitored.alert("TwophaseCheckpointStalled") is None,
         60,
         "no stall alert before the stall",
     )
     with monitored.stall():
-        monitored.wait_for(
+        wait_for(
             lambda: monitored.alert("TwophaseCheckpointStalled") is not None,
             60,
             "TwophaseCheckpointStalled to fire",
@@ -106,7 +107,7 @@ def test_a_held_back_checkpoint_fires_the_stall_alerts_and_they_clear(
         fired = monitored.alert("TwophaseCheckpointStalled")
         assert fired is not None and fired["labels"]["job"] == monitored.name
         assert fired["labels"]["severity"] == "page"
-        monitored.wait_for(
+        wait_for(
             lambda: monitored.alert("TwophasePreparedWorkAging") is not None,
             60,
             "TwophasePreparedWorkAging to fire",
@@ -115,7 +116,7 @@ def test_a_held_back_checkpoint_fires_the_stall_alerts_and_they_clear(
         assert aging is not None and aging["labels"]["sink"] == "pg"
         assert monitored.value('twophase_prepared_age_limit_seconds{sink="pg"}') == 40
         assert monitored.value('twophase_batches_pending{pipeline="ticks"}') >= 2
-    monitored.wait_for(
+    wait_for(
         lambda: (
             monitored.alert("TwophaseCheckpointStalled") is None
             and monitored.alert("TwophasePreparedWorkAging") is None
@@ -161,7 +162,7 @@ def test_the_job_committed_every_row_once(monitored: MonitoredJob) -> None:
     """Monitoring and the stall change nothing the sink holds: after a drain,
     every id of the rate source is in the table once (runs last)."""
     monitored.job.stop(drain=True)
-    monitored.wait_for(lambda: monitored.result is not None, 120, "the job to drain")
+    wait_for(lambda: monitored.result is not None, 120, "the job to drain")
     assert monitored.result.committed
     with psycopg.connect(monitored.dsn) as c:
         row = c.execute("SELECT count(*), max(id) FROM ticks").fetchone()
