@@ -406,7 +406,7 @@ class Coordinator:
             rows,
             f"; {note}" if note else "",
         )
-        self._sweeper.after_commit(groups, cp.cut)
+        self._sweeper.after_commit(groups, cp.cut, cp.finished)
         return done
 
     def _owe_lost(

@@ -29,13 +29,20 @@ class Sweeper:
         self._retired: dict[str, int] = {}  # sink label -> the last floor told (retire)
 
     def after_commit(
-        self, groups: dict[tuple[str, str], list[Committable]], cut: dict[str, int]
+        self,
+        groups: dict[tuple[str, str], list[Committable]],
+        cut: dict[str, int],
+        finished: Collection[str] = (),
     ) -> None:
         """After a commit: each sink forgets what it committed, then every sink
         aborts its orphans of batches at or below ``cut`` and of earlier runs,
         and learns that those batches are settled (``LeasesIds.settled``: the
         Kafka sink's pooled ids of them may be reused); sinks of different targets at
-        once, like the commit."""
+        once, like the commit. Sinks of ``finished`` pipelines (their last
+        checkpoint in this run) are not told: their queries lease nothing any
+        more, so asking the broker which ids to give back would only delay the
+        end of the run (a lease that comes anyway, for a batch written again,
+        takes a lane of its own; every lane is free again at the next start)."""
         owned = self.ledger.is_owned
         run = self.run
         job_sinks = self._sinks
@@ -53,7 +60,8 @@ class Sweeper:
                 return not owned(str(n)) and (n.run < run or n.batch_id <= last)
 
             swept = committer.sweep(job_sinks.scope(p, sid), is_orphan)
-            job_sinks.settled(p, sid, last)
+            if p not in finished:
+                job_sinks.settled(p, sid, last)
             return swept
 
         def lane(keys: list[tuple[str, str]]) -> list[list[str]]:
