@@ -44,15 +44,27 @@ class StagesThroughSpark(abc.ABC):
 
     @abc.abstractmethod
     def precommit_frame(
-        self, df: Any, scope: JobScope, run: int, batch_id: int
+        self, df: Any, scope: JobScope, run: int, batch_id: int, *, shared: bool = False
     ) -> list[Committable] | None:
         """Pre-commit a whole micro-batch with a Spark job of the sink's own and
         return its committables; ``None``: write it with per-task writers
         (:meth:`~sinks.base.Sink.open_writer`) after all.
 
+        ``shared``: other sinks of the pipeline write this batch with per-task
+        writers in one Spark job, and :meth:`joins_shared_jobs` said this
+        sink's writers join it: make the checks, stage nothing, return ``None``.
+
         Same contract as the writers: nothing visible before commit, every staged
         thing named after a transaction of ``scope`` in ``run`` and ``batch_id``
         so that a sweep finds it after any crash."""
+
+    def joins_shared_jobs(self) -> bool:
+        """Whether this sink's per-task writers may join the one Spark job other
+        sinks of its pipeline share for each batch (one pass over the batch, no
+        job of its own): then :meth:`frame_for_write` returns its input as it is
+        and :meth:`precommit_frame` with ``shared`` stages nothing. Known after
+        the sink's preflight. By default no."""
+        return False
 
 
 class ExpiringWork(abc.ABC):

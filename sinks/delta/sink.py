@@ -69,7 +69,10 @@ class DeltaSink(Sink, StagesThroughSpark):
             tables). ``"arrow"``: the sink's writer in each task
             (``mapInArrow``, pyarrow; any store deltalake opens). ``"auto"``
             (default): ``"spark"`` for local tables, except tables with NOT NULL
-            fields inside nested columns; ``"arrow"`` otherwise.
+            fields inside nested columns, and except where other sinks of the
+            pipeline write each micro-batch with per-task writers: the Arrow
+            writer then joins their tasks (one Spark job writes every sink,
+            :mod:`lifecycle.binding`); ``"arrow"`` otherwise.
         key: merge by these columns instead of appending (the rules of
             :mod:`sinks.keys`): each checkpoint's changes replace the rows of
             their keys, copy-on-write (:mod:`sinks.delta.merge`), on a local,
@@ -378,8 +381,16 @@ class DeltaSink(Sink, StagesThroughSpark):
             is_delete = F.coalesce(F.col(quoted(d.column)) == value, F.lit(False))
         return self._row_rules.frame(df, layout, self.describe(), is_delete)
 
+    def joins_shared_jobs(self) -> bool:
+        """An appending sink without derived columns or checks, whose
+        ``write_with`` is not ``"spark"``: its Arrow writer joins the job the
+        pipeline's other sinks share (``"auto"`` prefers that to a Spark job
+        of its own, which would read the batch again)."""
+        self._ready()
+        return not self._row_rules and not self.rules.keyed and self.write_with != "spark"
+
     def precommit_frame(
-        self, df: Any, scope: JobScope, run: int, batch_id: int
+        self, df: Any, scope: JobScope, run: int, batch_id: int, *, shared: bool = False
     ) -> list[Committable] | None:
         self._ready()
         if self.replace_where is not None:
@@ -387,6 +398,8 @@ class DeltaSink(Sink, StagesThroughSpark):
             replace.check_rows(df, self.replace_where, self._layout, self.describe(), batch_id)
         if self.rules.keyed or not self._spark_writes():
             return None
+        if shared and self.write_with == "auto":
+            return None  # the Arrow writer joins the other sinks' tasks: no job of its own
         assert self._layout is not None  # set by preflight
         staged = SparkStage(self._storage, self._layout, self.describe()).stage(
             df, scope, run, batch_id
