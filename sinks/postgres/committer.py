@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +61,9 @@ class PreparedCommitter(Audits, RetiresEvidence, Committer):
     where: str
     """the sink, for messages"""
     sink_id: str
-    connect: Callable[[str], psycopg.Connection]
-    """a connection of the sink, given an application name"""
+    connect: Callable[[str], AbstractContextManager[psycopg.Connection]]
+    """a connection of the sink for one ``with`` block, given an application
+    name (kept between uses: :mod:`sinks.postgres.kept`)"""
     markers: sql.Composable
     marker_table: tuple[str, str]
     """the marker table's schema and name"""

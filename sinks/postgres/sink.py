@@ -36,6 +36,7 @@ from sinks.naming import check_id
 from sinks.postgres import access, capacity, catalog, grants, liveness, markers, replace
 from sinks.postgres.capacity import PreparedCapacity
 from sinks.postgres.committer import PreparedCommitter
+from sinks.postgres.kept import KeptConnections
 from sinks.postgres.progress import ProgressTable
 from sinks.postgres.types import ddl_type
 from sinks.postgres.writer import PostgresWriter, WriterSettings
@@ -107,7 +108,7 @@ class PostgresSink(Sink, HoldsPreparedWork):
     """
 
     kind = "postgres"
-    _driver_only = ("_capacity", "_committer")
+    _driver_only = ("_capacity", "_kept", "_committer")
 
     def __init__(
         self,
@@ -171,13 +172,14 @@ class PostgresSink(Sink, HoldsPreparedWork):
 
     def _init_driver_state(self) -> None:
         self._capacity = PreparedCapacity(self.describe(), self.connect, lambda: self.max_prepared)
+        self._kept = KeptConnections(self.connect, most=self.commit_connections + 1)
         self._committer = self._make_committer()
 
     def _make_committer(self) -> PreparedCommitter:
         common: dict[str, Any] = {
             "where": self.describe(),
             "sink_id": self.sink_id,
-            "connect": self.connect,
+            "connect": self._kept.connection,
             "markers": self._marker_ident,
             "marker_table": (self.marker_schema, self.marker_name),
             "progress_table": lambda: self._progress_table,
@@ -203,8 +205,10 @@ class PostgresSink(Sink, HoldsPreparedWork):
         return self._committer
 
     def close(self) -> None:
-        """Release the driver's kept connection (the capacity check's)."""
+        """Release the driver's kept connections (the capacity check's, the
+        committer's: :mod:`sinks.postgres.kept`)."""
         self._capacity.close()
+        self._kept.close()
 
     # -- identity ---------------------------------------------------------------
 
