@@ -20,7 +20,11 @@ from lifecycle.testing import jars, verify
 from sinks import DeltaSink, _faults
 from sinks.delta import roaring
 from sinks.delta.storage import STAGING_DIR
+from tests import deltacheck
+from tests.procs import run_job
 from tests.test_delta_merge import write_batches
+from tests.test_delta_s3_merge import expected
+from tests.test_delta_s3_merge import write_batches as write_inputs
 
 PROPS = (
     "delta.enableDeletionVectors = true, delta.enableChangeDataFeed = true, "
@@ -189,3 +193,68 @@ def test_a_retried_merge_commit_on_read_is_a_no_op(interpreted, tmp_path):  # ty
         (4, "delete", merges[0], 4),
     ]
     verify.assert_nothing_left_delta(uri)
+
+
+@pytest.mark.crash
+def test_a_driver_killed_between_the_vectors_and_the_commit_restarts_exact(interpreted, tmp_path):  # type: ignore[no-untyped-def]
+    """A table with deletion vectors, the change data feed and row tracking,
+    made by delta-spark; a keyed job (``tests/jobs/delta_store_job.py``, a
+    commit per batch) whose driver is SIGKILLed in the last merge once its
+    vector file and its changed rows are written, before its version: nothing
+    of it is visible, its markers name what it left. The restart sweeps it
+    (no vector file, data file or marker of it is left) and commits the merge
+    again: delta-spark reads each key's last write once, and the change feed
+    holds each change exactly once."""
+    uri = tmp_path / "t"
+    interpreted.sql(
+        f"CREATE TABLE delta.`{uri}` (id BIGINT, name STRING, amount DOUBLE) USING delta "
+        f"TBLPROPERTIES ({PROPS})"
+    )
+    write_inputs(tmp_path / "in")
+    args = [
+        "--input",
+        str(tmp_path / "in"),
+        "--state",
+        str(tmp_path / "state"),
+        "--table",
+        str(uri),
+    ]
+    args += ["--keyed", "--versions", ""]
+    killed = run_job(
+        "delta_store_job.py",
+        [*args, "--no-read-back"],
+        tmp_path / "job.log",
+        fault="driver.merge_staged@2=kill",
+        timeout=400,
+    )
+    assert killed.proc.returncode == -9, killed.tail()
+    markers = list((uri / STAGING_DIR).glob("*"))
+    named = {m.read_text() for m in markers}
+    vectors = {p.name for p in uri.glob("deletion_vector_*.bin")}
+    assert any(n.startswith("deletion_vector_") for n in named) and named & vectors, named
+    assert any(n.startswith("part-") for n in named) and all((uri / n).exists() for n in named)
+    interpreted._jvm.org.apache.spark.sql.delta.DeltaLog.clearCache()
+    seen = _rows(interpreted, uri, "id, name")  # batch 0, maybe batch 1: the last merge not
+    assert seen and {n for _, n in seen} <= {"v0", "v1"} and (0, "v0") in seen, seen
+    again = run_job(
+        "delta_store_job.py", [*args, "--changes-from", "0"], tmp_path / "job.log", timeout=400
+    )
+    assert again.proc.returncode == 0, again.tail()
+    read = json.loads(again.output().rsplit("READ ", 1)[1].splitlines()[0])
+    assert read["latest"] == expected()
+    assert all(not (uri / n).exists() for n in named), "the killed attempt's files are left"
+    referenced = {
+        a["add"]["deletionVector"]["pathOrInlineDv"]
+        for v in range(DeltaTable(str(uri)).version() + 1)
+        for a in _log(uri, v)
+        if "add" in a and a["add"].get("deletionVector")
+    }
+    assert len({p.name for p in uri.glob("deletion_vector_*.bin")}) == len(referenced)
+    # each change once (a checkpoint covering batches 1 and 2 merges them as one
+    # version), and the feed replayed version by version ends at the table
+    assert len({tuple(c) for c in read["changes"]}) == len(read["changes"])
+    interpreted._jvm.org.apache.spark.sql.delta.DeltaLog.clearCache()
+    deltacheck.assert_change_feed_replays_to_the_table(interpreted, uri)
+    assert sum(c[1] == "delete" for c in read["changes"]) == 10
+    verify.assert_nothing_left_delta(uri)
+    assert not list((uri / STAGING_DIR).glob("*"))

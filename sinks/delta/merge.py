@@ -34,7 +34,11 @@ candidates depends on how keys are laid out (:doc:`/performance`). Tables
 whose rewrites need delta-spark (deletion vectors, the change data feed,
 column mapping, delta-spark-only features) are merged through its transaction
 (:mod:`sinks.delta.spark_rewrite`), which rewrites only the candidates that
-hold a changed key.
+hold a changed key; on a table with deletion vectors it rewrites none: the
+changed rows are marked deleted in vectors and only they are written
+(merge-on-read, :mod:`sinks.delta.spark_dv`), the files staged under a
+transaction of the sink's scope named after the merge's highest batch
+(:mod:`sinks.delta.spark_staged`), which the version's ``commitInfo`` names.
 """
 
 from __future__ import annotations

@@ -33,6 +33,14 @@ makes them. The rules:
    the table's data directories under delta-spark's names. A crash between the
    write and the commit leaves them unreferenced for VACUUM, as delta-spark's
    own MERGE does; a commit that did not land deletes them.
+6. **With deletion vectors, on read.** On a table with
+   ``delta.enableDeletionVectors`` the planned files are not rewritten: the
+   changed rows are marked deleted in new vectors and only the changed rows
+   are written (:mod:`sinks.delta.spark_dv`, :func:`changed_on_read` and
+   ``merged(..., on_read=)``); rules 1, 3 and 4 hold as they are, rule 2
+   becomes: each file with a changed row is removed with its old vector and
+   added again with the new one. Its files get staging markers
+   (:mod:`sinks.delta.spark_staged`), so the sweep finds them after a crash.
 
 Replaces commit through the same transaction
 (:mod:`sinks.delta.committer`): the staged appends, and the removes of the
