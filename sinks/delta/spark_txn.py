@@ -337,7 +337,7 @@ class SparkTxn:
             size += int(w.size())
         values = {
             "numAddedFiles": len(adds) + len(data),
-            "numRemovedFiles": len(removed),
+            "numRemovedFiles": len(removed) + len(marked) - len(data_files(marked)),
             "numDeletionVectorsAdded": len(data_files(marked)),
             "numOutputRows": rows,
             "numOutputBytes": size,
