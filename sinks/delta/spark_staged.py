@@ -43,20 +43,22 @@ from sinks.naming import TxnName, scope_prefix
 MERGE_TAG = "twophaseMerge"
 """the ``commitInfo.tags`` entry of a merge (JSON); its ``staged`` names the
 transaction whose markers name its files"""
-_SPARK_NAMES = re.compile(
-    r"^(?:[A-Za-z0-9]{1,8}/)?deletion_vector_[0-9a-f-]{36}\.bin$"
-    r"|^_change_data/(?:[^/]+/)*cdc-[^/]+\.parquet$"
-    r"|^(?:[^/_.][^/]*/)*part-[^/]+\.parquet$"
+_SPARK_FILE = re.compile(
+    r"^(?:deletion_vector_[0-9a-f-]{36}\.bin|cdc-[^/]+\.parquet|part-[^/]+\.parquet)$"
 )
 
 
 def is_spark_written(rel: str) -> bool:
     """Whether the table-relative path ``rel`` has the shape of a file
-    delta-spark writes for a merge (rule 2)."""
+    delta-spark writes for a merge (rule 2): a vector, data or change-data
+    file by name, under partition directories, a random prefix or
+    ``_change_data``, never under another directory starting with ``_``."""
     parts = rel.split("/")
     if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
         return False
-    return parts[0] != "_delta_log" and _SPARK_NAMES.match(rel) is not None
+    if any(d.startswith("_") and d != "_change_data" for d in parts[:-1]):
+        return False
+    return _SPARK_FILE.match(parts[-1]) is not None
 
 
 @dataclass
