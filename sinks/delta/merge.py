@@ -34,7 +34,11 @@ candidates depends on how keys are laid out (:doc:`/performance`). Tables
 whose rewrites need delta-spark (deletion vectors, the change data feed,
 column mapping, delta-spark-only features) are merged through its transaction
 (:mod:`sinks.delta.spark_rewrite`), which rewrites only the candidates that
-hold a changed key.
+hold a changed key; on a table with deletion vectors it rewrites none: the
+changed rows are marked deleted in vectors and only they are written
+(merge-on-read, :mod:`sinks.delta.spark_dv`), the files staged under a
+transaction of the sink's scope named after the merge's highest batch
+(:mod:`sinks.delta.spark_staged`), which the version's ``commitInfo`` names.
 """
 
 from __future__ import annotations
@@ -52,11 +56,12 @@ from deltalake.transaction import AddAction
 
 from sinks import _faults
 from sinks.base import Committable, JobScope
-from sinks.delta import progress, spark_rewrite, table
+from sinks.delta import progress, spark_dv, spark_rewrite, table
 from sinks.delta.layout import Layout
 from sinks.delta.merge_plan import Candidate, Change, changes_of, plan, removes
 from sinks.delta.merge_rewrite import rewrite, winning_changes
 from sinks.delta.spark_stage import SparkStage
+from sinks.delta.spark_staged import MERGE_TAG, Staged
 from sinks.delta.spark_txn import SparkTxn, data_files
 from sinks.delta.storage import TableStorage, marker_path
 from sinks.delta.task_io import TaskStage
@@ -104,7 +109,9 @@ def commit(
             )
     candidates = plan(dt, layout, rules, changes)
     _faults.hit("driver.merge_planned", batch=version, sink="delta")
+    run = max(TxnName.require(c["txn"]).run for c in committables)
     if txn is not None:
+        marks = Staged(storage, str(_merge_name(scope, run, version)))
         _commit_through_delta_spark(
             txn,
             dt,
@@ -114,13 +121,11 @@ def commit(
             candidates,
             changes,
             _changed(committables),
-            app,
-            version,
+            (app, version, marks),
             where,
         )
         discard_changes(storage, committables)
         return
-    run = max(TxnName.require(c["txn"]).run for c in committables)
     spark = SparkSession.builder.getOrCreate()
     staged: Committable | None = None
     planned_on = dt.version()
@@ -210,23 +215,41 @@ def _commit_through_delta_spark(
     candidates: Sequence[Candidate],
     changes: Sequence[Change],
     changed: dict[str, int],
-    app: str,
-    version: int,
+    epoch: tuple[str, int, Staged],
     where: str,
 ) -> None:
     """The merge read, written and committed by delta-spark's transaction
-    (:mod:`sinks.delta.spark_rewrite`): the same plan and the same winners, and
-    the same recovery (a stale plan or another writer first: plan again)."""
+    (:mod:`sinks.delta.spark_rewrite`; on a table with deletion vectors, on
+    read: :mod:`sinks.delta.spark_dv`, its files marked by ``epoch``'s
+    :class:`~sinks.delta.spark_staged.Staged`): the same plan and the same
+    winners, and the same recovery (a stale plan or another writer first: plan
+    again)."""
+    app, version, staged = epoch
     spark = txn.spark
     written: list[Any] = []
+    marked: list[Any] = []
+    config = dict(dt.metadata().configuration or {})
+    on_read = spark_dv.enabled(config)
     try:
         winners = winning_changes(spark, storage, layout, rules, changes)
         planned = txn.live_files([c.path for c in candidates])
-        files = spark_rewrite.touched(txn, rules.key, planned, winners)
-        config = dict(dt.metadata().configuration or {})
-        rows = spark_rewrite.merged(txn, layout, rules.key, files, winners, config)
-        written = txn.write(rows)
+        if on_read and planned:
+            found = spark_rewrite.changed_on_read(txn, rules.key, planned, winners)
+            try:
+                rows = spark_rewrite.merged(txn, layout, rules.key, [], winners, config, found)
+                written = txn.write(rows)
+                staged.record(written)
+                marked, files = spark_dv.mark_deleted(txn, found, staged)
+            finally:
+                found.release()
+        else:
+            files = spark_rewrite.touched(txn, rules.key, planned, winners)
+            rows = spark_rewrite.merged(txn, layout, rules.key, files, winners, config)
+            written = txn.write(rows)
+            if on_read:
+                staged.record(written)
     except Exception as e:
+        staged.discard()  # nothing committed: what was marked goes
         if isinstance(e, CommitFailedError) or not _plan_went_stale(
             dt, candidates, storage, None, e
         ):
@@ -240,6 +263,8 @@ def _commit_through_delta_spark(
         "filesRemoved": len(files),
         "bytesRewritten": sum(int(f.size()) for f in files),
         "filesAdded": len(data_files(written)),
+        "filesWithNewVectors": len(data_files(marked)),
+        "staged": staged.name,
     }
     try:
         _faults.hit("driver.merge_staged", batch=version, sink="delta")
@@ -249,26 +274,45 @@ def _commit_through_delta_spark(
             epoch=(app, version),
             removed=files,
             written=written,
-            tags={"twophaseMerge": json.dumps(summary, sort_keys=True)},
+            marked=marked,
+            tags={MERGE_TAG: json.dumps(summary, sort_keys=True)},
         )
         _faults.hit("driver.merge_landed", batch=version, sink="delta")
     except BaseException as e:
         if _did_not_land(e, dt, app, version, where):
             spark_rewrite.delete_written(storage, written)
+            staged.discard()
         raise
+    staged.done()
     log.info(
         "%s: merged %d change(s) of %d batch(es) as %s v%d through delta-spark: %d of %d "
-        "planned file(s) held a changed key and were rewritten, %d file action(s) written",
+        "planned file(s) held a changed key and were %s, %d file action(s) written",
         where,
         sum(ch.rows for ch in changes),
         len({ch.batch for ch in changes}),
         app,
         version,
-        len(files),
+        len(files) + len(data_files(marked)),
         len(planned),
+        "marked (deletion vectors)" if on_read else "rewritten",
         len(written),
     )
     _faults.hit("driver.mid_commit", batch=version, sink="delta")
+
+
+def _merge_name(scope: JobScope, run: int, version: int) -> TxnName:
+    """A fresh transaction name of ``scope`` for a merge of batches up to
+    ``version``: its staged files and markers are named after it."""
+    return TxnName(
+        job=scope.job,
+        pipeline=scope.pipeline,
+        sink_id=scope.sink_id,
+        run=run,
+        batch_id=version,
+        partition=0,
+        attempt=_attempt(),
+        incarnation=scope.incarnation,
+    )
 
 
 def _changed(committables: Sequence[Committable]) -> dict[str, int]:

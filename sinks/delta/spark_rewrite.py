@@ -33,6 +33,14 @@ makes them. The rules:
    the table's data directories under delta-spark's names. A crash between the
    write and the commit leaves them unreferenced for VACUUM, as delta-spark's
    own MERGE does; a commit that did not land deletes them.
+6. **With deletion vectors, on read.** On a table with
+   ``delta.enableDeletionVectors`` the planned files are not rewritten: the
+   changed rows are marked deleted in new vectors and only the changed rows
+   are written (:mod:`sinks.delta.spark_dv`, :func:`changed_on_read` and
+   ``merged(..., on_read=)``); rules 1, 3 and 4 hold as they are, rule 2
+   becomes: each file with a changed row is removed with its old vector and
+   added again with the new one. Its files get staging markers
+   (:mod:`sinks.delta.spark_staged`), so the sweep finds them after a crash.
 
 Replaces commit through the same transaction
 (:mod:`sinks.delta.committer`): the staged appends, and the removes of the
@@ -50,6 +58,7 @@ from urllib.parse import unquote
 
 from sinks.delta.changes import DELETE_COLUMN
 from sinks.delta.layout import Layout, quoted
+from sinks.delta.spark_dv import Changed, changed_rows
 from sinks.delta.spark_features import CHANGE_DATA_FEED, ROW_TRACKING, property_on
 from sinks.delta.spark_txn import SparkTxn
 from sinks.delta.storage import TableStorage
@@ -107,16 +116,22 @@ def merged(
     files: Sequence[Any],
     winners: DataFrame,
     config: dict[str, str],
+    on_read: Changed | None = None,
 ) -> DataFrame:
     """The rows to write for ``winners`` (the changes, one row per key, with
     :data:`~sinks.delta.changes.DELETE_COLUMN`) merged into ``files``
     (``AddFile`` actions of ``txn``'s snapshot), and with the change data feed
-    on (``config``: the table's properties) the change-data rows (rules 3, 4)."""
+    on (``config``: the table's properties) the change-data rows (rules 3, 4).
+    ``on_read``: a merge on read's changed rows (:func:`changed_on_read`); then
+    ``files`` are not read again and only the changed rows are written."""
     from pyspark.sql import functions as F
 
     names = list(layout.schema.names)
     cdf = property_on(config, CHANGE_DATA_FEED)
-    targets = txn.read(files) if files else None
+    if on_read is not None:
+        targets: DataFrame | None = on_read.rows
+    else:
+        targets = txn.read(files) if files else None
     row_id, row_version = _row_tracking(config, targets) if targets is not None else (None, None)
     columns = names + ([row_id, row_version] if row_id and row_version else [])
 
@@ -132,12 +147,15 @@ def merged(
         if cdf:
             parts.append(project(upserts, F.lit("insert")))
         return _union(parts)
-    keys = winners.select(
-        *[F.col(quoted(k)).alias(f"_k{i}") for i, k in enumerate(key)],
-        F.col(DELETE_COLUMN).alias(_WAS),
-    )
-    on_keys = _matching(targets, keys, key)
-    kept = targets.join(keys, on_keys, "left_anti")
+    if on_read is not None:  # the rows are the changed ones, already joined to the keys
+        before, kept = targets, None
+    else:
+        keys = _keys(winners, key)
+        on_keys = _matching(targets, keys, key)
+        before, kept = (
+            targets.join(keys, on_keys, "inner"),
+            targets.join(keys, on_keys, "left_anti"),
+        )
     old = targets.select(
         *[F.col(quoted(k)).alias(f"_k{i}") for i, k in enumerate(key)],
         F.lit(True).alias(_WAS),
@@ -147,9 +165,8 @@ def merged(
     if row_id and row_version:
         # an updated row keeps its id and takes the commit's version; a new one gets both
         written = written.withColumn(row_id, F.col(_OLD_ID)).withColumn(row_version, _null("long"))
-    parts = [project(kept, None), project(written, None)]
+    parts = [project(written, None)] + ([project(kept, None)] if kept is not None else [])
     if cdf:
-        before = targets.join(keys, on_keys, "inner")
         parts += [
             project(before.where(~F.col(_WAS)), F.lit("update_preimage")),
             project(before.where(F.col(_WAS)), F.lit("delete")),
@@ -165,6 +182,27 @@ def merged(
     if layout.partition_by:
         out = out.repartition(*[F.col(quoted(p)) for p in layout.partition_by])
     return out
+
+
+def changed_on_read(
+    txn: SparkTxn, key: Sequence[str], files: Sequence[Any], winners: DataFrame
+) -> Changed:
+    """The live rows of ``files`` whose key ``winners`` changes, with their
+    files and row indexes (:func:`sinks.delta.spark_dv.changed_rows`): one scan
+    of ``files`` (not empty)."""
+    keys = _keys(winners, key)
+    targets = txn.read(files)
+    return changed_rows(txn, files, keys, _matching(targets, keys, key), targets)
+
+
+def _keys(winners: DataFrame, key: Sequence[str]) -> DataFrame:
+    """The changed keys as ``_k<i>``, with whether the change deletes (``_WAS``)."""
+    from pyspark.sql import functions as F
+
+    return winners.select(
+        *[F.col(quoted(k)).alias(f"_k{i}") for i, k in enumerate(key)],
+        F.col(DELETE_COLUMN).alias(_WAS),
+    )
 
 
 def _row_tracking(

@@ -257,12 +257,14 @@ class SparkTxn:
         epoch: tuple[str, int] | None = None,
         removed: Sequence[Any] = (),
         written: Sequence[Any] = (),
+        marked: Sequence[Any] = (),
         tags: dict[str, str] | None = None,
     ) -> int:
         """Commit ``adds``, ``txns``, the removes of ``removed`` (``AddFile``
         actions of this snapshot, removed with their deletion vectors and row
-        ids) and the file actions ``written`` (:meth:`write`) as one version;
-        returns it.
+        ids), the file actions ``written`` (:meth:`write`) and ``marked`` (files
+        added again with a new deletion vector and the removes of their old one,
+        :func:`sinks.delta.spark_dv.mark_deleted`) as one version; returns it.
 
         ``epoch``: ``(query id, batch)`` of a data commit, recorded as a
         ``STREAMING UPDATE`` (output mode ``Update`` when it removes files);
@@ -276,7 +278,7 @@ class SparkTxn:
             parsed = jvm.java.util.ArrayList()
             for a in actions:
                 parsed.add(jvm.org.apache.spark.sql.delta.actions.Action.fromJson(json.dumps(a)))
-            for w in written:
+            for w in [*written, *marked]:
                 parsed.add(w)
             for f in removed:
                 parsed.add(f.removeWithTimestamp(now, True))
@@ -287,12 +289,12 @@ class SparkTxn:
             else:
                 modes = jvm.org.apache.spark.sql.streaming.OutputMode
                 op = getattr(ops, "DeltaOperations$StreamingUpdate")(
-                    modes.Update() if removed else modes.Append(),
+                    modes.Update() if removed or marked else modes.Append(),
                     epoch[0],
                     epoch[1],
                     jvm.scala.Option.apply(progress.user_metadata(*epoch)),
                 )
-                self._register_metrics(adds, written, removed)
+                self._register_metrics(adds, written, removed, marked)
             if tags:
                 return int(self._txn.commit(seq, op, _scala_map(jvm, tags)))
             return int(self._txn.commit(seq, op))
@@ -318,10 +320,15 @@ class SparkTxn:
             return False
 
     def _register_metrics(
-        self, adds: Sequence[AddAction], written: Sequence[Any], removed: Sequence[Any]
+        self,
+        adds: Sequence[AddAction],
+        written: Sequence[Any],
+        removed: Sequence[Any],
+        marked: Sequence[Any] = (),
     ) -> None:
         """What ``DESCRIBE HISTORY`` shows for a streaming update (data files
-        only: change-data files are neither rows nor files of the table)."""
+        only: change-data files are neither rows nor files of the table; a file
+        added again with a new deletion vector counts as a vector, not a file)."""
         jvm = self._spark._jvm
         rows, size = progress.added_totals(adds)
         data = data_files(written)
@@ -330,7 +337,8 @@ class SparkTxn:
             size += int(w.size())
         values = {
             "numAddedFiles": len(adds) + len(data),
-            "numRemovedFiles": len(removed),
+            "numRemovedFiles": len(removed) + len(marked) - len(data_files(marked)),
+            "numDeletionVectorsAdded": len(data_files(marked)),
             "numOutputRows": rows,
             "numOutputBytes": size,
         }

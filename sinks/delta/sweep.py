@@ -6,7 +6,9 @@ whole table, and the commit deletes a transaction's markers once its Delta
 version exists (:mod:`sinks.delta.committer`), so a committed file is never a
 sweep candidate, even after OPTIMIZE removed it from the snapshot while time
 travel still reads it. A file the table references is never deleted, whatever
-its marker says.
+its marker says. The files delta-spark names for a merge on read (vectors,
+its writer's data and change-data files: :mod:`sinks.delta.spark_staged`) are
+deleted only when their merge's version is certainly not in the table.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from deltalake.exceptions import CommitFailedError
 
 from sinks._retry import retry_transient
 from sinks.committer import Committable, LingeringTxn, OrphanTest
-from sinks.delta import table
+from sinks.delta import spark_staged, table
 from sinks.delta.storage import (
     DATA_SUFFIX,
     SPARK_STAGING_DIR,
@@ -147,13 +149,17 @@ class DeltaSweeper:
         aborted = []
         for txn, stems in sorted(orphans.items()):
             kept = 0
-            for stem in stems:
-                marker = f"{STAGING_DIR}/{stem}"
-                data = self.storage.read(marker)
-                rel = data.decode("utf-8", "replace") if data else ""
-                if rel in committed:
+            markers = {f"{STAGING_DIR}/{stem}": stem for stem in stems}
+            paths = {m: (self.storage.read(m) or b"").decode("utf-8", "replace") for m in markers}
+            spark_written = [rel for rel in paths.values() if spark_staged.is_spark_written(rel)]
+            merge_landed = bool(spark_written) and (
+                dt is not None and spark_staged.landed(dt, TxnName.require(txn))
+            )
+            for marker, stem in markers.items():
+                rel = paths[marker]
+                if rel in committed or (merge_landed and rel in spark_written):
                     kept += 1  # a marker a crash left behind after the commit
-                elif _is_staged_path(rel, stem):
+                elif _is_staged_path(rel, stem) or rel in spark_written:
                     self.storage.delete_staged(rel)
                 self.storage.delete(marker)
             if kept < len(stems):
