@@ -23,6 +23,7 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from lifecycle._columns import column
 from lifecycle.coordinator import Coordinator
 from lifecycle.failures import TaskFailure
+from lifecycle.partitioning import clustered_by
 from sinks import _faults, capabilities
 from sinks.base import Committable, JobScope, Sink, WriteContext
 from sinks.capabilities import ExpiringWork, StagesThroughSpark
@@ -116,7 +117,7 @@ def precommit(
             )
         return own
     cols = sink.partition_columns()
-    if cols:
+    if cols and not clustered_by(df, cols):
         df = df.repartition(*map(column, cols))
     order = sink.sort_columns()
     if order:
