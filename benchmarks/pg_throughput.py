@@ -22,8 +22,14 @@ runs the same ``INSERT ... ON CONFLICT`` from it (the usual recipe); the sink
 is ``PostgresSink(key=["id"])``; a fourth variant runs the limit on the input
 repartitioned by the key, the shuffle every keyed sink does so that one key
 is written by one task of a batch (two prepared transactions holding one key
-would wait for each other until the checkpoint). Every variant's table is
-checked: all ids once, the input's values.
+would wait for each other until the checkpoint). Two more run the sink
+without that shuffle: ``declared``, ``PostgresSink(key=["id"],
+partitioned_by_key=True)`` (true here: each id is in one input file), against
+the limit; and ``exactly-once by key``, the sink on the input repartitioned by
+``id`` in the streaming query, whose batches Spark's plan shows partitioned by
+the key (:mod:`lifecycle.partitioning`: the sink does not shuffle again),
+against ``baseline by key``. Every variant's table is checked: all ids once,
+the input's values.
 
 Runs alternate (baseline, JDBC, exactly-once, baseline, ...) and the median of
 each is reported, with its throughput against the baseline (the physical
@@ -176,6 +182,8 @@ def check(conn: psycopg.Connection, table: str, rows: int, variant: str) -> None
 
 
 VARIANTS = ("baseline", "jdbc", "exactly-once")
+BY_KEY = ("declared", "baseline by key", "exactly-once by key")
+"""the variants of ``--upsert`` alone"""
 
 
 def main() -> int:
@@ -208,7 +216,7 @@ def main() -> int:
         def source() -> DataFrame:
             return parquet_stream(spark, work / "in", args.files_per_batch)
 
-        variants = (*VARIANTS, "baseline by key") if args.upsert else VARIANTS
+        variants = (*VARIANTS, *BY_KEY) if args.upsert else VARIANTS
         times: dict[str, list[float]] = {v: [] for v in variants}
         with psycopg.connect(dsn, autocommit=True) as c:
             for r in range(-1, args.repeat):  # run -1 warms up the JVM, not counted
@@ -226,15 +234,23 @@ def main() -> int:
                     elif variant == "jdbc":
                         secs = run_jdbc(source(), dsn, table, where, args.upsert)
                     else:
-                        sink = PostgresSink(dsn, table, key=["id"] if args.upsert else None)
-                        secs = time_job(spark, source(), sink, where, args.interval)
+                        sink = PostgresSink(
+                            dsn,
+                            table,
+                            key=["id"] if args.upsert else None,
+                            partitioned_by_key=variant == "declared",
+                        )
+                        src = source()
+                        if variant == "exactly-once by key":
+                            src = src.repartition("id")
+                        secs = time_job(spark, src, sink, where, args.interval)
                     check(c, table, args.rows, variant)
                     if r >= 0:
                         times[variant].append(secs)
                     label = "warm-up" if r < 0 else f"run {r}"
                     rate = args.rows / secs
                     print(
-                        f"{label:<8} {variant:<13} {secs:6.2f} s {rate:>10,.0f} rows/s", flush=True
+                        f"{label:<8} {variant:<19} {secs:6.2f} s {rate:>10,.0f} rows/s", flush=True
                     )
                     c.execute(f"DROP TABLE {table}")
         spark.stop()
@@ -269,12 +285,22 @@ def main() -> int:
                 "the same limit with the input repartitioned by the key first (as every "
                 "keyed sink repartitions it)"
             )
+            labels["declared"] = (
+                'PostgresSink(key=["id"], partitioned_by_key=True): no shuffle (exactly-once)'
+            )
+            labels["exactly-once by key"] = (
+                'PostgresSink(key=["id"]) on the input repartitioned by the key: '
+                "no second shuffle (exactly-once)"
+            )
 
         for v in variants:
             print(
                 f"| {labels[v]} | {med[v]:.2f} | {args.rows / med[v]:,.0f} | "
                 f"{med['baseline'] / med[v]:.2f} | {med['jdbc'] / med[v]:.2f} |"
             )
+        if args.upsert:
+            by_key = med["baseline by key"] / med["exactly-once by key"]
+            print(f"\n(exactly-once by key vs baseline by key: {by_key:.2f})")
         return 0
     finally:
         if server is not None:
