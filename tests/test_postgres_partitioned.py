@@ -9,7 +9,9 @@ declaration (``PostgresSink(partitioned_by_key=True)``) skips it, writes every
 row once when true, and when false fails the batch in seconds with the batch
 and the declaration named (:mod:`sinks.postgres.lock_watch`), never after the
 ``lock_timeout``, leaving nothing committed, and nothing prepared once the
-next start has recovered.
+next start has recovered. Writer by writer (no Spark): a task waiting for an
+earlier batch's prepared key goes on waiting past the watch's looks and
+finishes once that batch commits; one waiting for its own batch fails.
 """
 
 from __future__ import annotations
@@ -17,17 +19,20 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import pyarrow as pa
 import pytest
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from lifecycle import Job, TaskFailedError
 from lifecycle.partitioning import clustered_by
-from sinks import ConfigError, PostgresSink
+from sinks import ConfigError, KeySpansTasksError, PostgresSink
+from sinks.base import Committable, JobScope, WriteContext
 from tests.pgcheck import job_prepared
 from tests.sparkutil import INPUT_SCHEMA
 
@@ -230,3 +235,59 @@ def test_a_wrong_declaration_fails_in_seconds_and_a_true_one_writes_each_row_onc
         (200, 200, 1.0)
     ]
     assert job_prepared(pg_dsn, "declared") == []
+
+
+def _prepare(sink: PostgresSink, batch_id: int, partition: int, ids: list[int]) -> Committable:
+    """One task of ``batch_id``: upsert ``ids`` and prepare."""
+    scope = JobScope("writers", "p", sink.sink_id, "0123456789ab")
+    ctx = WriteContext(scope, 1, batch_id, partition, batch_id * 10 + partition)
+    w = sink.open_writer(ctx, _SCHEMA)
+    failed = True
+    try:
+        w.write(pa.RecordBatch.from_pydict({"id": ids, "v": [batch_id] * len(ids)}, _SCHEMA))
+        c = w.prepare()
+        failed = False
+    finally:
+        w.close(failed=failed)
+    assert c is not None
+    return c
+
+
+_SCHEMA = pa.schema([pa.field("id", pa.int64()), pa.field("v", pa.int64())])
+
+
+def _writers_sink(dsn: str) -> PostgresSink:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE w (id bigint PRIMARY KEY, v bigint)")
+    sink = PostgresSink(dsn, "w", key=["id"], partitioned_by_key=True, lock_timeout=60)
+    sink.preflight(_SCHEMA)
+    sink.committer().claim(JobScope("writers", "p", sink.sink_id, "0123456789ab"))
+    return sink
+
+
+def test_a_wait_for_an_earlier_batch_goes_on_until_its_commit(pg_dsn: str) -> None:
+    sink = _writers_sink(pg_dsn)
+    earlier = _prepare(sink, 0, 0, [1, 2, 3])
+    with ThreadPoolExecutor(1) as pool:
+        later = pool.submit(_prepare, sink, 1, 1, [3, 4])
+        time.sleep(3.5)  # past the watch's first look and two more
+        assert not later.done(), later.exception() if later.done() else None
+        sink.committer().commit([earlier])
+        committed = later.result(timeout=30)
+    sink.committer().commit([committed])
+    assert _rows(pg_dsn, "SELECT id, v FROM w ORDER BY id") == [(1, 0), (2, 0), (3, 1), (4, 1)]
+
+
+def test_a_wait_for_another_task_of_the_batch_fails_in_seconds(pg_dsn: str) -> None:
+    sink = _writers_sink(pg_dsn)
+    other = _prepare(sink, 0, 0, [1, 2, 3])
+    started = time.monotonic()
+    with pytest.raises(KeySpansTasksError) as e:
+        _prepare(sink, 0, 1, [3, 4])
+    took = time.monotonic() - started
+    assert took < 10, f"failed after {took:.1f}s, lock_timeout is 60s"
+    assert f"waited for the prepared transaction {other['txn']} of the same batch" in str(e.value)
+    assert "partitioned_by_key=True" in str(e.value)
+    sink.committer().abort([other])
+    assert _rows(pg_dsn, "SELECT count(*) FROM w") == [(0,)]
+    assert job_prepared(pg_dsn, "writers") == []
