@@ -21,8 +21,13 @@ its own attributes (``hashpartitioning(name#12)`` over an output ``name#1``): th
 same columns at the same positions, under other expression ids. That is why
 Spark does not skip even ``repartition(key)`` there, and why, for such a batch
 only, a partitioning attribute that is not among the output is matched by its
-name (unique in the output) and type. Two rules keep the answer true at run
-time, when adaptive execution may re-plan:
+name (unique in the output) and type. A stateful streaming query (an
+aggregation) runs its micro-batches without adaptive execution, and its
+batches show their partitioning; a stateless one runs them with it (Spark's
+default), and the batch it hands over says ``UnknownPartitioning``: such a
+batch is shuffled, unless the sink is told (``PostgresSink(partitioned_by_key=True)``).
+Two rules keep the answer true at run time, when adaptive execution may
+re-plan:
 
 * coalescing shuffle partitions joins whole partitions, which keeps a key in
   one of them;
