@@ -30,6 +30,7 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from lifecycle._columns import column
 from lifecycle.coordinator import Coordinator
 from lifecycle.failures import TaskFailure, full_trace
+from lifecycle.partitioning import clustered_by
 from sinks import _faults, capabilities
 from sinks.base import Committable, JobScope, Sink, SinkWriter, WriteContext
 from sinks.capabilities import ExpiringWork, StagesThroughSpark
@@ -158,7 +159,7 @@ def precommit(
             )
         return own
     cols = sink.partition_columns()
-    if cols:
+    if cols and not clustered_by(df, cols):
         df = df.repartition(*map(column, cols))
     order = sink.sort_columns()
     if order:
@@ -192,7 +193,7 @@ def precommit_shared(
         joined.append(sink)
     first = sinks[0]
     cols = first.partition_columns()
-    if cols:
+    if cols and not clustered_by(df, cols):
         df = df.repartition(*map(column, cols))
     order = first.sort_columns()
     if order:

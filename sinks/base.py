@@ -180,7 +180,10 @@ class Sink(abc.ABC):
         return f"{self.kind} sink {self.sink_id}"
 
     def partition_columns(self) -> list[str] | None:
-        """Columns the input must be hash-partitioned by before writing, if any."""
+        """Columns the input must be clustered by before writing, if any: every
+        row of one value in one partition. The binding repartitions the batch
+        by them unless Spark's plan already clusters it so
+        (:mod:`lifecycle.partitioning`)."""
         return None
 
     def sort_columns(self) -> list[str] | None:

@@ -52,6 +52,17 @@ class LockWaitError(TwoPhaseError):
     back this job's earlier executions of the partition) instead of hanging."""
 
 
+class KeySpansTasksError(ConfigError):
+    """Two tasks of one batch write one key, where the sink was told no key spans
+    two of them (``PostgresSink(partitioned_by_key=True)``): one task waited
+    for the other's prepared transaction, which only the checkpoint after the
+    batch commits. Raised within seconds by the waiting task
+    (:mod:`sinks.postgres.lock_watch`), never after ``lock_timeout``; Spark's
+    retries fail the same way and the job stops with nothing of the batch
+    committed. The message names the sink, the batch, both tasks and what to
+    change."""
+
+
 class DataError(TwoPhaseError):
     """The rows cannot be written as they are: a null key, different rows of one
     key in a batch, a value the target cannot hold exactly (out of the target

@@ -22,9 +22,9 @@ from typing import Any
 import psycopg
 import pyarrow as pa
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 
-from sinks import keys, settings
+from sinks import keys
 from sinks._parallel import (
     COMMIT_CONNECTIONS,
     check_connections,
@@ -33,7 +33,7 @@ from sinks.base import ClaimedScopes, Committable, JobScope, Sink, SinkWriter, W
 from sinks.capabilities import ExpectedLoad, HoldsPreparedWork
 from sinks.errors import ConfigError, PreflightError
 from sinks.naming import check_id
-from sinks.postgres import access, capacity, catalog, grants, liveness, markers, replace
+from sinks.postgres import access, capacity, catalog, grants, liveness, markers, recorded, replace
 from sinks.postgres.capacity import PreparedCapacity
 from sinks.postgres.committer import PreparedCommitter
 from sinks.postgres.kept import KeptConnections
@@ -59,7 +59,10 @@ class PostgresSink(Sink, HoldsPreparedWork):
             appending; the table needs a unique index on exactly these columns.
             The input is hash-partitioned by the key so that one key is written
             by one task per batch (two prepared transactions holding the same
-            key would wait on each other until the commit). The rules of keyed
+            key would wait on each other until the commit), unless Spark's plan
+            already keeps each key in one partition (an aggregation by the key
+            or a part of it upstream, :mod:`lifecycle.partitioning`) or
+            ``partitioned_by_key`` says so. The rules of keyed
             writes are in :mod:`sinks.keys`: a null key is an error, and so are
             different rows of one key in one batch unless ``order_by`` says
             which one wins.
@@ -74,6 +77,14 @@ class PostgresSink(Sink, HoldsPreparedWork):
             table needs no such column). A delete waits for this sink's earlier
             batches still awaiting their checkpoint, so that it sees a row one
             of them inserted (see :doc:`/sinks/keyed-writes`).
+        partitioned_by_key: with ``key``, declare that no key spans two Spark
+            partitions of a batch (the DataFrame is partitioned by the key or a
+            part of it, and Spark's plan does not show it): the sink then skips
+            its shuffle by key. A wrong declaration fails the batch within
+            seconds with :class:`~sinks.errors.KeySpansTasksError`, nothing of
+            it committed (:mod:`sinks.postgres.lock_watch`). Not with
+            ``delete_when``: a delete does not wait for another task's
+            uncommitted insert of its key, so that mistake could not be seen.
         schema: schema of ``table`` when ``table`` has no dot (default ``public``).
         create_table: create the table from the DataFrame schema when missing
             (with a primary key on ``key``).
@@ -118,6 +129,7 @@ class PostgresSink(Sink, HoldsPreparedWork):
         key: Sequence[str] | None = None,
         order_by: str | None = None,
         delete_when: str | tuple[str, Any] | None = None,
+        partitioned_by_key: bool = False,
         schema: str | None = None,
         create_table: bool = False,
         sink_id: str | None = None,
@@ -138,6 +150,12 @@ class PostgresSink(Sink, HoldsPreparedWork):
         self.table = table
         self.key = list(key or [])
         self.order_by = order_by
+        if partitioned_by_key and (not key or delete_when is not None):
+            raise ConfigError(
+                "PostgresSink: partitioned_by_key=True needs key= and no delete_when "
+                "(a delete cannot tell that another task of its batch inserted its key)"
+            )
+        self.partitioned_by_key = partitioned_by_key
         self.create_table = create_table
         self.add_columns = add_columns
         if replace_where is not None and (key or not replace_where.strip()):
@@ -155,7 +173,7 @@ class PostgresSink(Sink, HoldsPreparedWork):
         self.connect_timeout = connect_timeout
         if lock_timeout is not None and lock_timeout < 0:
             raise ConfigError("lock_timeout must be >= 0 seconds (0: wait forever)")
-        self._lock_timeout_given = lock_timeout
+        self.lock_timeout_given = lock_timeout
         self.lock_timeout = lock_timeout if lock_timeout is not None else _auto_lock_timeout(0.0)
         self.marker_table = marker_table
         self._sink_id = check_id("sink_id", sink_id or self._default_id())
@@ -245,59 +263,16 @@ class PostgresSink(Sink, HoldsPreparedWork):
         )
 
     def settings(self) -> dict[str, Any]:
-        """Non-secret settings (:mod:`sinks.settings`): the DSN without its
-        ``password`` and ``sslpassword``."""
-        info = conninfo_to_dict(self.dsn)
-        for k in settings.DSN_SECRETS:
-            info.pop(k, None)
-        return {
-            "kind": self.kind,
-            "v": settings.FORMAT,
-            "sink_id": self.sink_id,
-            "dsn": make_conninfo("", **info),
-            "schema": self.schema,
-            "table": self.table,
-            "key": list(self.key),
-            "order_by": self.order_by,
-            "delete_when": self.rules.delete_when.settings() if self.rules.delete_when else None,
-            "create_table": self.create_table,
-            "add_columns": self.add_columns,
-            "replace_where": self.replace_where,
-            "marker_table": self.marker_table,
-            "commit_timeout": self.commit_timeout,
-            "commit_connections": self.commit_connections,
-            "connect_timeout": self.connect_timeout,
-            "lock_timeout": self._lock_timeout_given,
-        }
+        """Non-secret settings (:mod:`sinks.settings`, :func:`recorded.settings_of`):
+        the DSN without its ``password`` and ``sslpassword``."""
+        return recorded.settings_of(self)
 
     @classmethod
     def from_settings(cls, s: Mapping[str, Any], secrets: Mapping[str, str]) -> PostgresSink:
-        """The sink of :meth:`settings`; the password from
-        ``TWOPHASE_<SINK>_PASSWORD`` or ``PGPASSWORD`` in ``secrets``, else
-        wherever libpq finds it (``~/.pgpass``, ...)."""
-        dsn = s["dsn"]
-        password = settings.lookup(
-            secrets, (settings.env_name(s["sink_id"], "password"), "PGPASSWORD")
-        )
-        if password is not None:
-            dsn = make_conninfo(dsn, password=password)
-        return cls(
-            dsn,
-            s["table"],
-            schema=s["schema"],
-            key=s["key"],
-            order_by=s.get("order_by"),
-            delete_when=s.get("delete_when"),
-            create_table=s["create_table"],
-            add_columns=s.get("add_columns", False),
-            replace_where=s.get("replace_where"),
-            sink_id=s["sink_id"],
-            marker_table=s["marker_table"],
-            commit_timeout=s["commit_timeout"],
-            commit_connections=s.get("commit_connections", COMMIT_CONNECTIONS),
-            connect_timeout=s["connect_timeout"],
-            lock_timeout=s["lock_timeout"],
-        )
+        """The sink of :meth:`settings` (:func:`recorded.arguments`: the password
+        from ``TWOPHASE_<SINK>_PASSWORD`` or ``PGPASSWORD`` in ``secrets``)."""
+        dsn, table, kwargs = recorded.arguments(s, secrets)
+        return cls(dsn, table, **kwargs)
 
     def describe(self) -> str:
         info = conninfo_to_dict(self.dsn)
@@ -308,13 +283,14 @@ class PostgresSink(Sink, HoldsPreparedWork):
         return f"PostgresSink({self.describe()}, key={self.key}, order_by={self.order_by!r})"
 
     def partition_columns(self) -> list[str] | None:
-        return self.key or None
+        """The key (none when ``partitioned_by_key`` declares the batches are)."""
+        return None if self.partitioned_by_key else self.key or None
 
     def check_checkpoint_interval(self, checkpoint_interval_s: float) -> None:
         """Size the lock timeout for this interval; refuse an upsert whose given
         lock timeout is shorter than a batch's legitimate wait for the previous
         batch's commit of the keys they share."""
-        given = self._lock_timeout_given
+        given = self.lock_timeout_given
         if given is None:
             self.lock_timeout = _auto_lock_timeout(checkpoint_interval_s)
         elif self.key and 0 < given <= checkpoint_interval_s:
@@ -446,6 +422,7 @@ class PostgresSink(Sink, HoldsPreparedWork):
             marker_audit=bool(self._audit_columns),
             marker_schema=self.marker_schema,
             rules=self.rules,
+            partitioned_by_key=self.partitioned_by_key,
         )
         if self.replace_where is not None:
             return replace.ReplaceWriter(

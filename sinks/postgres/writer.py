@@ -15,10 +15,11 @@ import pyarrow as pa
 from psycopg import sql
 
 from sinks.base import Committable, SinkWriter, WriteContext
-from sinks.errors import LockWaitError, PreparedLimitError
+from sinks.errors import KeySpansTasksError, LockWaitError, PreparedLimitError
 from sinks.keys import KeyedWrite
 from sinks.naming import TxnName
 from sinks.postgres import liveness
+from sinks.postgres.lock_watch import LockWatch
 from sinks.postgres.upsert import DELETE_COLUMN, Upsert
 from sinks.postgres.values import PG_TYPE_KEY, to_wire
 
@@ -55,6 +56,8 @@ class WriterSettings:
     marker_schema: str
     rules: KeyedWrite
     """the keyed-write options (no key: an append)"""
+    partitioned_by_key: bool = False
+    """the user declared that no key spans two tasks of a batch (no shuffle)"""
 
     def connect(self, application_name: str) -> psycopg.Connection:
         return liveness.connect(
@@ -216,6 +219,40 @@ class PostgresWriter(SinkWriter):
             time.sleep(pause)
             pause = min(pause * 2, 0.5)
 
+    def _merge(self, conn: psycopg.Connection, upsert: Upsert) -> None:
+        """The upsert's merge, watched (:mod:`sinks.postgres.lock_watch`): a
+        wait for another task of this batch fails at once."""
+        watch = LockWatch(conn, self._name, self._settings.connect)
+        try:
+            with watch:
+                upsert.merge(conn, self._wait_for_earlier_batches)
+        except psycopg.errors.QueryCanceled as e:
+            if watch.holder is not None:
+                raise self._spans_tasks_error(watch.holder) from e
+            raise
+        if watch.holder is not None:  # the cancel came as the statement ended
+            raise self._spans_tasks_error(watch.holder)
+
+    def _spans_tasks_error(self, holder: str) -> KeySpansTasksError:
+        cfg = self._settings
+        why = (
+            "it was declared to be partitioned by the key (partitioned_by_key=True), and "
+            "it is not: a key spans two tasks. Drop partitioned_by_key (the sink then "
+            "repartitions each batch by its key), or repartition the DataFrame by the "
+            "key (or a part of it) in the pipeline's transform"
+            if cfg.partitioned_by_key
+            else "Spark's plan said each key of the batch is in one partition "
+            "(lifecycle.partitioning), and it is not: please report this with the "
+            "pipeline's plan"
+        )
+        return KeySpansTasksError(
+            f"{cfg.where}: batch {self._batch_id} writes one key in two of its tasks: task "
+            f"{self._gid} waited for the prepared transaction {holder} of the same batch, "
+            f"which only the checkpoint after the batch can commit. The batch was not "
+            f"repartitioned by key={list(cfg.rules.key)} because {why}. Nothing of the "
+            "batch is committed"
+        )
+
     def _lock_wait_error(self) -> LockWaitError:
         return LockWaitError(
             f"task {self._gid} waited more than lock_timeout={self._settings.lock_timeout:g}s for "
@@ -235,7 +272,7 @@ class PostgresWriter(SinkWriter):
         cm, self._copy_cm = self._copy_cm, None
         cm.__exit__(None, None, None)
         if self._upsert is not None:
-            self._upsert.merge(conn, self._wait_for_earlier_batches)
+            self._merge(conn, self._upsert)
         conn.execute(
             *(
                 (
