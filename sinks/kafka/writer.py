@@ -115,6 +115,7 @@ class KafkaWriter(SinkWriter):
         self._rows = 0
         self._bytes = 0  # record batches sent, as framed on the wire
         self._prepared = False
+        self._announced = False
         self._opened_at: float | None = None
         self._last_write = (
             LastWriteWins(settings.rules, ctx.batch_id) if settings.rules is not None else None
@@ -200,13 +201,12 @@ class KafkaWriter(SinkWriter):
             self._check_nulls(batch, keys, values)
         headers = [(name, encode.to_binary(batch.column(name))) for name in cfg.headers]
         self._check_sizes(keys, values, headers)
-        first = self._producer is None
         producer = self._producer or self._begin()
         n = len(self._partitions)
         indexes = partitioner.partition_indexes(keys, n, self._round_robin, rows=batch.num_rows)
         self._round_robin = (self._round_robin + 1) % n
         topic = cfg.topic
-        announcing = first and cfg.registry_topic is not None
+        announcing = cfg.registry_topic is not None and not self._announced
         if announcing:
             assert cfg.registry_topic is not None
             used = np.flatnonzero(np.bincount(indexes, minlength=n))
@@ -228,6 +228,7 @@ class KafkaWriter(SinkWriter):
         if announcing:  # framed while the announcement was on its way
             producer.flush()  # acknowledged before any data is sent
             self._check_unconfirmed(producer)
+            self._announced = True
         producer.send(topic, by_partition)
         self._rows += batch.num_rows
         self._bytes += sum(len(b.data) for bs in by_partition.values() for b in bs)
