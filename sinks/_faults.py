@@ -32,7 +32,9 @@ pass these variables with ``spark.executorEnv.TWOPHASE_FAULT`` (and
 ``TWOPHASE_FAULT_TOKENS``, ``TWOPHASE_DRIVER_PID``); ``tests/sparkutil.py``
 does so for the test jobs.
 
-Points: ``executor.write``, ``executor.prepared``, ``driver.before_record``,
+Points: ``executor.write``, ``executor.prepared``, ``executor.producer_id``
+(a Kafka writer took its producer id and has added no partition to its
+transaction yet), ``driver.before_record``,
 ``driver.before_record_ending_input`` (the same, in a query ending its input),
 ``driver.after_record``, ``driver.before_commit``, ``driver.mid_commit``
 (inside the project's sinks, after the first of several transactions),

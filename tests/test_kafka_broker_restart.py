@@ -249,17 +249,19 @@ def test_a_commit_waits_for_a_restarting_broker(any_broker: Restartable) -> None
 def test_a_writer_rides_out_a_restart_before_its_partitions_join_the_transaction(
     any_broker: Restartable,
 ) -> None:
-    """The broker dies after a writer opened its transaction and before its
-    first records: the producer must add the partitions to the transaction
-    (AddPartitionsToTxn) against a dead coordinator, and retry it until the
-    coordinator answers again (kafka-python 3.0.12's own producer dropped that
-    request and its records waited 2 minutes for ``delivery_timeout_ms``). One
-    partition, so that no later partition sends a new AddPartitionsToTxn."""
+    """The broker dies after a writer took its producer id and before its
+    first records: the producer must add the partitions (the registry's and the
+    topic's, in one request) to the transaction (AddPartitionsToTxn) against a
+    dead coordinator, and retry it until the coordinator answers again
+    (kafka-python 3.0.12's own producer dropped that request and its records
+    waited 2 minutes for ``delivery_timeout_ms``); then its announcement and
+    records go out over the same, reconnected, connection. One partition, so
+    that no later partition sends a new AddPartitionsToTxn."""
     broker = any_broker
     topic = make_topic(broker.bootstrap, partitions=1)
     sink = _sink(broker, topic, commit_timeout=60, flush_timeout=40)
     w = sink.open_writer(ctx(job_name(), 0), SCHEMA)
-    w._begin()  # the transaction is open and announced; the topic's partition not in it yet
+    w._begin()  # the producer id taken; no partition in the transaction yet (nor announced)
     broker.kill()
     restart = _restart_later(broker)
     started = time.monotonic()

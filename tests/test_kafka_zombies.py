@@ -200,6 +200,54 @@ def test_a_lane_stays_leased_while_the_broker_shows_one_of_its_ids_open(
     assert committed_ids(log) == list(range(5)) and log.n_open == 0
 
 
+def test_a_writer_fenced_before_it_added_a_partition_leaves_no_record_in_any_log(
+    bootstrap: str, new_sink: Callable[[str], KafkaSink]
+) -> None:
+    """The driver fences a pooled id at its epoch (``txn.fence_own``) just after
+    a writer took its producer id and before its one AddPartitionsToTxn (the
+    registry's partition and its data partitions), the request its announcement
+    and its data wait for: the writer fails, and neither the registry nor the
+    topic holds a record of its producer, whatever the transaction's fate (on
+    the broker whose partitions do not ask the coordinator, a produce sent
+    without waiting for that answer would have been appended). The id's next
+    writer takes it over and commits alone."""
+    topic = make_topic(bootstrap, partitions=2)
+    sink = new_sink(topic)
+    scope = JobScope(job_name(), "p", "k", INC)
+    lane = sink.committer().lease(scope, 0)
+    ctx = _ctx(scope, 0, 0, lane)
+    tid = sink.transactional_id(ctx)
+    fenced: list[TxnState] = []
+
+    def fence() -> None:
+        with KafkaWire(bootstrap) as wire:
+            state = wire.describe_transaction(wire.find_coordinators([tid])[tid], tid)
+            assert state is not None and state.state not in OPEN_STATES
+            txn.fence_own(wire, {tid: (state.producer_id, state.epoch)}, 60_000)
+            fenced.append(state)
+
+    zombie = sink.open_writer(ctx, SCHEMA)
+    _faults.register("executor.producer_id", fence)
+    try:
+        with pytest.raises(ProduceError, match=r"ProducerFenced|InvalidProducerEpoch"):
+            zombie.write(_rows_on(0, 5, start=500))
+    finally:
+        _faults.clear()
+    zombie.close(failed=True)
+    assert fenced
+    producer = (fenced[0].producer_id, fenced[0].epoch)
+    _checkpoint(sink, scope, 0, [_task(sink, scope, 0, 0, lane)])  # the id again
+    log = read_settled(bootstrap, topic)
+    assert committed_ids(log) == list(range(5)) and log.n_open == log.n_aborted == 0
+    registry = read_settled(bootstrap, sink.registry_topic or "")
+    mine = [
+        r
+        for r in registry.committed + registry.aborted + registry.open
+        if (r.producer_id, r.producer_epoch) == producer
+    ]
+    assert mine == []
+
+
 # -- a drain aborts a batch's pooled transactions ----------------------------------------
 
 

@@ -68,12 +68,12 @@ def ensure_topic(
     config: dict[str, str],
     create: bool,
     registry: bool = False,
-) -> None:
-    """Raise unless ``topic`` exists; create it first when ``create``. ``where``
-    names the sink in messages; ``registry``: the topic is the sink's registry
-    of transactional ids."""
+) -> bool:
+    """Raise unless ``topic`` exists; create it first when ``create`` (and
+    return True). ``where`` names the sink in messages; ``registry``: the topic
+    is the sink's registry of transactional ids."""
     if wire.partition_leaders(topic) is not None:
-        return
+        return False
     if not create:
         raise PreflightError(
             f"topic {topic!r} does not exist ({where}); create it, or pass "
@@ -94,6 +94,7 @@ def ensure_topic(
             )
         raise PreflightError(f"cannot create topic {topic!r} ({where}): {e}{hint}") from e
     log.info("created Kafka topic %s (%d partition(s))", topic, partitions)
+    return True
 
 
 def broker_max_timeout(wire: KafkaWire) -> int | None:

@@ -10,7 +10,11 @@ Run on the driver before any data moves
   sink does (:mod:`sinks.kafka.access`), the topic and the registry topic exist
   or are created, and the brokers accept the transaction timeout and the
   sink's transactional ids (:mod:`sinks.kafka.checks`). What the writers need to
-  know of the cluster comes back as :class:`ClusterFacts`.
+  know of the cluster comes back as :class:`ClusterFacts`. The topics' checks
+  and the transactions' (which need no topic) run at once, the latter on a
+  connection of its own; both end before any error is raised, and a failure
+  of the topics' checks is raised first, as when they ran one after the other.
+  The ACL check is asked again only when a topic was just created.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 from kafka.protocol.admin import DescribeTransactionsRequest
 
+from sinks._parallel import raise_first, run_all
 from sinks.errors import PreflightError
 from sinks.kafka import access, checks, encode
 from sinks.kafka.registry import TOPIC_CONFIG
@@ -92,9 +97,10 @@ def check_cluster(
     except Exception as e:
         raise PreflightError(f"cannot reach Kafka at {','.join(servers)}: {e}".strip()) from e
     needs = access.required(topic, registry_topic, id_prefix)
-    with wire:
+
+    def topics() -> ClusterFacts:
         access.check_topics(wire, where, needs, producer_config)
-        checks.ensure_topic(
+        created = checks.ensure_topic(
             wire,
             where,
             topic,
@@ -104,7 +110,7 @@ def check_cluster(
             create=create_topic,
         )
         if registry_topic:
-            checks.ensure_topic(
+            created |= checks.ensure_topic(
                 wire,
                 where,
                 registry_topic,
@@ -114,16 +120,26 @@ def check_cluster(
                 create=True,
                 registry=True,
             )
-        access.check_topics(wire, where, needs, producer_config)  # created
-        probe = f"{id_prefix}tp-preflight.{sink_id}"  # under the ACL's prefix
-        try:
-            checks.check_transaction_timeout(wire, where, transaction_timeout_ms, probe=probe)
-        except checks.TransactionalIdDenied as e:
-            acl = [a for a in needs if a.resource == "transactional-id"]
-            raise access.denied(where, acl, producer_config) from e
+        if created:
+            access.check_topics(wire, where, needs, producer_config)
         config = checks.topic_config(wire, topic)
         return ClusterFacts(
             topic_max_bytes=checks.max_message_bytes(config),
             topic_cleanup_policy=checks.cleanup_policy(config),
             pooled_ids=wire.api_version(DescribeTransactionsRequest) >= 0,
         )
+
+    def transactions() -> None:
+        probe = f"{id_prefix}tp-preflight.{sink_id}"  # under the ACL's prefix
+        with KafkaWire(bootstrap_servers, config=producer_config, timeout_s=connect_timeout) as own:
+            try:
+                checks.check_transaction_timeout(own, where, transaction_timeout_ms, probe=probe)
+            except checks.TransactionalIdDenied as e:
+                acl = [a for a in needs if a.resource == "transactional-id"]
+                raise access.denied(where, acl, producer_config) from e
+
+    with wire:
+        found = raise_first(run_all([topics, transactions], limit=2, name="twophase-preflight"))
+    facts = found[0]
+    assert isinstance(facts, ClusterFacts)
+    return facts

@@ -48,7 +48,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +186,7 @@ class TxnProducer:
         self.epoch = -1
         self._coordinator: Any = None
         self._leaders: dict[str, dict[int, Any]] = {}
+        self._prefetched: Callable[[], dict[str, dict[int, int] | None]] | None = None
         self._added: set[tuple[str, int]] = set()
         self._sequences: dict[tuple[str, int], int] = {}
         self._in_flight: dict[Any, collections.deque[_InFlight]] = collections.defaultdict(
@@ -278,7 +279,17 @@ class TxnProducer:
 
     def add_partitions(self, topic: str, partitions: Iterable[int]) -> None:
         """AddPartitionsToTxn for those of ``partitions`` not yet in the transaction."""
-        new = sorted({p for p in partitions if (topic, p) not in self._added})
+        self.add_to_txn({topic: partitions})
+
+    def add_to_txn(self, partitions: Mapping[str, Iterable[int]]) -> None:
+        """AddPartitionsToTxn, one request, for those of ``partitions`` (per topic)
+        not yet in the transaction. Adding a partition writes nothing to it: it
+        only tells the coordinator where EndTxn writes its markers."""
+        new = {
+            topic: sorted({p for p in ps if (topic, p) not in self._added})
+            for topic, ps in partitions.items()
+        }
+        new = {topic: ps for topic, ps in new.items() if ps}
         if not new or self.transactional_id is None:
             return
         topic_class = AddPartitionsToTxnRequest.AddPartitionsToTxnTopic
@@ -288,7 +299,7 @@ class TxnProducer:
                 v3_and_below_transactional_id=self.transactional_id,
                 v3_and_below_producer_id=self.producer_id,
                 v3_and_below_producer_epoch=self.epoch,
-                v3_and_below_topics=[topic_class(name=topic, partitions=new)],
+                v3_and_below_topics=[topic_class(name=t, partitions=ps) for t, ps in new.items()],
                 max_version=_ADD_PARTITIONS_MAX_VERSION,
             )
             try:
@@ -302,12 +313,12 @@ class TxnProducer:
                 errors = {type(e)}
             errors.discard(Errors.NoError)
             if not errors:
-                self._added.update((topic, p) for p in new)
+                self._added.update((t, p) for t, ps in new.items() for p in ps)
                 return
             # one partition's refusal answers OPERATION_NOT_ATTEMPTED for the others
             errors.discard(Errors.OperationNotAttemptedError)
             worst = next(iter(errors), Errors.OperationNotAttemptedError)
-            self._retry_or_raise(worst, deadline, f"AddPartitionsToTxn {topic}{new}")
+            self._retry_or_raise(worst, deadline, f"AddPartitionsToTxn {new}")
 
     # -- sequences and leaders -----------------------------------------------------------
 
@@ -315,8 +326,19 @@ class TxnProducer:
         """The base sequence the next batch of ``topic``/``partition`` must carry."""
         return self._sequences.get((topic, partition), 0)
 
+    def prefetch_leaders(self, topics: list[str]) -> None:
+        """Ask for the leaders of ``topics`` now, in one request, without waiting:
+        :meth:`leaders` takes the answer (what it asks meanwhile goes out beside)."""
+        self._prefetched = self.wire.leaders_later(topics)
+
     def leaders(self, topic: str, refresh: bool = False) -> dict[int, Any]:
         """``{partition: leader}`` of ``topic`` (cached)."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None:
+            with contextlib.suppress(*TRANSIENT):  # asked again below
+                for t, found in prefetched().items():
+                    if found:
+                        self._leaders.setdefault(t, found)
         if refresh or topic not in self._leaders:
             found = self.wire.partition_leaders(topic)
             if not found:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +101,27 @@ def _init_producer_id(
         min_version=3,
         max_version=_INIT_PID_MAX_VERSION,
     )
+
+
+def _metadata(topics: list[str]) -> Any:
+    return MetadataRequest(
+        topics=[MetadataRequest.MetadataRequestTopic(name=t) for t in topics],
+        allow_auto_topic_creation=False,
+    )
+
+
+def _leaders(response: Any, topic: str) -> dict[int, int] | None:
+    """``{partition: leader}`` of ``topic`` in a Metadata answer; None if it does not exist."""
+    for t in response.topics:
+        if t.name != topic:
+            continue
+        error = Errors.for_code(t.error_code)
+        if error is Errors.UnknownTopicOrPartitionError:
+            return None
+        if error is not Errors.NoError:
+            raise error(f"metadata of topic {topic!r}")
+        return {p.partition_index: p.leader_id for p in t.partitions}
+    return None
 
 
 def client_config(producer_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -200,21 +221,29 @@ class KafkaWire:
 
     def partition_leaders(self, topic: str) -> dict[int, int] | None:
         """``{partition: leader node id}`` of ``topic``; None if it does not exist."""
-        request = MetadataRequest(
-            topics=[MetadataRequest.MetadataRequestTopic(name=topic)],
-            allow_auto_topic_creation=False,
-        )
-        response = self.send(request)
-        for t in response.topics:
-            if t.name != topic:
-                continue
-            error = Errors.for_code(t.error_code)
-            if error is Errors.UnknownTopicOrPartitionError:
-                return None
-            if error is not Errors.NoError:
-                raise error(f"metadata of topic {topic!r}")
-            return {p.partition_index: p.leader_id for p in t.partitions}
-        return None
+        return _leaders(self.send(_metadata([topic])), topic)
+
+    def leaders_later(self, topics: list[str]) -> Callable[[], dict[str, dict[int, int] | None]]:
+        """:meth:`partition_leaders` of every one of ``topics`` in one Metadata
+        request, sent now without waiting: call the result for the answer
+        (``{topic: leaders or None}``), raising what the request raised."""
+        answer = self.answer_of(self.submit(_metadata(topics), None), "Metadata")
+        return lambda: {t: _leaders(answer(), t) for t in topics}
+
+    def answer_of(self, future: Any, what: str) -> Callable[[], Any]:
+        """A function that waits (at most this wire's timeout) for the answer of
+        ``future`` (from :meth:`submit`) and returns it, raising its error."""
+        answered = threading.Event()
+        future.add_both(lambda _: answered.set())
+
+        def wait() -> Any:
+            if not answered.wait(self.timeout_ms / 1000 + 1):
+                raise Errors.KafkaTimeoutError(f"{what}: no answer")
+            if future.failed():
+                raise future.exception
+            return future.value
+
+        return wait
 
     # -- transactions ------------------------------------------------------------------
 

@@ -5,9 +5,15 @@ Life of a writer (nothing is opened for an empty partition):
 1. first non-empty batch, once its records are encoded: a
    :class:`~sinks.kafka.produce.TxnProducer` with ``transactional_id`` = the
    task's transaction name (deterministic, optionally prefixed) takes a producer
-   id (InitProducerId: a fresh id has nothing to abort), and the id is announced
-   in the registry topic, acknowledged before any data is sent (see
-   :mod:`sinks.kafka.registry`);
+   id (DescribeTransactions first for a pooled id, then InitProducerId: each
+   needs the answer before it), over a connection an earlier task of this
+   Python worker left (:mod:`sinks.kafka.task_wires`); the leaders of the topic
+   and the registry are asked for beside them, in one request. Then one
+   AddPartitionsToTxn adds the registry's partition and the partitions the
+   batch writes, and the id is announced in the registry
+   (:mod:`sinks.kafka.registry`); the batch's records are framed while the
+   announcement is on its way, and sent only once it is acknowledged, so no
+   data is sent before it;
 2. ``write``: keys, values and headers are built column-wise from Arrow
    (:mod:`sinks.kafka.encode`) before anything of the batch is sent, so a value
    the JSON encoding refuses fails the task with nothing of that batch in the
@@ -25,10 +31,11 @@ Life of a writer (nothing is opened for an empty partition):
    while its resend is acknowledged. The task cannot tell which, so it fails
    (:class:`~sinks.errors.UnconfirmedWriteError`), its transaction is aborted,
    and Spark's next attempt writes the partition again;
-4. ``close``: after ``prepare`` the connections are closed and nothing else is
-   sent (the producer never ends a transaction on its own). ``close(failed=True)``
-   after ``prepare``, and any close before it, abort the transaction (best
-   effort, bounded; the driver's sweep aborts what this misses).
+4. ``close``: after ``prepare`` nothing else is sent (the producer never ends
+   a transaction on its own) and the connection is left for the worker's next
+   task. ``close(failed=True)`` after ``prepare``, and any close before it,
+   abort the transaction (best effort, bounded; the driver's sweep aborts what
+   this misses) and close the connection.
 """
 
 from __future__ import annotations
@@ -46,9 +53,10 @@ import pyarrow.compute as pc
 from kafka.errors import MessageSizeTooLargeError
 from kafka.partitioner.default import murmur2
 
+from sinks import _faults
 from sinks.base import Committable, SinkWriter, WriteContext
 from sinks.errors import RecordTooLargeError, UnconfirmedWriteError
-from sinks.kafka import encode, partitioner, records
+from sinks.kafka import encode, partitioner, records, task_wires
 from sinks.kafka.checks import is_compacted
 from sinks.kafka.produce import ProducerOptions, TxnProducer
 from sinks.kafka.registry import announcement
@@ -107,6 +115,7 @@ class KafkaWriter(SinkWriter):
         self._rows = 0
         self._bytes = 0  # record batches sent, as framed on the wire
         self._prepared = False
+        self._announced = False
         self._opened_at: float | None = None
         self._last_write = (
             LastWriteWins(settings.rules, ctx.batch_id) if settings.rules is not None else None
@@ -116,33 +125,41 @@ class KafkaWriter(SinkWriter):
 
     def _begin(self) -> TxnProducer:
         cfg = self._settings
-        wire = KafkaWire(
-            cfg.bootstrap_servers,
-            config=cfg.producer_config,
-            timeout_s=self._options.request_timeout_ms / 1000,
-        )
+        timeout_s = self._options.request_timeout_ms / 1000
+        wire = task_wires.take(cfg.bootstrap_servers, cfg.producer_config, timeout_s)
         self._wire = wire
-        producer = TxnProducer(
-            wire,
-            self._tid,
-            transaction_timeout_ms=cfg.transaction_timeout_ms,
-            options=self._options,
-        )
-        producer.begin(guard=self._pooled)
+        try:
+            producer = TxnProducer(
+                wire,
+                self._tid,
+                transaction_timeout_ms=cfg.transaction_timeout_ms,
+                options=self._options,
+            )
+            # the leaders go out beside the coordinator's requests: nothing waits for them
+            topics = [cfg.topic] + ([cfg.registry_topic] if cfg.registry_topic else [])
+            producer.prefetch_leaders(topics)
+            producer.begin(guard=self._pooled)
+            _faults.hit("executor.producer_id")
+            self._partitions = sorted(producer.leaders(cfg.topic))
+        except BaseException:
+            self._wire = None
+            with contextlib.suppress(Exception):
+                wire.close()
+            raise
         self._producer = producer
         self._opened_at = time.time()  # the broker's timer starts with the first record
-        if cfg.registry_topic:
-            self._announce(producer, cfg.registry_topic)
-        self._partitions = sorted(producer.leaders(cfg.topic))
         self._round_robin = self._spark_partition % len(self._partitions)
         return producer
 
-    def _announce(self, producer: TxnProducer, registry: str) -> None:
-        """The transaction's first record: its id in the registry, acknowledged
-        before any data is sent."""
+    def _announce(self, producer: TxnProducer, registry: str, data: list[int]) -> None:
+        """Send the transaction's first record: its id in the registry, without
+        waiting (the caller waits for its acknowledgement before it sends any
+        data). The registry's partition and ``data`` (the partitions of the
+        topic the first batch writes) join the transaction in one request."""
         key = self._tid.encode()
         partitions = sorted(producer.leaders(registry))
         partition = partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
+        producer.add_to_txn({registry: [partition], self._settings.topic: data})
         batches = records.record_batches(
             pa.array([key], pa.large_binary()),
             pa.array([announcement(self._settings.topic, self._txn)], pa.large_binary()),
@@ -153,8 +170,6 @@ class KafkaWriter(SinkWriter):
             timestamp_ms=int(time.time() * 1000),
         )
         producer.send(registry, {partition: batches})
-        producer.flush()
-        self._check_unconfirmed(producer)
 
     # -- writing ----------------------------------------------------------------------
 
@@ -191,6 +206,11 @@ class KafkaWriter(SinkWriter):
         indexes = partitioner.partition_indexes(keys, n, self._round_robin, rows=batch.num_rows)
         self._round_robin = (self._round_robin + 1) % n
         topic = cfg.topic
+        announcing = cfg.registry_topic is not None and not self._announced
+        if announcing:
+            assert cfg.registry_topic is not None
+            used = np.flatnonzero(np.bincount(indexes, minlength=n))
+            self._announce(producer, cfg.registry_topic, [self._partitions[i] for i in used])
         by_partition = records.batches_by_partition(
             indexes,
             self._partitions,
@@ -205,6 +225,10 @@ class KafkaWriter(SinkWriter):
             compression=self._options.compression,
             max_batch_bytes=self._batch_limit(),
         )
+        if announcing:  # framed while the announcement was on its way
+            producer.flush()  # acknowledged before any data is sent
+            self._check_unconfirmed(producer)
+            self._announced = True
         producer.send(topic, by_partition)
         self._rows += batch.num_rows
         self._bytes += sum(len(b.data) for bs in by_partition.values() for b in bs)
@@ -352,11 +376,16 @@ class KafkaWriter(SinkWriter):
     def close(self, failed: bool = False) -> None:
         producer, self._producer = self._producer, None
         wire, self._wire = self._wire, None
+        ended_well = not failed and (producer is None or self._prepared)
         try:
             if producer is not None and not (self._prepared and not failed):
                 self._abort(producer)
         finally:
-            if wire is not None:
+            if wire is not None and ended_well:  # kept for this worker's next task
+                cfg = self._settings
+                timeout_s = self._options.request_timeout_ms / 1000
+                task_wires.give_back(wire, cfg.producer_config, timeout_s)
+            elif wire is not None:
                 with contextlib.suppress(Exception):
                     wire.close()
 
