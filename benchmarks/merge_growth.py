@@ -146,6 +146,13 @@ def plot(summary: list[dict[str, object]], path: Path, title: str) -> None:
     ys = [s["seconds"] for s in base]
     left.plot(xs, [float(ys[0]) * x / xs[0] for x in xs], "k:", label="proportional to the table")  # type: ignore[arg-type]
     left.legend()
+    right.plot(
+        xs,
+        [float(s["table_bytes"]) / 1e6 for s in base],
+        "k:",
+        label="the whole table",  # type: ignore[arg-type]
+    )
+    right.legend()
     left.set_title("merge time")
     right.set_title("bytes rewritten")
     fig.suptitle(title, fontsize=8)
