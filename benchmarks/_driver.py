@@ -18,7 +18,7 @@ import pickle
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,24 +129,48 @@ def _task(job: tuple[bytes, JobScope, int, int, int, int, int, int | None]) -> C
 
 
 class Driver:
-    """One incarnation of the job's driver: a ledger, its coordinator, the sinks."""
+    """One incarnation of the job's driver: a ledger, its coordinator, the sinks.
 
-    def __init__(self, s: Services, name: str, sinks: dict[str, Sink]) -> None:
+    ``sinks`` are pipeline :data:`PIPELINE`'s; ``others``: more pipelines of
+    the same job, by name, each with sinks of its own (its own tables and
+    topics) and its own Spark commit log."""
+
+    def __init__(
+        self,
+        s: Services,
+        name: str,
+        sinks: dict[str, Sink],
+        others: Mapping[str, dict[str, Sink]] | None = None,
+    ) -> None:
         self.sinks = sinks
+        self.pipelines: dict[str, dict[str, Sink]] = {PIPELINE: sinks, **(others or {})}
         # as Spark ships them to executors, taken before anything wraps a method
-        self._shipped = {sid: pickle.dumps(sink) for sid, sink in sinks.items()}
+        self._shipped = {
+            (p, sid): pickle.dumps(sink)
+            for p, of in self.pipelines.items()
+            for sid, sink in of.items()
+        }
         self.spark = s.root / f"{name}-spark"
-        (self.spark / "commits").mkdir(parents=True, exist_ok=True)
-        (self.spark / "metadata").write_text("{}")
+        self._spark = {
+            p: self.spark if p == PIPELINE else s.root / f"{name}-spark-{p}" for p in self.pipelines
+        }
+        for where in self._spark.values():
+            (where / "commits").mkdir(parents=True, exist_ok=True)
+            (where / "metadata").write_text("{}")
         self.ledger = FileLedger(s.root / f"{name}-ledger", JOB)
         self.run = self.ledger.begin_run()
         self.coordinator = Coordinator(
-            JOB, self.ledger, [PipelineSinks(PIPELINE, sinks, SparkCommitLog(self.spark))]
+            JOB,
+            self.ledger,
+            [
+                PipelineSinks(p, of, SparkCommitLog(self._spark[p]))
+                for p, of in self.pipelines.items()
+            ],
         )
         self.coordinator.claim_sinks()
 
-    def scope(self, sink_id: str) -> JobScope:
-        return JobScope(JOB, PIPELINE, sink_id, self.ledger.incarnation)
+    def scope(self, sink_id: str, pipeline: str = PIPELINE) -> JobScope:
+        return JobScope(JOB, pipeline, sink_id, self.ledger.incarnation)
 
     def prepare_batch(
         self, batch: int, tasks: int, rows: int, pool: ProcessPoolExecutor
@@ -154,29 +178,55 @@ class Driver:
         """What ``tasks`` Spark tasks of ``batch`` prepare in every sink,
         ``rows`` rows each: the executors' part, done in the processes of
         ``pool`` (see :func:`executors`) as Spark's Python workers would."""
+        return self.prepare_batches(batch, tasks, rows, pool, [PIPELINE])[PIPELINE]
+
+    def prepare_batches(
+        self,
+        batch: int,
+        tasks: int,
+        rows: int,
+        pool: ProcessPoolExecutor,
+        pipelines: Sequence[str] | None = None,
+    ) -> dict[str, dict[str, list[Committable]]]:
+        """:meth:`prepare_batch` for ``batch`` of each of ``pipelines`` (all
+        of them by default) at once, per pipeline and sink."""
+        names = list(self.pipelines) if pipelines is None else list(pipelines)
         leases = {
-            sid: capabilities.lease(s.committer(), self.scope(sid), batch)
-            for sid, s in self.sinks.items()
+            (p, sid): capabilities.lease(s.committer(), self.scope(sid, p), batch)
+            for p in names
+            for sid, s in self.pipelines[p].items()
         }
         jobs = [
-            (self._shipped[sid], self.scope(sid), self.run, batch, part, tasks, rows, leases[sid])
-            for sid in self.sinks
+            (
+                self._shipped[key],
+                self.scope(key[1], key[0]),
+                self.run,
+                batch,
+                part,
+                tasks,
+                rows,
+                lease,
+            )
+            for key, lease in leases.items()
             for part in range(tasks)
         ]
         done = list(pool.map(_task, jobs, chunksize=8))
-        out: dict[str, list[Committable]] = {sid: [] for sid in self.sinks}
+        out: dict[str, dict[str, list[Committable]]] = {
+            p: {sid: [] for sid in self.pipelines[p]} for p in names
+        }
         for job, c in zip(jobs, done, strict=True):
-            out[job[1].sink_id].append(c)
+            out[job[1].pipeline][job[1].sink_id].append(c)
         return out
 
-    def spark_completed(self, batch: int) -> None:
-        """Spark wrote ``commits/<batch>``."""
-        (self.spark / "commits" / str(batch)).write_text("v1\n{}")
+    def spark_completed(self, batch: int, pipeline: str = PIPELINE) -> None:
+        """Spark wrote ``commits/<batch>`` of ``pipeline``."""
+        (self._spark[pipeline] / "commits" / str(batch)).write_text("v1\n{}")
 
     def close(self) -> None:
         self.ledger.close()
-        for sink in self.sinks.values():
-            sink.close()
+        for of in self.pipelines.values():
+            for sink in of.values():
+                sink.close()
 
 
 def timed(sink: Sink, method: str) -> list[float]:
