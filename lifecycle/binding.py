@@ -33,7 +33,7 @@ from lifecycle.failures import TaskFailure, full_trace
 from lifecycle.partitioning import clustered_by
 from sinks import _faults, capabilities
 from sinks.base import Committable, JobScope, Sink, SinkWriter, WriteContext
-from sinks.capabilities import ExpiringWork, StagesThroughSpark
+from sinks.capabilities import ExpiringWork, HoldsPreparedWork, StagesThroughSpark
 
 log = logging.getLogger("lifecycle.binding")
 
@@ -94,13 +94,14 @@ class PrecommitTask:
             for at, writer in enumerate(writers):
                 committable = writer.prepare()
                 if committable is not None:
-                    _faults.hit("executor.prepared", batch=self.batch_id, attempt=number)
                     out.append((at, json.dumps(committable)))
+            at = None
+            if out:  # every sink of the task holds its prepared work
+                _faults.hit("executor.prepared", batch=self.batch_id, attempt=number)
             failed = False
         except BaseException as e:
-            add_note = getattr(e, "add_note", None)  # Python 3.11 and later
-            if len(self.sinks) > 1 and at is not None and add_note is not None:
-                add_note(_CULPRIT + self.sinks[at][0].sink_id)
+            if len(self.sinks) > 1 and at is not None:
+                _note(e, self.sinks[at][0])
             raise
         finally:
             _close_all(writers, failed)
@@ -122,15 +123,19 @@ def _close_all(writers: list[SinkWriter], failed: bool) -> None:
         raise error
 
 
+def _note(exc: BaseException, sink: Sink) -> None:
+    """Name ``sink`` in ``exc``'s trace (Python 3.11 and later: a note)."""
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(_CULPRIT + sink.sink_id)
+
+
 def culprit(exc: BaseException, sinks: Sequence[Sink]) -> Sink | None:
     """The sink of ``sinks`` whose writer a failed shared job was writing, as
     the task's note names it (in the Python worker's trace Spark hands back;
     Python 3.11 and later: before, the caller blames the step's first sink)."""
-    text = full_trace(exc)
-    for sink in sinks:
-        if _CULPRIT + sink.sink_id in text:
-            return sink
-    return None
+    named = set(re.findall("^" + re.escape(_CULPRIT) + r"(\S+)\s*$", full_trace(exc), re.M))
+    return next((s for s in sinks if s.sink_id in named), None)
 
 
 def precommit(
@@ -186,7 +191,11 @@ def precommit_shared(
     joined: list[Sink] = []
     for sink in sinks:
         if isinstance(sink, StagesThroughSpark):
-            own = sink.precommit_frame(df, scopes(sink.sink_id), run, batch_id, shared=True)
+            try:
+                own = sink.precommit_frame(df, scopes(sink.sink_id), run, batch_id, shared=True)
+            except BaseException as e:
+                _note(e, sink)
+                raise
             if own is not None:  # it staged the batch itself after all
                 out[sink.sink_id] = own
                 continue
@@ -213,7 +222,11 @@ def write_plan(sinks: Sequence[Sink]) -> list[list[Sink]]:
     it says so (:meth:`~sinks.capabilities.StagesThroughSpark.joins_shared_jobs`),
     and only a job that some sink without such a job of its own needs anyway.
     In each job the sinks prepare in :func:`precommit_order`, and jobs with a
-    sink whose prepared work expires run last."""
+    sink whose prepared work expires run last. A sink whose prepare may wait
+    for an earlier batch's commit (a keyed PostgreSQL sink: the rows it
+    updates are locked until then,
+    :meth:`~sinks.capabilities.HoldsPreparedWork.prepare_waits_for_commits`)
+    shares no job with expiring work, which would stay open meanwhile."""
     groups: dict[tuple[tuple[str, ...], tuple[str, ...]], list[Sink]] = {}
     alone: list[list[Sink]] = []
     for sink in precommit_order(list(sinks)):
@@ -223,11 +236,19 @@ def write_plan(sinks: Sequence[Sink]) -> list[list[Sink]]:
         need = (tuple(sink.partition_columns() or ()), tuple(sink.sort_columns() or ()))
         groups.setdefault(need, []).append(sink)
     for group in groups.values():
+        expiring: list[Sink] = [s for s in group if isinstance(s, ExpiringWork)]
+        if expiring and any(_waits(s) for s in group):
+            group = [s for s in group if s not in expiring]
+            alone.append(expiring)
         if all(isinstance(s, StagesThroughSpark) for s in group):
             alone += [[s] for s in group]  # no job they must share: each its own
-        else:
+        elif group:
             alone.append(group)
     return sorted(alone, key=lambda step: any(isinstance(s, ExpiringWork) for s in step))
+
+
+def _waits(sink: Sink) -> bool:
+    return isinstance(sink, HoldsPreparedWork) and sink.prepare_waits_for_commits()
 
 
 def _run_tasks(

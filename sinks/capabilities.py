@@ -92,6 +92,14 @@ class HoldsPreparedWork(abc.ABC):
         batch after batch, for a deferred pipeline to finish
         (:attr:`~sinks.base.Sink.commits_at_finish`)."""
 
+    def prepare_waits_for_commits(self) -> bool:
+        """Whether a writer's ``prepare`` may wait for an earlier batch's commit
+        (a keyed PostgreSQL upsert: the rows it updates stay locked by the
+        earlier batch's prepared transactions until the checkpoint commits
+        them). Such a sink shares no Spark job with expiring work
+        (:func:`lifecycle.binding.write_plan`). By default no."""
+        return False
+
     @abc.abstractmethod
     def checkpoint_pressure(self, batch: Sequence[Committable]) -> str | None:
         """After a batch prepared ``batch`` and it was recorded: a reason to take

@@ -140,8 +140,9 @@ def test_upsert_refuses_a_lock_timeout_shorter_than_the_interval(pg_dsn):  # typ
 
 def _commit_backend(dsn: str) -> int:
     with psycopg.connect(dsn) as c:
-        row = c.execute(
+        row = c.execute(  # the one that just committed (idle kept ones keep their name)
             "SELECT pid FROM pg_stat_activity WHERE application_name = 'twophase-commit'"
+            " AND query LIKE 'COMMIT PREPARED%' ORDER BY state_change DESC LIMIT 1"
         ).fetchone()
     assert row is not None, "no commit connection"
     return int(row[0])

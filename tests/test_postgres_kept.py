@@ -64,38 +64,54 @@ def test_at_most_most_connections_wait_idle(pg_dsn: str) -> None:
     kept.close()
 
 
-def test_a_commit_goes_through_after_the_server_dropped_a_kept_connection(
+def test_a_commit_goes_through_after_the_server_dropped_the_kept_connections(
     pg_dsn: str,
 ) -> None:
-    """The server ends the committer's idle connection between two checkpoints
-    (a restart, an idle timeout): the next commit fails its first statement,
-    retries on a new connection, and commits."""
+    """The server ends every idle connection the committer kept (a restart, an
+    idle timeout) between two checkpoints: the next commit fails its first
+    statement on one, drops the others with it, and commits on new ones within
+    a commit_timeout that one retry per dead connection would exceed."""
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         c.execute("CREATE TABLE kept (id bigint PRIMARY KEY)")
-    sink = PostgresSink(pg_dsn, "kept", commit_timeout=30)
+    sink = PostgresSink(pg_dsn, "kept", commit_timeout=2, commit_connections=4)
     schema = pa.schema([("id", pa.int64())])
     sink.preflight(schema)
     committer = sink.committer()
     scope = JobScope("kept", "load", sink.sink_id, "0123456789ab")
     committer.claim(scope)
 
-    def prepare(batch: int) -> dict[str, object]:
-        writer = sink.open_writer(WriteContext(scope, 0, batch, 0, batch, 0), schema)
-        writer.write(pa.record_batch([pa.array([batch], pa.int64())], schema=schema))
+    def prepare(batch: int, partition: int) -> dict[str, object]:
+        ctx = WriteContext(scope, 0, batch, partition, batch * 100 + partition, 0)
+        writer = sink.open_writer(ctx, schema)
+        row = batch * 100 + partition
+        writer.write(pa.record_batch([pa.array([row], pa.int64())], schema=schema))
         committable = writer.prepare()
         writer.close(failed=False)
         assert committable is not None
         return committable
 
-    committer.commit([prepare(0)])
+    # 16 transactions: four parts (PER_CONNECTION=4 each), four connections kept
+    committer.commit([prepare(0, p) for p in range(16)])
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
         ended = admin.execute(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE application_name LIKE 'twophase-commit%%' AND pid <> pg_backend_pid()"
+            "WHERE application_name LIKE 'twophase-%%' AND pid <> pg_backend_pid()"
         ).fetchone()
-        assert ended is not None and ended[0] >= 1, "no kept connection to drop"
-    committer.commit([prepare(1)])
+        assert ended is not None and ended[0] >= 3, f"{ended} kept connections to drop"
+    committer.commit([prepare(1, p) for p in range(16)])
     with psycopg.connect(pg_dsn) as c:
         ids = c.execute(sql.SQL("SELECT id FROM kept ORDER BY id")).fetchall()
-    assert ids == [(0,), (1,)]
+    assert ids == [(b * 100 + p,) for b in (0, 1) for p in range(16)]
     sink.close()
+
+
+def test_a_connection_in_use_at_close_is_not_kept(pg_dsn: str) -> None:
+    """A commit thread given up on returns its connection after the sink's
+    close: it is closed, not kept for the life of the process."""
+    kept = KeptConnections(_connect(pg_dsn), most=2)
+    with kept.connection("late") as conn:
+        late = _pid(conn)
+        kept.close()
+    with kept.connection("after") as conn:
+        assert _pid(conn) != late
+    kept.close()

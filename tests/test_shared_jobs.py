@@ -49,6 +49,10 @@ def test_the_plan_groups_sinks_by_what_they_need_of_the_batch() -> None:
     assert plan == [["pgk", "pgk2"], ["pg", "kafka"]]
     # one sink: one job, as before
     assert _ids(write_plan([pg_keyed])) == [["pgk"]]
+    # a keyed sink declared partitioned needs nothing of the batch, but its upserts
+    # wait for the earlier batch's commit: Kafka's transactions get a job of their own
+    declared = PostgresSink(dsn, "d", key=["id"], partitioned_by_key=True, sink_id="pgd")
+    assert _ids(write_plan([declared, pg, kafka])) == [["pgd", "pg"], ["kafka"]]
 
 
 def _job(spark: SparkSession, tmp_path: Path, sinks: list[object], name: str) -> tuple[Job, str]:
@@ -115,30 +119,35 @@ def test_a_failure_in_a_shared_job_names_its_sink_and_leaves_nothing_visible(
     kafka_bootstrap: str,
     kafka_topic,  # type: ignore[no-untyped-def]
 ) -> None:
-    """A NOT NULL violation in PostgreSQL fails batch 0 in the job it shares with
-    Kafka and Delta: the error names the PostgreSQL sink, and no sink shows a
-    row of the batch (Kafka's transaction aborted, Delta's files unreferenced)."""
+    """A NOT NULL violation in the second of two PostgreSQL sinks fails batch 0
+    in the job it shares with the first, Kafka and Delta: the error names that
+    sink (not the step's first, nor one whose id is a prefix of its own), and
+    no sink shows a row of the batch (Kafka's transaction aborted, Delta's
+    files unreferenced)."""
     rows = [{"id": i, "name": None if i == 7 else f"n{i}", "amount": 1.0} for i in range(20)]
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "part-0.json").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         c.execute(DDL.format(t="orders"))
+        c.execute("CREATE TABLE lenient (id bigint PRIMARY KEY, name text, amount float8)")
     topic = kafka_topic(1)
     table = tmp_path / "delta"
-    pg = PostgresSink(pg_dsn, "orders", sink_id="pg")
     sinks = [
         KafkaSink(kafka_bootstrap, topic, key="id", sink_id="kafka"),
-        pg,
+        PostgresSink(pg_dsn, "lenient", sink_id="pg"),
+        PostgresSink(pg_dsn, "orders", sink_id="pg2"),
         DeltaSink(str(table), create_table=True, sink_id="delta"),
     ]
     job, name = _job(spark, tmp_path, sinks, "blame")
     with pytest.raises(TaskFailedError) as e:
         job.run(handle_signals=False)
+    assert _ids(write_plan(sinks)) == [["pg", "pg2", "delta", "kafka"]]  # one job
     first = str(e.value).splitlines()[0]
-    assert "sink 'pg'" in first and "batch 0" in first and "NOT NULL" in first, first
+    assert "sink 'pg2'" in first and "batch 0" in first and "NOT NULL" in first, first
     assert not job_prepared(pg_dsn, name)
     with psycopg.connect(pg_dsn) as c:
         assert c.execute("SELECT count(*) FROM orders").fetchone() == (0,)
+        assert c.execute("SELECT count(*) FROM lenient").fetchone() == (0,)
     assert_nothing_open(kafka_bootstrap, topic, name)
     kafka_exactly_once(kafka_bootstrap, topic, 0)
     assert deltacheck.read_rows(table).num_rows == 0

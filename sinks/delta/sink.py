@@ -382,12 +382,18 @@ class DeltaSink(Sink, StagesThroughSpark):
         return self._row_rules.frame(df, layout, self.describe(), is_delete)
 
     def joins_shared_jobs(self) -> bool:
-        """An appending sink without derived columns or checks, whose
-        ``write_with`` is not ``"spark"``: its Arrow writer joins the job the
-        pipeline's other sinks share (``"auto"`` prefers that to a Spark job
-        of its own, which would read the batch again)."""
+        """An appending sink without derived columns, checks or
+        ``replace_where`` (whose check reads the batch: it stays persisted),
+        whose ``write_with`` is not ``"spark"``: its Arrow writer joins the job
+        the pipeline's other sinks share (``"auto"`` prefers that to a Spark
+        job of its own, which would read the batch again)."""
         self._ready()
-        return not self._row_rules and not self.rules.keyed and self.write_with != "spark"
+        return (
+            not self._row_rules
+            and not self.rules.keyed
+            and self.replace_where is None
+            and self.write_with != "spark"
+        )
 
     def precommit_frame(
         self, df: Any, scope: JobScope, run: int, batch_id: int, *, shared: bool = False

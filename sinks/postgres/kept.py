@@ -15,8 +15,11 @@ instead, when there is one. The rules:
 * a connection handed out again takes the new user's ``application_name``
   (what ``pg_stat_activity`` shows operators);
 * a kept connection the server dropped meanwhile (a restart) fails its first
-  statement like any dropped connection: the commit's retries open a new one;
-* :meth:`KeptConnections.close` closes every idle connection (the sink's ``close``).
+  statement like any dropped connection, and every idle one is closed with it
+  (they are most likely gone too): the commit's retry opens a new one;
+* :meth:`KeptConnections.close` closes every idle connection (the sink's
+  ``close``), and every connection handed out before it when it comes back
+  (a commit thread given up on may return one late).
 
 Only the driver keeps connections; the sink's executor side never does.
 """
@@ -39,10 +42,12 @@ class KeptConnections:
         self._most = most
         self._idle: list[psycopg.Connection] = []
         self._lock = threading.Lock()
+        self._generation = 0  # moved on by close()
 
     @contextmanager
     def connection(self, application_name: str) -> Iterator[psycopg.Connection]:
         """An autocommit connection for one use (a ``with`` block)."""
+        generation = self._generation
         conn = self._take()
         if conn is None:
             conn = self._connect(application_name)
@@ -51,6 +56,7 @@ class KeptConnections:
                 conn.execute("SELECT set_config('application_name', %s, false)", [application_name])
             except BaseException:
                 conn.close()
+                self._drop_idle()
                 raise
         returned = False
         try:
@@ -59,14 +65,21 @@ class KeptConnections:
         finally:
             if returned and self._reusable(conn):
                 with self._lock:
-                    if len(self._idle) < self._most:
+                    if len(self._idle) < self._most and generation == self._generation:
                         self._idle.append(conn)
                         conn = None
+            elif conn.broken or conn.closed:
+                self._drop_idle()  # the server went away: the idle ones are gone too
             if conn is not None:
                 conn.close()
 
     def close(self) -> None:
-        """Close every idle connection."""
+        """Close every idle connection, and those in use when they come back."""
+        with self._lock:
+            self._generation += 1
+        self._drop_idle()
+
+    def _drop_idle(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
         for conn in idle:

@@ -392,6 +392,11 @@ class PostgresSink(Sink, HoldsPreparedWork):
         """Prepared transactions and their limit, as the last barrier read them."""
         return self._capacity.last_seen
 
+    def prepare_waits_for_commits(self) -> bool:
+        """A keyed sink's upserts wait for the rows an earlier batch's prepared
+        transactions hold, until their checkpoint."""
+        return bool(self.key)
+
     def checkpoint_pressure(self, batch: Sequence[Committable]) -> str | None:
         """A reason to checkpoint now when the server's prepared transactions
         (all databases, all jobs) leave less room than two more batches like
