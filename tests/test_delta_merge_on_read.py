@@ -20,7 +20,7 @@ from lifecycle.testing import jars, verify
 from sinks import DeltaSink, _faults
 from sinks.delta import roaring
 from sinks.delta.storage import STAGING_DIR
-from tests import deltacheck
+from tests import deltacheck, tiers
 from tests.procs import run_job
 from tests.test_delta_merge import write_batches
 from tests.test_delta_s3_merge import expected
@@ -196,6 +196,7 @@ def test_a_retried_merge_commit_on_read_is_a_no_op(interpreted, tmp_path):  # ty
 
 
 @pytest.mark.crash
+@tiers.SLOW  # 1.5 min; CI's 50-minute budget: the default run keeps the vectors, feed and retry
 def test_a_driver_killed_between_the_vectors_and_the_commit_restarts_exact(interpreted, tmp_path):  # type: ignore[no-untyped-def]
     """A table with deletion vectors, the change data feed and row tracking,
     made by delta-spark; a keyed job (``tests/jobs/delta_store_job.py``, a
