@@ -163,13 +163,21 @@ def precommit(
                 f"write only partitions {sorted(only)} of batch {batch_id} again"
             )
         return own
+    return _run_tasks(_arranged(df, sink), [(sink, scope)], run, batch_id, schema, only)[
+        sink.sink_id
+    ]
+
+
+def _arranged(df: DataFrame, sink: Sink) -> DataFrame:
+    """``df`` partitioned and sorted as ``sink`` needs it (no shuffle when the
+    batch is partitioned by its columns already: :func:`clustered_by`)."""
     cols = sink.partition_columns()
     if cols and not clustered_by(df, cols):
         df = df.repartition(*map(column, cols))
     order = sink.sort_columns()
     if order:
         df = df.sortWithinPartitions(*map(column, order))
-    return _run_tasks(df, [(sink, scope)], run, batch_id, schema, only)[sink.sink_id]
+    return df
 
 
 def precommit_shared(
@@ -200,15 +208,8 @@ def precommit_shared(
                 out[sink.sink_id] = own
                 continue
         joined.append(sink)
-    first = sinks[0]
-    cols = first.partition_columns()
-    if cols and not clustered_by(df, cols):
-        df = df.repartition(*map(column, cols))
-    order = first.sort_columns()
-    if order:
-        df = df.sortWithinPartitions(*map(column, order))
     joined_scopes = [(s, scopes(s.sink_id)) for s in joined]
-    out.update(_run_tasks(df, joined_scopes, run, batch_id, schema, None))
+    out.update(_run_tasks(_arranged(df, sinks[0]), joined_scopes, run, batch_id, schema, None))
     return out
 
 
