@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from deltalake import DeltaTable, write_deltalake  # noqa: E402
-from pyspark.sql import DataFrame  # noqa: E402
+from pyspark.sql import DataFrame, SparkSession  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     add_conf_option,
@@ -163,6 +163,27 @@ def run_delta_spark(src: DataFrame, uri: str, ckpt: Path) -> float:
     return time_foreach_batch(src, each, ckpt)
 
 
+def run_variant(
+    spark: SparkSession,
+    variant: str,
+    base: Path | str,
+    changes_dir: Path,
+    where: Path,
+    interval: float,
+) -> tuple[str, float]:
+    """Merge the change files of ``changes_dir`` into a copy of the table at
+    ``base`` (``where/table``) with ``variant``; the copy's URI and the seconds."""
+    uri = str(where / "table")
+    shutil.copytree(base, uri)
+    src = parquet_stream(spark, changes_dir, 1)
+    if variant == "DeltaSink":
+        sink = DeltaSink(uri, key=["id"], delete_when=("op", "D"))
+        return uri, time_job(spark, src, sink, where / "state", interval)
+    if variant == ALTERNATIVE:
+        return uri, run_delta_spark(src, uri, where / "spark")
+    return uri, run_yardstick(src, uri, where / "spark")
+
+
 def amplification(uri: str, since: int) -> tuple[int, int, int]:
     """(files removed, bytes removed, bytes added) by the table's versions after ``since``."""
     removed = files = added = 0
@@ -229,16 +250,7 @@ def main() -> int:
                 tables: dict[str, str] = {}
                 for variant in variants:
                     where = work / f"{how}-{variant}-{r + 1}"
-                    uri = str(where / "table")
-                    shutil.copytree(base, uri)
-                    src = parquet_stream(spark, src_dir, 1)
-                    if variant == "DeltaSink":
-                        sink = DeltaSink(uri, key=["id"], delete_when=("op", "D"))
-                        secs = time_job(spark, src, sink, where / "state", args.interval)
-                    elif variant == ALTERNATIVE:
-                        secs = run_delta_spark(src, uri, where / "spark")
-                    else:
-                        secs = run_yardstick(src, uri, where / "spark")
+                    uri, secs = run_variant(spark, variant, base, src_dir, where, args.interval)
                     tables[variant] = uri
                     amp[(how, variant)] = amplification(uri, base_version)
                     if r >= 0:

@@ -63,9 +63,8 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
-from benchmarks._common import add_conf_option, bench_spark, parquet_stream, time_job  # noqa: E402
-from benchmarks.delta_merge import amplification, run_delta_spark  # noqa: E402
-from sinks import DeltaSink  # noqa: E402
+from benchmarks._common import add_conf_option, bench_spark  # noqa: E402
+from benchmarks.delta_merge import amplification, run_variant  # noqa: E402
 
 VARIANTS = ("DeltaSink", "delta-spark MERGE")
 ALTERNATIVE = "delta-spark MERGE"
@@ -199,14 +198,7 @@ def main() -> int:
             sums: dict[str, tuple[int, int]] = {}
             for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
                 where = work / f"run-{rows}-{variant.replace(' ', '-')}-{r + 1}"
-                uri = str(where / "table")
-                shutil.copytree(base, uri)
-                src = parquet_stream(spark, src_dir, 1)
-                if variant == "DeltaSink":
-                    sink = DeltaSink(uri, key=["id"], delete_when=("op", "D"))
-                    secs = time_job(spark, src, sink, where / "state", args.interval)
-                else:
-                    secs = run_delta_spark(src, uri, where / "spark")
+                uri, secs = run_variant(spark, variant, base, src_dir, where, args.interval)
                 files, removed, added = amplification(uri, 0)
                 sums[variant] = check(spark, uri, rows, src_dir, f"{rows:,} rows, {variant}")
                 label = "warm-up" if r < 0 else f"run {r}"
