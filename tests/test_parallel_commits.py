@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pyarrow as pa
@@ -338,3 +339,48 @@ def test_a_fault_point_can_name_the_kind_of_sink(monkeypatch: pytest.MonkeyPatch
     _faults.hit("driver.mid_commit", sink="kafka")
     _faults.hit("driver.mid_commit", sink="postgres")
     assert fired == ["postgres"]  # a registered callback names its sink the same way
+
+
+def test_kafka_sends_the_end_txns_of_a_connection_without_waiting_for_each(
+    kafka_bootstrap: str, kafka_sink: KafkaSink, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 transactions over 3 connections: each connection commits its
+    first alone (a crash just after it leaves only that one decided: the crash
+    tests count on it), then sends the others' EndTxn a few at a time, before
+    their answers; every one commits, and a commit again is harmless."""
+    from kafka.protocol.producer import EndTxnRequest
+
+    from sinks.kafka.wire import KafkaWire
+
+    lock = threading.Lock()
+    in_flight = 0
+    most = 0
+    sent = 0
+    submit = KafkaWire.submit
+
+    def counting(self: KafkaWire, request: Any, node_id: Any) -> Any:
+        nonlocal in_flight, most, sent
+        future = submit(self, request, node_id)
+        if isinstance(request, EndTxnRequest):
+            with lock:
+                sent += 1
+                in_flight += 1
+                most = max(most, in_flight)
+
+            def answered(_: Any) -> None:
+                nonlocal in_flight
+                with lock:
+                    in_flight -= 1
+
+            future.add_both(answered)
+        return future
+
+    monkeypatch.setattr(KafkaWire, "submit", counting)
+    sink = kafka_sink
+    cs = _prepare_kafka(sink, 0, 16)
+    sink.committer().commit(cs)
+    parts = slices(range(16), most=sink.commit_connections)  # 3 connections
+    assert sent == 16 - len(parts), sent  # each part's first alone, the rest pipelined
+    assert most >= 3, most
+    sink.committer().commit(cs)  # again: harmless
+    assert _committed(kafka_bootstrap, sink.topic) == list(range(16))

@@ -45,18 +45,20 @@ A claim is a version of its own, compare-and-set on the snapshot it checked
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from deltalake import CommitProperties, Transaction
 from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction
 
 from sinks import _faults
+from sinks._parallel import raise_first, run_all
 from sinks._retry import retry_transient
 from sinks.audit import CheckpointEvidence, Finding
 from sinks.capabilities import Audits
@@ -75,6 +77,12 @@ from sinks.progress import SinkProgress, conflict, may_claim
 from sinks.scope import ClaimedScopes, JobScope
 
 log = logging.getLogger("sinks.delta")
+
+T = TypeVar("T")
+
+FILE_THREADS = 8
+"""Staged files a commit checks, or unmarks, at once: each is a round trip or
+two on an object store, and a checkpoint commits a file or more per task."""
 
 
 _REFUSALS = (
@@ -249,7 +257,7 @@ class DeltaCommitter(DeltaSweeper, Audits, Committer):
                 checked_add=lambda c, a: self.checked_add(c, a, layout),
             )
             return
-        adds = [self.checked_add(c, a, layout) for c in cs for a in c["adds"]]
+        adds = self._checked_adds(cs, layout)
         gone = (
             replace.removes(dt, layout, self.replace_where)
             if self.replace_where is not None
@@ -286,9 +294,21 @@ class DeltaCommitter(DeltaSweeper, Audits, Committer):
             version,
         )
         _faults.hit("driver.mid_commit", batch=version, sink="delta")
-        for c in cs:
-            for a in c["adds"]:
-                self.storage.delete(marker_path(a["path"]))
+        self._each_file(
+            [marker_path(a["path"]) for c in cs for a in c["adds"]], self.storage.delete, "unmark"
+        )
+
+    def _checked_adds(self, cs: list[Committable], layout: Layout) -> list[AddAction]:
+        """:meth:`checked_add` of every staged file of ``cs``, a few at once
+        (each looks the file up and reads its footer: round trips on an object
+        store); the first failing check, in the files' order, is raised."""
+        pairs = [(c, a) for c in cs for a in c["adds"]]
+        return self._each_file(pairs, lambda ca: self.checked_add(ca[0], ca[1], layout), "check")
+
+    def _each_file(self, items: Sequence[Any], call: Callable[[Any], T], what: str) -> list[T]:
+        calls = [functools.partial(call, item) for item in items]
+        done = raise_first(run_all(calls, limit=FILE_THREADS, name=f"twophase-delta-{what}"))
+        return cast(list[T], done)
 
     def checked_add(self, c: Committable, add: dict[str, Any], layout: Layout) -> AddAction:
         """The add action of one staged file, after checking that the file is there,

@@ -6,7 +6,9 @@ and progress (:mod:`sinks.kafka.claims`) and the lanes of pooled ids
 
 Commit and abort (:mod:`sinks.kafka.txn`): the transaction is resumed by EndTxn
 (never ``init_transactions()``, which aborts), idempotently, the transactions
-of a checkpoint over a few connections at once; any refusal is settled from the
+of a checkpoint over a few connections at once, each connection's first alone
+and the others' EndTxn sent a few at a time without waiting for each answer
+(:func:`sinks.kafka.txn.commit_each`); any refusal is settled from the
 control markers in the log, and so is a success answered to a retry (a broker
 that died inside an EndTxn may answer success without having written every
 marker). Abort fences (InitProducerId). Retried (tenacity) on retriable errors
@@ -178,24 +180,28 @@ class KafkaCommitter(RegistryClaims, PooledLanes, Audits, Committer):
                 by_batch: dict[int, list[str]] = {}
                 for tid, c in pending.items():
                     by_batch.setdefault(_batch_of(c), []).append(tid)
+                coordinators.update(wire.find_coordinators(list(pending)))  # one request
                 for batch in sorted(by_batch):
                     parts = slices(sorted(by_batch[batch]), most=self.commit_connections)
                     self.conns.each(wire, parts, commit_part, "commit")
 
+        coordinators: dict[str, Any] = {}
+
         def commit_part(wire: KafkaWire, part: list[str]) -> None:
-            coordinators = wire.find_coordinators(part)
-            for tid in part:
-                txn.commit(
-                    wire,
-                    coordinators[tid],
-                    pending[tid],
-                    where=self.where,
-                    timeout_ms=self.transaction_timeout_ms,
-                    verify=failed,
-                )
-                del pending[tid]  # distinct keys per thread: a retry skips it
+            def committed(c: Committable) -> None:
+                del pending[c["transactional_id"]]  # distinct keys per thread: a retry skips it
                 if next(done) == 1 and total > 1:
                     _faults.hit("driver.mid_commit", sink="kafka")
+
+            txn.commit_each(
+                wire,
+                coordinators,
+                [pending[tid] for tid in part],
+                where=self.where,
+                timeout_ms=self.transaction_timeout_ms,
+                verify=failed,
+                committed=committed,
+            )
 
         retry_transient(
             attempt,

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import kafka.errors as Errors
@@ -141,6 +141,51 @@ def commit(
         "ms) expired before the checkpoint committed it, or another producer used the same "
         "transactional id. " + REWRITE_ADVICE
     )
+
+
+def commit_each(
+    wire: KafkaWire,
+    coordinators: dict[str, Any],
+    committables: list[dict[str, Any]],
+    *,
+    where: str,
+    timeout_ms: int,
+    verify: bool,
+    committed: Callable[[dict[str, Any]], None],
+) -> None:
+    """:func:`commit` of each of ``committables``, in order, calling
+    ``committed(c)`` after each. The first is committed alone; the EndTxn of
+    the others go out a few at a time without waiting for each answer
+    (:meth:`KafkaWire.end_txns`), and every answer but a plain success (a
+    refusal, a closed connection) is settled by :func:`commit` of that
+    transaction alone, which asks again and reads the log. ``verify`` (a
+    retry) commits each alone. So the commit costs a round trip per few
+    transactions, not one each; a crash after the first leaves the others
+    undecided only when their EndTxn had not gone out yet."""
+
+    def alone(c: dict[str, Any]) -> None:
+        tid = c["transactional_id"]
+        commit(wire, coordinators[tid], c, where=where, timeout_ms=timeout_ms, verify=verify)
+        committed(c)
+
+    if not committables:
+        return
+    alone(committables[0])
+    rest = committables[1:]
+    if verify:
+        for c in rest:
+            alone(c)
+        return
+    answers = wire.end_txns(
+        coordinators,
+        {c["transactional_id"]: (int(c["producer_id"]), int(c["epoch"])) for c in rest},
+        True,
+    )
+    for c in rest:
+        if answers[c["transactional_id"]] is Errors.NoError:
+            committed(c)
+        else:
+            alone(c)
 
 
 _ENDED = (

@@ -314,6 +314,44 @@ class KafkaWire:
         )
         return Errors.for_code(response.error_code)
 
+    def end_txns(
+        self,
+        coordinators: Mapping[str, Any],
+        transactions: Mapping[str, tuple[int, int]],
+        commit: bool,
+    ) -> dict[str, type[Errors.KafkaError]]:
+        """:meth:`end_txn` for each of ``transactions`` (``{transactional id:
+        (producer id, epoch)}``), a few at a time on each coordinator's
+        connection (sent without waiting, then their answers collected): the
+        error class of each answer, ``KafkaConnectionError`` for each request a
+        closed connection carried (tansu's refusal closes it: the other requests
+        on it fail with it, and must be asked again)."""
+        errors: dict[str, type[Errors.KafkaError]] = {}
+        ids = list(transactions)
+        for start in range(0, len(ids), _IN_FLIGHT):
+            sent = {
+                tid: self.answer_of(
+                    self.submit(
+                        EndTxnRequest(
+                            transactional_id=tid,
+                            producer_id=transactions[tid][0],
+                            producer_epoch=transactions[tid][1],
+                            committed=commit,
+                            max_version=_END_TXN_MAX_VERSION,
+                        ),
+                        coordinators[tid],
+                    ),
+                    f"EndTxn of {tid}",
+                )
+                for tid in ids[start : start + _IN_FLIGHT]
+            }
+            for tid, answer in sent.items():
+                try:
+                    errors[tid] = Errors.for_code(answer().error_code)
+                except Errors.KafkaConnectionError:
+                    errors[tid] = Errors.KafkaConnectionError
+        return errors
+
     def init_producer_id(
         self,
         coordinator: Any,
