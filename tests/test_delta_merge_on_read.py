@@ -153,6 +153,32 @@ def test_a_keyed_merge_on_a_table_with_deletion_vectors_marks_rows_deleted(inter
     verify.assert_nothing_left_delta(uri)
 
 
+def test_planned_files_are_found_in_delta_sparks_snapshot_by_stored_path(interpreted, tmp_path):  # type: ignore[no-untyped-def]
+    """A merge names the files it planned by their paths as deltalake reads
+    them; delta-spark's log stores them URI-encoded. Partition values with a
+    space, a plus, a percent sign, a colon and an equals sign are all found, in
+    one job over the snapshot, and a path the snapshot lacks is a conflict."""
+    from sinks.delta.spark_txn import DeltaSparkConflict, SparkTxn
+
+    spark = interpreted
+    uri = tmp_path / "t"
+    spark.sql(
+        f"CREATE TABLE delta.`{uri}` (id BIGINT, part STRING) USING delta PARTITIONED BY (part) "
+        f"TBLPROPERTIES ({PROPS})"
+    )
+    parts = ["a b", "x+y", "50%", "k=v:w", "plain"]
+    rows = ", ".join(f"({i}, '{p}')" for i, p in enumerate(parts))
+    spark.sql(f"INSERT INTO delta.`{uri}` VALUES {rows}")
+    paths = DeltaTable(str(uri)).file_uris()
+    stored = [p.removeprefix(f"{uri}/") for p in paths]
+    assert len(stored) == len(parts)
+    txn = SparkTxn.open(str(uri), "t")
+    found = txn.live_files(stored)
+    assert sorted(str(f.partitionValues().get("part").get()) for f in found) == sorted(parts)
+    with pytest.raises(DeltaSparkConflict):
+        txn.live_files([*stored[:2], "part=gone/x.parquet"])
+
+
 def test_a_retried_merge_commit_on_read_is_a_no_op(interpreted, tmp_path):  # type: ignore[no-untyped-def]
     """The merge's version lands, then the commit raises (as a post-commit
     hook may): the checkpoint's retry finds the app transaction and commits

@@ -67,7 +67,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 import pyarrow as pa
 from deltalake import DeltaTable, Transaction
@@ -206,7 +206,6 @@ class SparkTxn:
         by this transaction: any commit since that removes a file, or adds one
         other than by a blind append, is a conflict (rule 1). Raises
         :class:`DeltaSparkConflict` when a path is not in the snapshot."""
-        from pyspark.sql import DataFrame
         from pyspark.sql import functions as F
 
         self._txn.readWholeTable()
@@ -214,15 +213,17 @@ class SparkTxn:
         if not wanted:
             return []
         files = self._txn.snapshot().allFiles()
-        stored = DataFrame(files.toDF(), self._spark).select("path").collect()
-        raw = [r[0] for r in stored if unquote(r[0]) in wanted]
-        if len(raw) != len(wanted):
+        # one job over the snapshot's files: paths are stored URI-encoded, and
+        # url_decode also reads "+" as a space, which a stored path never means
+        decoded = F.expr("url_decode(replace(path, '+', '%2B'))")
+        found = files.where(decoded.isin(sorted(wanted))._jc).collectAsList()
+        actions = [found.get(i) for i in range(found.size())]
+        if len(actions) != len(wanted):
             raise DeltaSparkConflict(
-                f"{len(wanted) - len(raw)} planned file(s) are not in version "
+                f"{len(wanted) - len(actions)} planned file(s) are not in version "
                 f"{self.read_version}: plan again"
             )
-        found = files.where(F.col("path").isin(raw)._jc).collectAsList()
-        return [found.get(i) for i in range(found.size())]
+        return actions
 
     def read(self, files: Sequence[Any]) -> DataFrame:
         """The rows of ``files`` (``AddFile`` actions of this snapshot) as delta-spark
