@@ -234,7 +234,11 @@ def main() -> int:
         times: dict[str, list[float]] = {v: [] for v in variants}
         with psycopg.connect(dsn, autocommit=True) as c:
             for r in range(-1, args.repeat):  # run -1 warms up the JVM, not counted
-                for variant in times:
+                # each round starts with the next variant: none always runs first or last
+                # (the server's state after the variants before it, its tables dropped)
+                order = list(times)
+                start = (r + 1) % len(order)
+                for variant in order[start:] + order[:start]:
                     table = f"bench_{variant.replace('-', '_').replace(' ', '_')}_{r + 1}"
                     c.execute((KEYED_DDL if args.upsert else DDL).format(t=table))
                     if args.upsert:
