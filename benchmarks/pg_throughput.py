@@ -32,8 +32,9 @@ runs its batches under adaptive execution, whose plan hides that partitioning
 would not after a streaming aggregation by ``id``, or told so). Every
 variant's table is checked: all ids once, the input's values.
 
-Runs alternate (baseline, JDBC, exactly-once, baseline, ...) and the median of
-each is reported, with its throughput against the baseline (the physical
+Runs alternate, each round starting with the next variant (baseline, JDBC,
+exactly-once; then JDBC, exactly-once, baseline; ...), and the median of each
+is reported, with its throughput against the baseline (the physical
 limit) and against JDBC.
 
     python benchmarks/pg_throughput.py [--rows N] [--files F] [--repeat R] [--dsn DSN]
