@@ -73,20 +73,36 @@ def _produce(bootstrap: str, topic: str, ids: range) -> None:
 
 
 class _LiveFeed(threading.Thread):
-    """Fills the live topic in small chunks while the job runs and is killed,
-    then writes the file that tells the job to drain."""
+    """Fills the live topic in small chunks, one a second, until the crash
+    test starts its third run (its log names each run as it starts), so that
+    the first two runs, killed at a random instant and at a fault point, find
+    live input however fast the job drains; then writes the rest and the file
+    that tells the job to drain (after 40 chunks at the latest)."""
 
-    def __init__(self, bootstrap: str, topic: str, drain_file: Path) -> None:
+    CHUNK = 15
+
+    def __init__(self, bootstrap: str, topic: str, drain_file: Path, crash_log: Path) -> None:
         super().__init__(name="live-feed", daemon=True)
         self.bootstrap, self.topic, self.drain_file = bootstrap, topic, drain_file
+        self.crash_log = crash_log
         self.error: BaseException | None = None
+
+    def _runs_started(self) -> int:
+        if not self.crash_log.exists():
+            return 0
+        return self.crash_log.read_text(errors="replace").count("\n===== ")
 
     def run(self) -> None:
         try:
             time.sleep(5)  # the first run starts reading an empty live topic
-            for start in range(LIVE.start, LIVE.stop, 100):
-                _produce(self.bootstrap, self.topic, range(start, min(start + 100, LIVE.stop)))
+            start = LIVE.start
+            while start < LIVE.stop and self._runs_started() < 3:
+                end = min(start + self.CHUNK, LIVE.stop)
+                _produce(self.bootstrap, self.topic, range(start, end))
+                start = end
                 time.sleep(1.0)
+            if start < LIVE.stop:
+                _produce(self.bootstrap, self.topic, range(start, LIVE.stop))
             self.drain_file.write_text("drain")
         except BaseException as e:  # the test reports it
             self.error = e
@@ -107,7 +123,7 @@ def test_kafka_in_kafka_postgres_delta_out_is_exact_after_kills(  # type: ignore
     args += ["--state", str(tmp_path / "state"), "--job", job, "--table", table]
     args += ["--topics", f"{history},{live},{priced}", "--per-batch", "150"]
     args += ["--drain-when", str(drain_file)]
-    feed = _LiveFeed(bootstrap, live, drain_file)
+    feed = _LiveFeed(bootstrap, live, drain_file, tmp_path / "crash.log")
     feed.start()
     groups = {p: f"twophase.{job}.{p}" for p in ("history", "live")}
     watch = _GroupWatch(bootstrap, tmp_path / "state", groups)
