@@ -103,6 +103,17 @@ def _init_producer_id(
     )
 
 
+def _end_txn(transactional_id: str, producer_id: int, epoch: int, commit: bool) -> Any:
+    """An EndTxn request."""
+    return EndTxnRequest(
+        transactional_id=transactional_id,
+        producer_id=producer_id,
+        producer_epoch=epoch,
+        committed=commit,
+        max_version=_END_TXN_MAX_VERSION,
+    )
+
+
 def _metadata(topics: list[str]) -> Any:
     return MetadataRequest(
         topics=[MetadataRequest.MetadataRequestTopic(name=t) for t in topics],
@@ -302,16 +313,7 @@ class KafkaWire:
 
         A broker that drops the connection instead of answering (tansu) raises
         ``KafkaConnectionError``."""
-        response = self.send(
-            EndTxnRequest(
-                transactional_id=transactional_id,
-                producer_id=producer_id,
-                producer_epoch=epoch,
-                committed=commit,
-                max_version=_END_TXN_MAX_VERSION,
-            ),
-            coordinator,
-        )
+        response = self.send(_end_txn(transactional_id, producer_id, epoch, commit), coordinator)
         return Errors.for_code(response.error_code)
 
     def end_txns(
@@ -331,16 +333,7 @@ class KafkaWire:
         for start in range(0, len(ids), _IN_FLIGHT):
             sent = {
                 tid: self.answer_of(
-                    self.submit(
-                        EndTxnRequest(
-                            transactional_id=tid,
-                            producer_id=transactions[tid][0],
-                            producer_epoch=transactions[tid][1],
-                            committed=commit,
-                            max_version=_END_TXN_MAX_VERSION,
-                        ),
-                        coordinators[tid],
-                    ),
+                    self.submit(_end_txn(tid, *transactions[tid], commit), coordinators[tid]),
                     f"EndTxn of {tid}",
                 )
                 for tid in ids[start : start + _IN_FLIGHT]
