@@ -160,8 +160,10 @@ class KafkaCommitter(RegistryClaims, PooledLanes, Audits, Committer):
         def commit_pending() -> None:
             nonlocal checked
             with self.conns.wire() as wire:
+                # one request per attempt, for the broker check and the commits
+                coordinators.update(wire.find_coordinators(list(pending)))
                 if not checked:  # a retry goes on where the last attempt stopped
-                    self._check_alive(wire, list(pending.values()))
+                    self._check_alive(wire, list(pending.values()), coordinators)
                     checked = True
                 ordinary = {t: c for t, c in pending.items() if not c.get(REPAYS)}
                 replays = self.store.replays(wire, ordinary) if self.store else []
@@ -180,7 +182,6 @@ class KafkaCommitter(RegistryClaims, PooledLanes, Audits, Committer):
                 by_batch: dict[int, list[str]] = {}
                 for tid, c in pending.items():
                     by_batch.setdefault(_batch_of(c), []).append(tid)
-                coordinators.update(wire.find_coordinators(list(pending)))  # one request
                 for batch in sorted(by_batch):
                     parts = slices(sorted(by_batch[batch]), most=self.commit_connections)
                     self.conns.each(wire, parts, commit_part, "commit")
@@ -211,7 +212,9 @@ class KafkaCommitter(RegistryClaims, PooledLanes, Audits, Committer):
         )
         self._tombstone(replayed)
 
-    def _check_alive(self, wire: KafkaWire, committables: list[Committable]) -> None:
+    def _check_alive(
+        self, wire: KafkaWire, committables: list[Committable], coordinators: dict[str, Any]
+    ) -> None:
         """Raise :class:`TransactionLostError`, naming every lost transaction,
         when one of ``committables`` ended without a commit: asked of the
         broker (DescribeTransactions: open or committed with the transaction's
@@ -219,7 +222,7 @@ class KafkaCommitter(RegistryClaims, PooledLanes, Audits, Committer):
         of the log (:mod:`sinks.kafka.outcome`), never of a clock. On a broker
         that cannot describe transactions (tansu), EndTxn's refusal is
         settled from the log instead, one transaction at a time."""
-        verdicts = outcome.verdicts(wire, committables)
+        verdicts = outcome.verdicts(wire, committables, coordinators)
         if verdicts is None:
             return
         lost = [c for c in committables if verdicts[c["txn"]] == Outcome.LOST]

@@ -17,7 +17,7 @@ or ABORT; no marker yet means the transaction is still open.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sinks.committer import Outcome
@@ -34,15 +34,22 @@ _COMMITTABLE_STATES = ("Ongoing", "PrepareCommit")
 _COMMITTED_STATE = "CompleteCommit"
 
 
-def verdicts(wire: KafkaWire, committables: Sequence[dict[str, Any]]) -> dict[str, Outcome] | None:
+def verdicts(
+    wire: KafkaWire,
+    committables: Sequence[dict[str, Any]],
+    coordinators: Mapping[str, Any] | None = None,
+) -> dict[str, Outcome] | None:
     """The :class:`~sinks.committer.Outcome` of each of ``committables`` (by
-    name): what the broker says of its transactional id when that speaks of
+    name; ``coordinators``: their transaction coordinators when the caller
+    looked them up already): what the broker says of its transactional id when that speaks of
     the transaction's own producer id and epoch (Ongoing or PrepareCommit:
     prepared; CompleteCommit: committed), else the log's markers
     (:func:`verdict_of`). None on a broker that cannot describe
     transactions (tansu, Kafka before 3.0)."""
     ids = sorted({c["transactional_id"] for c in committables})
-    states = wire.describe_transactions(wire.find_coordinators(ids))
+    if coordinators is None:
+        coordinators = wire.find_coordinators(ids)
+    states = wire.describe_transactions({t: coordinators[t] for t in ids})
     if states is None:
         return None
     found: dict[str, Outcome] = {}
